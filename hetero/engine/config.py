@@ -1,0 +1,65 @@
+"""Frozen configuration of the engine core: the scheduler's limits and the KV block layout.
+
+The number of KV blocks is found at run time (it depends on the devices' free memory), so it
+lives in the Plan and reaches the block manager as an argument, never through these configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    max_num_seqs: requests running at once (each holds KV blocks and a row of every decode).
+    max_num_batched_tokens: the token budget of one step, decodes and prefill chunks together;
+        a long prompt is cut into chunks that fit what the running decodes leave of it.
+    long_prefill_token_threshold: the most tokens one prompt may take in one step (0: no cap but
+        the budget); a cap lets several new prompts make progress side by side instead of the
+        oldest one taking the whole budget.
+    max_model_len: the longest sequence (prompt + output) the model serves; a request reaching it
+        finishes with reason "length" (None: only max_tokens and the pool size bound it).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        # Every running request may need its decode token in one step: with fewer tokens than
+        # sequences some decodes would have to wait, which the scheduler promises never happens.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running decode fits in one step"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 disables the cap), got "
+                f"{self.long_prefill_token_threshold}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine core is built from, besides the model and the Plan.
+
+    block_size: tokens per KV block (the unit of allocation, sharing and prefix caching).
+    enable_prefix_caching: reuse the KV of full blocks whose tokens (and all tokens before them)
+        an earlier request already computed.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")

@@ -1,0 +1,286 @@
+"""Continuous batching with chunked prefill: which requests compute which tokens this step.
+
+One step, under a budget of max_num_batched_tokens tokens:
+
+  1. running decodes, oldest first: one token each (the budget always covers them, since
+     max_num_batched_tokens >= max_num_seqs);
+  2. running prompts still being prefilled, oldest first: the next chunk, as much as the budget
+     (and long_prefill_token_threshold) leaves;
+  3. unless this step preempted someone, waiting requests in FIFO order while the budget and
+     max_num_seqs allow, a prompt longer than what is left being cut into a first chunk.
+
+So a long prompt never stalls the running streams: it gets what they leave. When the pool has no
+block for a running request, the newest running request (latest arrival) is preempted: its KV is
+freed and it goes back to the front of the waiting queue, keeping its generated tokens, which are
+recomputed with the prompt when it is admitted again (its named blocks stay parked in the prefix
+cache, so often little is recomputed). The oldest request can always proceed, since add() refuses
+any request that could not fit in the pool alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from hetero.engine.block_manager import BlockManager
+from hetero.engine.config import SchedulerConfig
+from hetero.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """req computes positions [start_pos, start_pos + num_new_tokens) this step.
+
+    produces_token: the chunk ends at the last known token, so its logits choose the next token
+    (a decode, or the last chunk of a prompt); otherwise a middle chunk whose logits are unused.
+    is_prefill_chunk: more than one token, or tokens of the prompt (not a plain decode).
+    """
+
+    req: Request
+    num_new_tokens: int
+    start_pos: int
+    is_prefill_chunk: bool
+    produces_token: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # finished outside update (aborts)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in arrival order: the newest is last
+        self.num_preemptions = 0
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._finished: list[Request] = []  # finished since the last schedule(), not by update()
+        # state of the step being built by schedule()
+        self._step: dict[str, ScheduledRequest] = {}
+        self._budget = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # -- entering and leaving ----------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Queue a new request; ValueError if it could never fit the pool or the model."""
+        self._validate_new(req)
+        self._requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def fork(self, parent_id: str, child: Request) -> None:
+        """Add child (another choice of parent's prompt) sharing parent's computed KV.
+
+        child must agree with parent on the tokens parent has computed. It joins the running
+        batch at once when parent is running and a seat is free; otherwise it waits like a new
+        request (and finds parent's full blocks in the prefix cache).
+        """
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"no unfinished request {parent_id!r} to fork")
+        self._validate_new(child)
+        running = parent.status is RequestStatus.RUNNING
+        if running and len(self.running) < self.config.max_num_seqs:
+            self.block_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self._insert_running(child)
+        else:
+            self.waiting.append(child)
+        self._requests[child.request_id] = child
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now, whatever its state, freeing its KV; False if it is unknown."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finished.append(req)
+        return True
+
+    def _validate_new(self, req: Request) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.block_table:
+            raise ValueError(f"request {req.request_id!r} is not new ({req.status.value})")
+        limit = self.config.max_model_len
+        if limit is not None and req.num_tokens >= limit:
+            raise ValueError(
+                f"request {req.request_id!r}: {req.num_tokens} prompt tokens leave no room to "
+                f"generate within max_model_len {limit}"
+            )
+        need = req.num_prompt_tokens + req.max_tokens
+        if limit is not None:
+            need = min(need, limit)
+        bm = self.block_manager
+        if bm.blocks_for(need) > bm.num_blocks:
+            raise ValueError(
+                f"request {req.request_id!r}: {req.num_prompt_tokens} prompt tokens + "
+                f"max_tokens {req.max_tokens} need {need} tokens of KV "
+                f"({bm.blocks_for(need)} blocks) but the whole pool holds "
+                f"{bm.num_blocks * bm.block_size} tokens ({bm.num_blocks} blocks)"
+            )
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+        del self._requests[req.request_id]
+
+    def _insert_running(self, req: Request) -> None:
+        bisect.insort(self.running, req, key=lambda r: r.order)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step, self._budget = {}, self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if self._budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = self._chunk(req, req.num_computed_tokens)
+            if self._reserve(req, n, out):
+                self._put(req, req.num_computed_tokens, n)
+        if not out.preempted:
+            self._admit(out)
+        out.scheduled = list(self._step.values())
+        out.copies = self.block_manager.take_copies()
+        out.finished, self._finished = self._finished, []
+        self._step = {}
+        return out
+
+    def _chunk(self, req: Request, start: int) -> int:
+        """Tokens req may compute this step from `start`: all it has, capped by the budget."""
+        n = min(req.num_tokens - start, self._budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
+
+    def _put(self, req: Request, start: int, n: int) -> None:
+        self._step[req.request_id] = ScheduledRequest(
+            req=req,
+            num_new_tokens=n,
+            start_pos=start,
+            is_prefill_chunk=n > 1 or start < req.num_prompt_tokens,
+            produces_token=start + n == req.num_tokens,
+        )
+        self._budget -= n
+
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Slots for req's n tokens, preempting the newest running requests until they fit.
+
+        False when req itself was the newest and got preempted (or failed: see below).
+        """
+        while not self.block_manager.append_slots(req, n):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                # Alone with the whole pool and still short: only a request add() should have
+                # refused gets here. Fail it rather than preempt and retry forever.
+                req.error = f"needs more KV blocks than the pool's {self.block_manager.num_blocks}"
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                self._finished.append(req)
+                return False
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        cancelled = self._step.pop(victim.request_id, None)
+        if cancelled is not None:  # scheduled earlier in this step: give its tokens back
+            self._budget += cancelled.num_new_tokens
+        self.block_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Admit waiting requests in FIFO order while budget, seats and blocks last."""
+        bm = self.block_manager
+        while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit = bm.cached_prefix_len(req)
+            n = self._chunk(req, hit)
+            if not bm.allocate(req, n):
+                if not self.running:  # the whole pool is free (see _reserve)
+                    req.error = f"needs more KV blocks than the pool's {bm.num_blocks}"
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)
+                    self._finished.append(req)
+                    continue
+                break  # head of line waits: FIFO, no overtaking by smaller prompts
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self._insert_running(req)
+            self._put(req, req.num_computed_tokens, n)
+
+    # -- after the step --------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a computed step: advance KV, append sampled tokens, finish and free requests.
+
+        sampled maps request_id -> next token for each scheduled request whose step produced a
+        token (produces_token); other keys are ignored. Requests aborted since schedule() are
+        skipped. Returns the requests this step finished.
+        """
+        live = [s for s in output.scheduled if s.req.status is RequestStatus.RUNNING]
+        missing = [
+            s.req.request_id for s in live if s.produces_token and s.req.request_id not in sampled
+        ]
+        if missing:
+            raise ValueError(f"no sampled token for {missing}")
+        finished = []
+        for s in live:
+            req = s.req
+            if req.num_computed_tokens != s.start_pos:
+                raise RuntimeError(
+                    f"request {req.request_id!r}: step applied twice or out of order"
+                )
+            req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit(req)
+            if not s.produces_token:
+                continue
+            token = sampled[req.request_id]
+            req.output_ids.append(token)
+            status = req.stops_at(token)
+            limit = self.config.max_model_len
+            if status is None and limit is not None and req.num_tokens >= limit:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished

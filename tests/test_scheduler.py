@@ -1,0 +1,415 @@
+"""Scheduler: token budget, chunked prefill, decode priority, preemption, aborts, forks.
+
+A simulated engine drives it: a KV pool whose slots hold (position, token), written through the
+block manager's slot mapping and read back through each request's block table, and a "model"
+that picks the next token as a fixed function of the tokens it reads from that pool. So a
+request's output matches the output of a plain loop over its own token ids only if its KV was
+placed, shared, copied, evicted and recomputed correctly.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero.engine.block_manager import BlockManager
+from hetero.engine.config import EngineConfig, SchedulerConfig
+from hetero.engine.request import Request, RequestStatus
+from hetero.engine.scheduler import Scheduler, SchedulerOutput
+
+VOCAB, EOS = 64, 0
+
+
+def next_token(seq: list[int]) -> int:
+    """The simulated model: a deterministic, order-sensitive function of the whole context."""
+    acc = len(seq)
+    for t in seq:
+        acc = (acc * 1_000_003 + t + 1) % 2_147_483_647
+    return acc % VOCAB
+
+
+def reference(prompt: list[int], outputs: list[int], max_tokens: int, eos: int | None) -> list:
+    """What a request must generate: the model applied to its own tokens, no engine."""
+    out = list(outputs)
+    while len(out) < max_tokens:
+        out.append(next_token(prompt + out))
+        if out[-1] == eos:
+            break
+    return out
+
+
+def params(max_tokens: int, **kw) -> SimpleNamespace:
+    return SimpleNamespace(max_tokens=max_tokens, **kw)
+
+
+class Engine:
+    """The scheduler, the block manager and a simulated KV pool and model, stepped together."""
+
+    def __init__(self, num_blocks: int, block_size: int, config: SchedulerConfig) -> None:
+        self.bm = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(config, self.bm)
+        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.steps = 0
+
+    def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        was_running = {r.request_id for r in self.sched.running}
+        out = self.sched.schedule()
+        ids = {s.req.request_id for s in out.scheduled}
+        assert not ids & {r.request_id for r in out.preempted}
+        if out.preempted:  # no admissions in a step short of blocks (they would thrash)
+            assert ids <= was_running
+        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        assert len(out.scheduled) <= self.sched.config.max_num_seqs
+        bs = self.bm.block_size
+        gathered = [self.kv[s * bs : (s + 1) * bs] for s, _ in out.copies]
+        for (_, d), data in zip(out.copies, gathered, strict=True):
+            self.kv[d * bs : (d + 1) * bs] = data
+        for s in out.scheduled:  # every KV write of the step lands before any read
+            end = s.start_pos + s.num_new_tokens
+            slots = self.bm.slot_mapping(s.req, s.start_pos, end)
+            for pos, slot in enumerate(slots, start=s.start_pos):
+                self.kv[slot] = (pos, s.req.tokens(pos, pos + 1)[0])
+        sampled = {}
+        for s in out.scheduled:
+            end = s.start_pos + s.num_new_tokens
+            seen = [self.kv[slot] for slot in self.bm.slot_mapping(s.req, 0, end)]
+            assert seen == list(enumerate(s.req.tokens(0, end))), s.req
+            if s.produces_token:
+                sampled[s.req.request_id] = next_token([t for _, t in seen])
+        finished = self.sched.update(out, sampled)
+        self.bm.check()
+        self.check_scheduler()
+        self.steps += 1
+        return out, finished
+
+    def check_scheduler(self) -> None:
+        sched = self.sched
+        assert len(sched.running) <= sched.config.max_num_seqs
+        assert [r.order for r in sched.running] == sorted(r.order for r in sched.running)
+        for r in sched.running:
+            assert r.status is RequestStatus.RUNNING and r.num_computed_tokens < r.num_tokens
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.block_table == []
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.sched.has_work():
+            self.step()
+            assert self.steps < max_steps, "the scheduler made no progress"
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert all(self.bm.ref_count(b) == 0 for b in range(self.bm.num_blocks))
+
+
+def test_chunked_prefill_never_starves_decodes() -> None:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)
+    eng = Engine(num_blocks=128, block_size=4, config=config)
+    short = [Request(f"s{i}", [i + 1] * 5, params(30, ignore_eos=True)) for i in range(4)]
+    for r in short:
+        eng.sched.add(r)
+    eng.step()  # the four short prompts in one step
+    assert all(len(r.output_ids) == 1 for r in short)
+    long = Request("long", list(range(1, 201)), params(3))
+    eng.sched.add(long)
+    chunks = []
+    while not long.is_finished:
+        decoding = [r for r in eng.sched.running if r.num_tokens - r.num_computed_tokens == 1]
+        out, _ = eng.step()
+        steps = {s.req.request_id: s for s in out.scheduled}
+        for r in decoding:  # each running decode gets its token every step
+            assert steps[r.request_id].num_new_tokens == 1 and steps[r.request_id].produces_token
+        if "long" in steps and steps["long"].is_prefill_chunk:
+            chunks.append(steps["long"])
+    assert sum(c.num_new_tokens for c in chunks) == 200 and len(chunks) > 1
+    assert all(c.num_new_tokens <= 32 - 4 for c in chunks)  # what the decodes leave
+    assert [c.produces_token for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    eng.run()
+    for r in short + [long]:
+        assert r.output_ids == reference(r.prompt_ids, [], r.max_tokens, None)
+
+
+def test_decodes_come_before_an_older_prompt() -> None:
+    """Arrival order is not admission order (requests are stamped before they reach the
+    scheduler): a prompt that arrived first must still leave the running decode its token."""
+    eng = Engine(num_blocks=64, block_size=4, config=SchedulerConfig(2, 8))
+    young = Request("young", [1, 2, 3], params(12, ignore_eos=True), arrival=2.0)
+    eng.sched.add(young)
+    eng.step()
+    old = Request("old", list(range(1, 41)), params(2), arrival=1.0)
+    eng.sched.add(old)
+    while not old.is_finished:
+        out, _ = eng.step()
+        steps = {s.req.request_id: s.num_new_tokens for s in out.scheduled}
+        assert steps["young"] == 1 and steps.get("old", 0) <= 7
+    assert eng.sched.running == [young]  # the older request sorts first while both run
+    eng.run()
+    assert old.output_ids == reference(old.prompt_ids, [], 2, None)
+    assert young.output_ids == reference(young.prompt_ids, [], 12, None)
+
+
+def test_older_prefill_preempts_an_already_scheduled_decode() -> None:
+    # 8 blocks of 4. young decodes; old (arrived first) prefills in chunks of 7 beside it until
+    # its last chunk finds no block: young, newest, is preempted although its decode was already
+    # in this step, which must drop it from the step and give its token back to the budget.
+    eng = Engine(num_blocks=8, block_size=4, config=SchedulerConfig(2, 8))
+    young = Request("young", [1, 2, 3, 4], params(20, ignore_eos=True), arrival=2.0)
+    eng.sched.add(young)
+    eng.step()
+    old = Request("old", list(range(5, 31)), params(2), arrival=1.0)
+    eng.sched.add(old)
+    preempted = None
+    while preempted is None:
+        decoding = young.status is RequestStatus.RUNNING
+        out, _ = eng.step()
+        if out.preempted:
+            preempted = out
+    assert decoding and preempted.preempted == [young]
+    assert [(s.req.request_id, s.num_new_tokens) for s in preempted.scheduled] == [("old", 5)]
+    eng.run()
+    assert old.output_ids == reference(old.prompt_ids, [], 2, None)
+    assert young.output_ids == reference(young.prompt_ids, [], 20, None)
+    assert young.num_cached_tokens == 0  # its first admission's count, not the recompute's
+
+
+def test_long_prefill_token_threshold_caps_chunks() -> None:
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
+    eng = Engine(num_blocks=64, block_size=4, config=config)
+    a, b = Request("a", list(range(1, 41)), params(2)), Request("b", list(range(2, 42)), params(2))
+    eng.sched.add(a)
+    eng.sched.add(b)
+    out, _ = eng.step()
+    assert [(s.req.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 16), ("b", 16)]
+    eng.run()
+
+
+def test_mixed_requests_under_a_small_budget() -> None:
+    rng = random.Random(7)
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
+    eng = Engine(num_blocks=48, block_size=4, config=config)
+    reqs = []
+    for i in range(40):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.choice([1, 3, 9, 30, 70]))]
+        reqs.append(Request(f"r{i}", prompt, params(rng.randint(1, 12)), eos_token_id=EOS))
+        eng.sched.add(reqs[-1])
+        if i % 3 == 0:
+            eng.step()
+    eng.run()
+    for r in reqs:
+        assert r.output_ids == reference(r.prompt_ids, [], r.max_tokens, EOS)
+        assert r.finish_reason == ("stop" if r.output_ids[-1] == EOS else "length")
+
+
+def test_preempts_newest_and_resumes_with_same_tokens() -> None:
+    # 6 blocks of 4: two requests of 8 + 12 tokens cannot both fit
+    eng = Engine(num_blocks=6, block_size=4, config=SchedulerConfig(4, 64))
+    old = Request("old", [5, 6, 7, 8, 9, 10], params(12, ignore_eos=True))
+    new = Request("new", [11, 12, 13, 14, 15, 16], params(12, ignore_eos=True))
+    eng.sched.add(old)
+    eng.sched.add(new)
+    preempted_at = None
+    while preempted_at is None:
+        out, _ = eng.step()
+        if out.preempted:
+            assert out.preempted == [new] and new.status is RequestStatus.PREEMPTED
+            assert eng.sched.waiting[0] is new and new.block_table == []
+            assert [s.req for s in out.scheduled] == [old]
+            preempted_at = list(new.output_ids)
+    assert preempted_at  # it had generated tokens, which it keeps
+    eng.run()
+    assert eng.sched.num_preemptions >= 1 and new.num_preemptions >= 1
+    for r in (old, new):
+        assert r.output_ids == reference(r.prompt_ids, [], 12, None)
+    assert new.output_ids[: len(preempted_at)] == preempted_at
+
+
+def test_abort_mid_prefill_frees_everything() -> None:
+    eng = Engine(num_blocks=32, block_size=4, config=SchedulerConfig(2, 8))
+    req = Request("a", list(range(1, 50)), params(4))
+    eng.sched.add(req)
+    out, _ = eng.step()
+    assert out.scheduled[0].is_prefill_chunk and not out.scheduled[0].produces_token
+    assert eng.bm.num_free_blocks < 32
+    assert eng.sched.abort("a") and not eng.sched.abort("a")
+    assert req.finish_reason == "abort" and req.block_table == []
+    eng.bm.check()
+    assert eng.bm.num_free_blocks == 32 and eng.sched.has_work()
+    out, _ = eng.step()
+    assert out.finished == [req] and out.is_empty and not eng.sched.has_work()
+
+
+def test_abort_between_schedule_and_update() -> None:
+    eng = Engine(num_blocks=32, block_size=4, config=SchedulerConfig(2, 64))
+    a, b = Request("a", [1, 2, 3], params(4)), Request("b", [4, 5, 6], params(4))
+    eng.sched.add(a)
+    eng.sched.add(b)
+    out = eng.sched.schedule()
+    assert eng.sched.abort("a")
+    finished = eng.sched.update(out, {"a": 9, "b": 9})  # a's sample arrives too late: ignored
+    assert finished == [] and a.output_ids == [] and b.output_ids == [9]
+    eng.bm.check()
+    out = eng.sched.schedule()
+    assert out.finished == [a] and [s.req for s in out.scheduled] == [b]
+    with pytest.raises(ValueError, match="no sampled token"):
+        eng.sched.update(out, {})
+
+
+def test_outputs_alone_equal_outputs_in_a_crowd() -> None:
+    rng = random.Random(3)
+    system = [rng.randrange(1, VOCAB) for _ in range(12)]
+    specs = []
+    for i in range(33):
+        tail = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
+        prompt = (system if i % 2 else []) + tail  # half share a system prompt
+        specs.append((f"r{i}", prompt, rng.randint(1, 16)))
+    alone = {}
+    for rid, prompt, max_tokens in specs:
+        eng = Engine(num_blocks=64, block_size=4, config=SchedulerConfig(4, 16))
+        req = Request(rid, prompt, params(max_tokens), eos_token_id=EOS)
+        eng.sched.add(req)
+        eng.run()
+        alone[rid] = req.output_ids
+        assert req.output_ids == reference(prompt, [], max_tokens, EOS)
+    # 14 blocks of 4 tokens for 33 requests of up to 48 tokens: preemption is certain
+    eng = Engine(num_blocks=14, block_size=4, config=SchedulerConfig(8, 24))
+    crowd = [Request(rid, p, params(m), eos_token_id=EOS) for rid, p, m in specs]
+    for req in crowd:
+        eng.sched.add(req)
+    eng.run()
+    assert eng.sched.num_preemptions > 0
+    assert {r.request_id: r.output_ids for r in crowd} == alone
+    assert any(r.num_cached_tokens > 0 for r in crowd)  # the system prompt was shared
+
+
+def test_fork_shares_the_prompt() -> None:
+    eng = Engine(num_blocks=32, block_size=4, config=SchedulerConfig(4, 64))
+    parent = Request("p", list(range(1, 11)), params(6, ignore_eos=True))
+    eng.sched.add(parent)
+    eng.step()  # the prompt is computed once and the first token sampled
+    first = parent.output_ids[0]
+    children = []
+    for i, token in enumerate([(first + 1) % VOCAB, (first + 2) % VOCAB]):
+        child = Request(f"c{i}", parent.prompt_ids, params(6, ignore_eos=True))
+        child.output_ids.append(token)  # another sample from the same logits
+        eng.sched.fork("p", child)
+        children.append(child)
+    assert all(c.block_table == parent.block_table for c in children)
+    out, _ = eng.step()
+    assert len(out.copies) == 2  # two of the three writers copy the shared partial block
+    assert all(s.num_new_tokens == 1 for s in out.scheduled)
+    eng.run()
+    for r in [parent] + children:
+        assert r.output_ids == reference(r.prompt_ids, r.output_ids[:1], 6, None)
+    with pytest.raises(ValueError, match="no unfinished"):
+        eng.sched.fork("p", Request("c9", [1]))
+
+
+def test_finish_reasons() -> None:
+    eng = Engine(num_blocks=32, block_size=4, config=SchedulerConfig(4, 64, max_model_len=12))
+    prompt = [3, 1, 4, 1, 5]
+    first = next_token(prompt)
+    stop = Request("stop", prompt, params(5, stop_token_ids={first}))
+    eos = Request("eos", prompt, params(5), eos_token_id=first)
+    ignored = Request("ignored", prompt, params(3, ignore_eos=True), eos_token_id=first)
+    model_len = Request("ctx", prompt, params(20, ignore_eos=True))
+    for r in (stop, eos, ignored, model_len):
+        eng.sched.add(r)
+    eng.run()
+    assert stop.output_ids == [first] and stop.finish_reason == "stop"
+    assert eos.output_ids == [first] and eos.finish_reason == "stop"
+    assert len(ignored.output_ids) == 3 and ignored.finish_reason == "length"
+    assert model_len.num_tokens == 12 and model_len.finish_reason == "length"
+    assert stop.is_finished and not Request("x", [1]).is_finished
+
+
+def test_add_refuses_what_can_never_fit() -> None:
+    eng = Engine(num_blocks=4, block_size=4, config=SchedulerConfig(2, 16, max_model_len=64))
+    with pytest.raises(ValueError, match=r"10 prompt tokens \+ max_tokens 7 need 17 .* holds 16"):
+        eng.sched.add(Request("big", list(range(10)), params(7)))
+    eng.sched.add(Request("ok", list(range(10)), params(6)))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.sched.add(Request("ok", [1], params(1)))
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.sched.add(Request("long", list(range(64)), params(1)))
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request("zero", [1], params(0))
+    with pytest.raises(ValueError, match="no tokens"):
+        Request("empty", [])
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="every running decode"):
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="long_prefill"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=0)
+    assert EngineConfig().scheduler == SchedulerConfig()
+
+
+# -- property: random add / step / abort / fork over small pools ------------------------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add", "add", "step", "step", "abort", "fork", "fork"]),
+        st.integers(0, 999),
+    ),
+    min_size=5,
+    max_size=60,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    num_blocks=st.integers(4, 16),
+    block_size=st.integers(1, 4),
+    max_num_seqs=st.integers(1, 4),
+    budget_extra=st.integers(0, 12),
+    ops=OPS,
+)
+def test_random_traffic_never_leaks(num_blocks, block_size, max_num_seqs, budget_extra, ops):
+    config = SchedulerConfig(max_num_seqs, max_num_seqs + budget_extra)
+    eng = Engine(num_blocks, block_size, config)
+    capacity = num_blocks * block_size
+    prefix = [7, 7, 8, 8, 9, 9, 1, 2]
+    reqs, expected_start, aborted = [], {}, set()
+    for i, (op, x) in enumerate(ops):
+        sched = eng.sched
+        if op == "add":
+            prompt = prefix[: x % 9] + [x % VOCAB + 1] * (x % 5 + 1)
+            max_tokens = min(x % 13 + 1, capacity - len(prompt))
+            if max_tokens < 1:
+                continue
+            reqs.append(Request(f"r{i}", prompt, params(max_tokens), eos_token_id=EOS))
+            sched.add(reqs[-1])
+            expected_start[reqs[-1].request_id] = []
+        elif op == "step":
+            eng.step()
+        elif op == "abort" and reqs:
+            victim = reqs[x % len(reqs)]
+            if sched.abort(victim.request_id):
+                aborted.add(victim.request_id)
+        elif op == "fork" and sched.running:
+            parent = sched.running[x % len(sched.running)]
+            c = parent.num_computed_tokens
+            child = Request(f"r{i}", parent.prompt_ids, params(parent.max_tokens), eos_token_id=EOS)
+            child.output_ids = parent.tokens(parent.num_prompt_tokens, c) + [x % (VOCAB - 1) + 1]
+            if c < parent.num_prompt_tokens:  # mid-prefill: the child is the prompt alone
+                child.output_ids = []
+            if len(child.output_ids) >= child.max_tokens:
+                continue
+            sched.fork(parent.request_id, child)
+            reqs.append(child)
+            expected_start[child.request_id] = list(child.output_ids)
+        eng.bm.check()
+        eng.check_scheduler()
+    eng.run(max_steps=eng.steps + 2_000)
+    for r in reqs:
+        assert r.is_finished
+        if r.request_id not in aborted:
+            start = expected_start[r.request_id]
+            assert r.output_ids == reference(r.prompt_ids, start, r.max_tokens, EOS)
