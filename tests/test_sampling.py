@@ -1,0 +1,486 @@
+"""SamplingParams validation, the batched sampler against per-row references, seeds, stops."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero.penalties import apply_penalties
+from hetero.rng import GOLDEN, stream_key, uniform, uniform_reference
+from hetero.sampling import (
+    Sampler,
+    SamplingParams,
+    StopChecker,
+    make_batch,
+    sample_next,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are small: intra-op threads only add barrier waits (seconds on a busy
+    2-core machine). Restored after the module so other test files keep their setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("n", 0),
+        ("n", 1.5),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", 3.0),
+        ("frequency_penalty", math.nan),
+        ("seed", 1 << 64),
+        ("seed", -(1 << 63) - 1),
+        ("seed", "7"),
+        ("max_tokens", 0),
+        ("max_tokens", True),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("prompt_logprobs", 21),
+        ("stop", [""]),
+        ("stop", ["ok", 3]),
+        ("stop_token_ids", [-1]),
+        ("ignore_eos", 1),
+        ("skip_special_tokens", None),
+        ("include_stop_str_in_output", "yes"),
+    ],
+)
+def test_invalid_field_raises_naming_it(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+def test_valid_edges_and_normalisation() -> None:
+    p = SamplingParams(
+        temperature=0, top_p=1, top_k=-1, min_p=1, seed=-(1 << 63), logprobs=20, stop="\n"
+    )
+    assert p.greedy and p.stop == ["\n"]
+    assert not SamplingParams().greedy and SamplingParams(seed=(1 << 64) - 1).seed is not None
+    children = [SamplingParams(n=3, seed=5).for_sequence(i) for i in range(3)]
+    assert children[0].seed == 5 and len({c.seed for c in children}) == 3
+    assert all(c.n == 1 for c in children) and SamplingParams(n=2).for_sequence(1).seed is None
+    with pytest.raises(ValueError, match="index"):
+        SamplingParams(n=2).for_sequence(2)
+
+
+def test_make_batch_and_sampler_reject_bad_shapes() -> None:
+    p = SamplingParams()
+    with pytest.raises(ValueError, match="one entry per row"):
+        make_batch([p, p], [[1], [2]], [[]], [0, 0], "cpu")
+    with pytest.raises(ValueError, match="at least one"):
+        make_batch([], [], [], [], "cpu")
+    state = make_batch([p], [[1]], [[]], [0], "cpu")
+    with pytest.raises(ValueError, match=r"logits must be \[1, V\]"):
+        Sampler()(torch.zeros(2, 5), state)
+
+
+# ---------------------------------------------------------------- rng
+
+
+def test_torch_splitmix_matches_python_bit_for_bit() -> None:
+    keys = [stream_key(0, 0), stream_key(1 << 63, 5), stream_key(-7, 123), -1, 0, GOLDEN >> 1]
+    keys = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]
+    got = uniform(torch.tensor(keys), 300)
+    want = [[uniform_reference(k, i) for i in range(300)] for k in keys]
+    assert torch.equal(got, torch.tensor(want, dtype=torch.float64))
+    assert 0 < got.min() and got.max() < 1
+    big = uniform(torch.tensor(keys), 20000)
+    assert abs(big.mean().item() - 0.5) < 0.003 and abs(big.var().item() - 1 / 12) < 0.002
+
+
+# ---------------------------------------------------------------- penalties and greedy
+
+
+def _reference_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list
+) -> torch.Tensor:
+    """Row by row, token by token: HF/vLLM repetition, then OpenAI frequency and presence."""
+    out = logits.clone()
+    f32 = torch.float32
+    for b, p in enumerate(params):
+        r = torch.tensor(p.repetition_penalty, dtype=f32)
+        for t in set(prompts[b]) | set(outputs[b]):
+            v = out[b, t]
+            out[b, t] = v / r if v > 0 else v * r
+        for t, c in Counter(outputs[b]).items():
+            out[b, t] = out[b, t] - torch.tensor(p.frequency_penalty, dtype=f32) * c
+            out[b, t] = out[b, t] - torch.tensor(p.presence_penalty, dtype=f32)
+    return out
+
+
+def _penalty_batch(vocab: int, greedy: bool) -> tuple[list, list, list, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    params, prompts, outputs = [], [], []
+    for b in range(12):
+        params.append(
+            SamplingParams(
+                temperature=0.0 if greedy else 0.9,
+                repetition_penalty=(1.0, 1.3, 0.7, 2.0)[b % 4],
+                presence_penalty=(0.0, 0.5, -0.5)[b % 3],
+                frequency_penalty=(0.0, 0.3, -1.0, 2.0)[(b // 3) % 4],
+            )
+        )
+        prompts.append(torch.randint(0, vocab, (b * 3 + 1,), generator=gen).tolist())
+        outputs.append(torch.randint(0, vocab // 4, (b * 2,), generator=gen).tolist())
+    logits = torch.randn(12, vocab, generator=gen) * 3
+    return params, prompts, outputs, logits
+
+
+def test_penalties_and_greedy_match_per_row_reference() -> None:
+    params, prompts, outputs, logits = _penalty_batch(40, greedy=True)
+    state = make_batch(params, prompts, outputs, [len(o) for o in outputs], "cpu")
+    want = _reference_penalties(logits, params, prompts, outputs)
+    got = apply_penalties(
+        logits, state.prompt_ids, state.output_ids, state.repetition, state.presence,
+        state.frequency,
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    assert not torch.equal(got, logits)  # the penalties did something
+    ids = Sampler()(logits, state).token_ids
+    assert torch.equal(ids, want.argmax(-1))
+    assert not torch.equal(ids, logits.argmax(-1))  # and changed some greedy choices
+
+
+def test_greedy_without_penalties_is_argmax() -> None:
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(2))
+    state = make_batch([SamplingParams(temperature=0)] * 5, [[1]] * 5, [[]] * 5, [0] * 5, "cpu")
+    assert state.prompt_ids is None and state.output_ids is None  # nothing built for nothing
+    assert torch.equal(Sampler()(logits, state).token_ids, logits.argmax(-1))
+
+
+def test_token_tensors_out_of_range_ids_and_tiny_temperature() -> None:
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    p = SamplingParams(temperature=1e-6, repetition_penalty=3.0)  # under 1e-5: greedy
+    top = logits.argmax(-1).tolist()
+    state = make_batch([p, p], [torch.tensor([top[0]]), [top[1]]], [[], []], [0, 0], "cpu")
+    want = _reference_penalties(logits, [p, p], [[top[0]], [top[1]]], [[], []])
+    assert p.greedy and torch.equal(Sampler()(logits, state).token_ids, want.argmax(-1))
+    # Ids outside [0, V) count as padding instead of failing inside a device kernel.
+    odd = make_batch([p, p], [[30, 99], [-5]], [[31], []], [0, 0], "cpu")
+    assert torch.equal(Sampler()(logits, odd).token_ids, logits.argmax(-1))
+
+
+# ---------------------------------------------------------------- truncation
+
+
+def _allowed(row: torch.Tensor, p: SamplingParams, slack: float) -> torch.Tensor:
+    """bool [V]: the tokens p may sample from this logits row (float64, per row, sorted walk).
+
+    slack > 0 widens each cut a little so that float32 rounding cannot make a legal token fail.
+    """
+    x = row.double() / p.temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if p.top_k > 0:
+        keep &= x >= x.sort(descending=True).values[min(p.top_k, x.numel()) - 1] - slack
+    if p.top_p < 1:
+        probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)
+        mass, cut = 0.0, 1.0
+        for i in probs.argsort(descending=True).tolist():
+            if mass >= p.top_p + slack:
+                break
+            cut, mass = probs[i].item(), mass + probs[i].item()
+        keep &= probs >= cut * (1 - slack)
+    if p.min_p > 0:
+        probs = torch.softmax(x, -1)
+        keep &= probs >= p.min_p * probs.max() * (1 - slack)
+    return keep
+
+
+TRUNCATIONS = [
+    SamplingParams(top_k=3),
+    SamplingParams(temperature=0.6, top_p=0.5),
+    SamplingParams(temperature=1.4, min_p=0.2),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+    SamplingParams(top_k=1),
+    SamplingParams(top_k=100000, top_p=0.3),
+]
+
+
+def test_sampled_tokens_stay_inside_the_allowed_set() -> None:
+    vocab, draws = 64, 200
+    gen = torch.Generator().manual_seed(5)
+    sampler = Sampler(seed=0)
+    for p in TRUNCATIONS:
+        for seeded in (True, False):
+            q = replace(p, seed=9 if seeded else None)
+            row = torch.randn(vocab, generator=gen) * 2
+            allowed = _allowed(row, q, slack=1e-5)
+            # one request at `draws` different steps, as one batch: a row per step
+            state = make_batch([q] * draws, [[0]] * draws, [[]] * draws, range(draws), "cpu")
+            ids = sampler(row.expand(draws, vocab), state).token_ids
+            assert allowed[ids].all(), (q, sorted(set(ids.tolist())))
+            if allowed.sum() > 1:
+                assert len(set(ids.tolist())) > 1  # it samples, not a constant
+
+
+PROBS = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.03, 0.02], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_p=0.7),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(min_p=0.3),
+        SamplingParams(temperature=1.5, top_k=6, top_p=0.9, min_p=0.1),
+        SamplingParams(top_k=4, top_p=0.8),  # top-p renormalised after top-k keeps 3, not 4
+    ],
+)
+@pytest.mark.parametrize("seeded", [True, False])
+def test_empirical_distribution_matches_target(params: SamplingParams, seeded: bool) -> None:
+    n = 20000
+    logits = PROBS.log().float()
+    # Rows alternate with a contrasting request, so a parameter read from the wrong row shows.
+    contrast = SamplingParams(temperature=2.5, seed=77 if seeded else None)
+    # Seeded: one request's n successive steps. Unseeded: rows of the sampler's own stream.
+    row = replace(params, seed=2024 if seeded else None)
+    rows = [row, contrast] * (n // 2)
+    state = make_batch(rows, [[0]] * n, [[]] * n, [i // 2 for i in range(n)], "cpu")
+    ids = Sampler(seed=1)(logits.expand(n, -1), state).token_ids
+    for p, got in ((params, ids[0::2]), (contrast, ids[1::2])):
+        keep = _allowed(logits, p, slack=0.0)
+        target = torch.softmax(logits.double() / p.temperature, -1) * keep
+        target /= target.sum()
+        freq = torch.bincount(got, minlength=PROBS.numel()).double() / got.numel()
+        assert freq[~keep].sum() == 0
+        # Deterministic (seeded), so it cannot flake. TV's mean here is ~0.01; chi-square
+        # has at most 7 degrees of freedom, and 30 is its 1e-4 tail.
+        assert 0.5 * (freq - target).abs().sum() < 0.03, (p, freq, target)
+        assert got.numel() * ((freq - target)[keep] ** 2 / target[keep]).sum() < 30
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def _mixed_requests(vocab: int) -> tuple[list[SamplingParams], list, list]:
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(),
+        SamplingParams(seed=77, top_k=10),
+        SamplingParams(top_p=0.8, logprobs=5),
+        SamplingParams(seed=3, min_p=0.1, repetition_penalty=1.2),
+        SamplingParams(temperature=0.5, frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(temperature=0, repetition_penalty=1.5, logprobs=2),
+        SamplingParams(seed=5, temperature=1.3, top_k=50, top_p=0.95),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(31)]
+    prompts = [[(i * 7 + j) % vocab for j in range(i + 1)] for i in range(31)]
+    outputs = [[(i * 5 + j) % vocab for j in range(i % 6)] for i in range(31)]
+    return params, prompts, outputs
+
+
+TARGETS = [
+    SamplingParams(seed=1234),
+    SamplingParams(seed=1234, temperature=0.7, top_p=0.9),
+    SamplingParams(seed=99, top_k=40, min_p=0.02),
+    SamplingParams(seed=7, repetition_penalty=1.3, frequency_penalty=0.4, logprobs=3),
+]
+
+
+def _batch_invariance(device: str) -> None:
+    vocab, sampler = 256, Sampler()
+    gen = torch.Generator().manual_seed(8)
+    others, o_prompts, o_outputs = _mixed_requests(vocab)
+    prompt, output = [3, 4, 5, 9, 9], [4, 4, 11]
+    for target in TARGETS:
+        for step in range(2):
+            row = (torch.randn(1, vocab, generator=gen) * 2).to(device)
+            rest = (torch.randn(32, vocab, generator=gen) * 2).to(device)
+            alone = make_batch([target], [prompt], [output], [step], device)
+            want = sampler(row, alone).token_ids.item()
+            for pos in range(32):
+                params = others[:pos] + [target] + others[pos:]
+                prompts = o_prompts[:pos] + [prompt] + o_prompts[pos:]
+                outputs = o_outputs[:pos] + [output] + o_outputs[pos:]
+                logits = torch.cat([rest[:pos], row, rest[pos + 1 :]])
+                steps = [step if i == pos else i for i in range(32)]
+                state = make_batch(params, prompts, outputs, steps, device)
+                assert sampler(logits, state).token_ids[pos].item() == want, (target, step, pos)
+
+
+def test_seeded_request_is_batch_invariant_at_every_row() -> None:
+    _batch_invariance("cpu")
+
+
+def test_different_seeds_differ_and_unseeded_rows_vary() -> None:
+    vocab = 1000
+    logits = torch.zeros(64, vocab)
+    seeded = make_batch([SamplingParams(seed=s) for s in range(64)], [[0]] * 64, [[]] * 64,
+                        [0] * 64, "cpu")  # fmt: skip
+    ids = Sampler()(logits, seeded).token_ids
+    assert len(set(ids.tolist())) > 55  # 64 draws from 1000 equally likely tokens
+    assert torch.equal(Sampler()(logits, seeded).token_ids, ids)  # and they reproduce
+    one = make_batch([SamplingParams()], [[0]], [[]], [0], "cpu")
+    free = Sampler()
+    draws = {free(logits[:1], one).token_ids.item() for _ in range(20)}
+    assert len(draws) > 15
+    a, b = Sampler(seed=4), Sampler(seed=4)
+    assert [a(logits[:1], one).token_ids.item() for _ in range(5)] == [
+        b(logits[:1], one).token_ids.item() for _ in range(5)
+    ]
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_log_softmax_at_sampled_and_top() -> None:
+    vocab = 300
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=gen) * 2
+    params = [
+        SamplingParams(temperature=2.0, logprobs=0, seed=1),
+        SamplingParams(temperature=2.0, logprobs=1, seed=2, repetition_penalty=1.8),
+        SamplingParams(temperature=0.5, top_k=4, logprobs=20),
+        SamplingParams(temperature=0, logprobs=3, presence_penalty=2.0),
+        SamplingParams(temperature=1.7, top_p=0.99, logprobs=5),
+        SamplingParams(logprobs=None),
+    ]
+    prompts, outputs = [[int(logits[i].argmax())] for i in range(6)], [[1, 2, 2]] * 6
+    state = make_batch(params, prompts, outputs, [3] * 6, "cpu")
+    out = Sampler(seed=0)(logits, state)
+    ref = torch.log_softmax(logits, -1)
+    assert torch.equal(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.top_ids.shape == (6, 20)
+    top = ref.sort(-1, descending=True)
+    assert torch.equal(out.top_logprobs, top.values[:, :20])
+    assert torch.equal(ref.gather(1, out.top_ids), out.top_logprobs)
+    # Rows 0-1 sample at temperature 2: their tokens fall outside top-1, yet carry a logprob.
+    assert (out.token_ids[:2] != out.top_ids[:2, 0]).any()
+    none = make_batch([SamplingParams()], [[1]], [[]], [0], "cpu")
+    assert Sampler()(logits[:1], none).logprobs is None
+
+
+# ---------------------------------------------------------------- the old single-row helper
+
+
+def test_sample_next_keeps_its_contract() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample_next(logits, 0.0), logits.argmax(-1))
+    a = sample_next(logits, 1.0, torch.Generator().manual_seed(1))
+    assert torch.equal(a, sample_next(logits, 1.0, torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="temperature"):
+        sample_next(logits, -1.0)
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def _feed_all(checker: StopChecker, pieces: list[str]) -> tuple[list[str], str | None]:
+    shown, stop = [], None
+    for piece in pieces:
+        r = checker.feed(piece)
+        shown.append(r.text)
+        if r.stopped:
+            return shown, r.stop
+    shown.append(checker.flush())
+    return shown, stop
+
+
+def test_stop_string_split_across_increments() -> None:
+    c = StopChecker(["</end>"])
+    assert [c.feed(t).text for t in ["Hello </", "en"]] == ["Hello ", ""]
+    r = c.feed("d> trailing")
+    assert (r.text, r.stopped, r.stop) == ("", True, "</end>") and c.stopped
+    with pytest.raises(ValueError, match="after a stop"):
+        c.feed("more")
+
+
+def test_held_back_prefix_is_released_when_it_breaks_off() -> None:
+    c = StopChecker(["STOP"])
+    assert c.feed("ab ST").text == "ab "
+    assert c.feed("Ox").text == "STOx"
+    assert c.feed("S").text == "" and c.flush() == "S"
+
+
+def test_multiple_and_overlapping_stop_strings() -> None:
+    shown, stop = _feed_all(StopChecker(["abc", "bcd", "x"]), ["zab", "cd"])
+    assert "".join(shown) == "z" and stop == "abc"  # "abc" completes before "bcd"
+    shown, stop = _feed_all(StopChecker(["aab"]), ["a", "a", "a", "b", "c"])
+    assert "".join(shown) == "a" and stop == "aab"  # the match starts one 'a' later
+    shown, stop = _feed_all(StopChecker(["b", "abc"]), ["xa", "bc"])
+    assert "".join(shown) == "xa" and stop == "b"  # "b" completes first
+    shown, stop = _feed_all(StopChecker(["\n\n", "END"], True), ["one\n", "\ntwo"])
+    assert "".join(shown) == "one\n\n" and stop == "\n\n"
+
+
+def test_no_stop_strings_pass_text_through() -> None:
+    c = StopChecker([])
+    assert c.feed("abc").text == "abc" and c.flush() == ""
+
+
+def _reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    hits = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
+    if not hits:
+        return text, None
+    end, neg, s = min(hits)
+    return text[: end if include else end + neg], s
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="ab\n", max_size=30),
+    stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    include=st.booleans(),
+)
+def test_stop_checker_matches_whole_text_reference(
+    text: str, stops: list[str], cuts: list[int], include: bool
+) -> None:
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    shown, stop = _feed_all(StopChecker(stops, include), pieces)
+    want_text, want_stop = _reference_stop(text, stops, include)
+    assert ("".join(shown), stop) == (want_text, want_stop)
+    if not include:  # no emitted prefix ever shows a stop string
+        so_far = ""
+        for piece in shown:
+            so_far += piece
+            assert not any(s in so_far for s in stops)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_bits_is_batch_invariant_and_never_syncs() -> None:
+    keys = torch.tensor([stream_key(s, t) for s in range(4) for t in range(4)])
+    assert torch.equal(uniform(keys.cuda(), 4096).cpu(), uniform(keys, 4096))
+    _batch_invariance("cuda")
+    params, prompts, outputs = _mixed_requests(1000)
+    state = make_batch(params, prompts, outputs, list(range(31)), "cuda")
+    logits = torch.randn(31, 1000, device="cuda")
+    sampler = Sampler()
+    sampler(logits, state)  # first call creates the generator (which may sync)
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside the call raises
+    try:
+        out = sampler(logits, state)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.shape == (31,) and out.top_ids.shape == (31, 5)
