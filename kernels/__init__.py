@@ -1,1 +1,16 @@
+"""Kernels: a registry of ops, each with a torch reference (and faster versions where they pay)."""
 
+from __future__ import annotations
+
+from hetero.kernels import paged as _paged  # noqa: F401  (registers the paged references)
+from hetero.kernels import reference as _reference  # noqa: F401  (registers the references)
+from hetero.kernels.registry import (
+    KernelImpl,
+    implementations,
+    ops,
+    reference,
+    register,
+    select,
+)
+
+__all__ = ["KernelImpl", "implementations", "ops", "reference", "register", "select"]

@@ -1,0 +1,186 @@
+"""Command line: `hetero generate | tokenize | info | synth | quantize` and `hetero-serve`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from hetero.cli_options import engine_options, runtime_options
+from hetero.models import resolve_model
+
+MODEL_ARG = click.argument("model", required=False)
+
+
+def _fail(err: Exception) -> None:
+    raise click.ClickException(str(err)) from err
+
+
+@click.group()
+@click.version_option(package_name="hetero")
+def main() -> None:
+    """hetero: LLM inference for the GPUs (and CPUs) an office owns."""
+
+
+@main.command()
+@MODEL_ARG
+@click.option("--prompt", "-p", required=True, help="the prompt text")
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--system", default=None, help="system message (with --chat)")
+@click.option("--max-tokens", "-n", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--temperature", "-t", type=click.FloatRange(0.0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+@click.option("--stats/--no-stats", default=True, help="print tok/s to stderr at the end")
+@runtime_options
+def generate(model, prompt, chat, system, max_tokens, temperature, seed, stats, **rt_opts):
+    """Generate text from MODEL (default: SmolLM2-135M-Instruct), streamed to the terminal."""
+    from hetero.config import RuntimeConfig
+    from hetero.detokenizer import IncrementalDetokenizer
+    from hetero.generate import generate_ids
+    from hetero.model.llama import load_model
+    from hetero.tokenizer import Tokenizer
+
+    try:
+        path = resolve_model(model)
+        gm, net = load_model(path, RuntimeConfig(**rt_opts), progress=True)
+        tok = Tokenizer.from_gguf(gm.reader)
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tok.encode(prompt, add_special=not chat)
+        detok = IncrementalDetokenizer(tok, skip_special=True)
+        t0, n, first = time.perf_counter(), 0, None
+        for token in generate_ids(net, ids, max_tokens, temperature, seed, tok.eos_ids):
+            first = first or time.perf_counter()
+            n += 1
+            click.echo(detok.add(token), nl=False)
+        click.echo(detok.flush())
+    except (ValueError, FileNotFoundError) as e:
+        _fail(e)
+    if stats and n:
+        t1 = time.perf_counter()
+        decode = (n - 1) / (t1 - first) if n > 1 else 0.0
+        click.echo(
+            f"[{len(ids)} prompt tokens, {n} generated; first token {first - t0:.3f} s, "
+            f"decode {decode:.1f} tok/s]",
+            err=True,
+        )
+
+
+@main.command()
+@MODEL_ARG
+@click.option("--text", required=True, help="text to tokenize")
+@click.option("--add-special", is_flag=True, help="add BOS/EOS as the model's metadata says")
+def tokenize(model, text, add_special):
+    """Print the token ids of TEXT as a JSON list."""
+    from hetero.tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer.from_gguf(resolve_model(model))
+    except (ValueError, FileNotFoundError) as e:
+        _fail(e)
+    click.echo(json.dumps(tok.encode(text, add_special=add_special)))
+
+
+@main.command()
+@MODEL_ARG
+def info(model):
+    """Show MODEL's configuration and tensor types."""
+    from collections import Counter
+
+    from hetero.gguf_loader import load_gguf
+    from hetero.model.llama import config_summary
+
+    try:
+        gm = load_gguf(resolve_model(model))
+    except (ValueError, FileNotFoundError) as e:
+        _fail(e)
+    click.echo(f"{gm.path} ({gm.file_size / 2**20:.1f} MiB)")
+    click.echo(config_summary(gm.config))
+    types = Counter(t.ggml_type.name for t in gm.tensors.values())
+    click.echo("tensors: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()))
+
+
+@main.command()
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--shape", required=True, help="llama3-8b, qwen2.5-7b, smollm2-135m, ...")
+@click.option("--quant", default="q4_k_m", show_default=True, help="q4_k_m, q5_k_m, q6_k, q8_0 ...")
+@click.option("--seed", type=int, default=0, show_default=True)
+def synth(out, shape, quant, seed):
+    """Write a full-size llama-family GGUF with random finite weights (for benchmarks)."""
+    from hetero.synth import write_synthetic
+
+    t0 = time.perf_counter()
+    try:
+        path = write_synthetic(out, shape, quant, seed=seed, progress=True)
+    except (ValueError, KeyError) as e:
+        _fail(e)
+    size = path.stat().st_size / 2**30
+    click.echo(f"wrote {path} ({size:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+
+
+@main.command()
+@click.argument("src", type=click.Path(dir_okay=False))
+@click.argument("dst", type=click.Path(dir_okay=False))
+@click.option("--type", "qtype", required=True, help="q8_0, q6_k, q5_k_m, q4_k_m, ...")
+def quantize(src, dst, qtype):
+    """Re-quantize the GGUF model SRC into DST."""
+    from hetero.requantize import requantize
+
+    t0 = time.perf_counter()
+    try:
+        counts = requantize(src, dst, qtype, progress=True)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(e)
+    summary = ", ".join(f"{k} x{v}" for k, v in counts.items())
+    click.echo(f"wrote {dst} in {time.perf_counter() - t0:.1f} s: {summary}")
+
+
+@main.command()
+@MODEL_ARG
+@click.option(
+    "--num-requests",
+    "-n",
+    type=click.IntRange(1),
+    default=None,
+    help="requests in all (default: the concurrency)",
+)
+@click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--input-len", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--warmup/--no-warmup", default=True, help="one short untimed run first")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
+@engine_options
+def bench(model, num_requests, concurrency, input_len, output_len, warmup, seed, **options):
+    """Offline throughput and latency: N requests, C at a time, random prompts."""
+    from hetero.bench import run_bench
+    from hetero.engine.engine import Engine
+    from hetero.llm import build_configs
+
+    try:
+        engine_cfg, runtime = build_configs(**options)
+        engine = Engine(model, engine_cfg, runtime, progress=True)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(e)
+    click.echo(engine.describe_kv(), err=True)
+    if warmup:
+        run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
+    result = run_bench(
+        engine, num_requests or concurrency, concurrency, input_len, output_len, seed=seed
+    )
+    click.echo("\n".join(result.lines()))
+
+
+def serve_main() -> None:
+    """`hetero-serve`: the OpenAI-compatible daemon."""
+    from hetero.server.app import serve_cli
+
+    serve_cli(standalone_mode=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Command-line options shared by `hetero generate`, `hetero bench` and `hetero-serve`.
+
+Each option's name is the field name of the config it sets (RuntimeConfig, EngineConfig,
+SchedulerConfig), so `hetero.llm.build_configs(**options)` sorts them without a table.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+def runtime_options(f):
+    f = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ...")(f)
+    f = click.option(
+        "--dtype",
+        default="auto",
+        show_default=True,
+        help="activations: auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16",
+    )(f)
+    f = click.option(
+        "--weights",
+        type=click.Choice(["dense", "quant"]),
+        default="dense",
+        show_default=True,
+        help="dense: dequantize once at load; quant: keep GGUF blocks (reference path)",
+    )(f)
+    f = click.option("--threads", type=int, default=0, help="CPU threads (0: torch's default)")(f)
+    return f
+
+
+def engine_options(f):
+    f = runtime_options(f)
+    opts = [
+        click.option(
+            "--kv-dtype",
+            type=click.Choice(["fp8", "fp16", "bf16", "fp32"]),
+            default="fp8",
+            show_default=True,
+            help="KV cache storage (fp8: e4m3 with per-token-head scales)",
+        ),
+        click.option(
+            "--kv-memory-fraction",
+            type=click.FloatRange(0.0, 1.0, min_open=True),
+            default=0.9,
+            show_default=True,
+            help="share of the memory free after the weights that the KV cache takes",
+        ),
+        click.option(
+            "--num-kv-blocks", type=click.IntRange(1), default=None, help="cap on KV blocks"
+        ),
+        click.option("--block-size", type=click.IntRange(1), default=16, show_default=True),
+        click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True),
+        click.option(
+            "--max-num-batched-tokens",
+            type=click.IntRange(1),
+            default=2048,
+            show_default=True,
+            help="token budget of one step (decodes + prefill chunks)",
+        ),
+        click.option(
+            "--max-model-len", type=click.IntRange(2), default=None, help="default: the model's"
+        ),
+        click.option(
+            "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f

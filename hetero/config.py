@@ -1,0 +1,96 @@
+"""Frozen configuration dataclasses, one per layer of the system.
+
+Values found at run time (KV blocks, layer placement) never get written back here: they live in
+the Plan. A ModelConfig is read from GGUF metadata once and then only read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Architectures of the llama family that one model file (model/llama.py) serves through flags.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long context (GGUF `{arch}.rope.scaling.*`).
+
+    kind: "none" | "linear" | "yarn". llama3-style scaling arrives as a `rope_freqs.weight`
+    tensor of per-frequency divisors instead, which the model reads from the file.
+    """
+
+    kind: str = "none"
+    factor: float = 1.0
+    original_context_length: int = 0
+    # YaRN ramp (llama.cpp defaults: beta_fast 32, beta_slow 1)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # YaRN attention temperature multiplier; 0 means "derive 0.1*ln(factor)+1"
+    attn_factor: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flags of a llama-family model, as its GGUF metadata says."""
+
+    arch: str
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    context_length: int
+    norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    # "normal": rotate adjacent pairs (x[2i], x[2i+1]), as llama GGUFs store q/k permuted for it;
+    # "neox": rotate halves (x[i], x[i + d/2]), as qwen2/qwen3 do.
+    rope_style: str
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tied_embeddings: bool = False
+    attn_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how the model runs.
+
+    weights: "quant" keeps weights in their GGUF blocks and dequantizes them in the layer that uses
+    them (the reference path); "dense" dequantizes once at load into `dtype` (faster on a CPU, at
+    the cost of memory).
+    """
+
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    weights: str = "dense"
+    threads: int = 0  # 0: leave torch's default
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.float32 if self.device.startswith("cpu") else torch.bfloat16
+        table = {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }
+        if self.dtype not in table:
+            raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(table)}")
+        return table[self.dtype]

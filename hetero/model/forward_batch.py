@@ -1,0 +1,27 @@
+"""Per-step metadata passed explicitly to the model (never a module global).
+
+The model computes q/k/v and hands them to `batch.attention`, an attention backend that owns the
+KV storage (contiguous for one sequence here; paged for the engine) and the step's metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class AttentionBackend(Protocol):
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store k/v [T, KV, D] of the new tokens, attend q [T, H, D]; returns [T, H, D]."""
+        ...
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [T] int64: absolute position of each new token
+    logits_indices: torch.Tensor  # [N] int64: rows of the T tokens whose logits are wanted
+    attention: AttentionBackend

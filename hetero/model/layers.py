@@ -1,0 +1,146 @@
+"""Building blocks of the llama family: QuantLinear, embeddings, RMSNorm, rotary embedding.
+
+Each layer calls its op through the kernel registry, so a faster kernel registered for the device
+replaces the torch reference without the model file changing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hetero.config import ModelConfig, RopeScaling, RuntimeConfig
+from hetero.gguf_loader import GGUFTensor
+from hetero.kernels import select
+from hetero.quant import dequantize
+
+
+def _dense(t: GGUFTensor, rt: RuntimeConfig, dtype: torch.dtype | None = None) -> torch.Tensor:
+    w = dequantize(t.torch(), t.ggml_type, t.shape)
+    return w.to(device=rt.device, dtype=dtype or rt.torch_dtype()).contiguous()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ b) for W [N, K] from a GGUF tensor (GGUF ne = [K, N]).
+
+    "quant" keeps W in its GGUF blocks and dequantizes per call (the reference path every
+    quantized-matmul kernel is tested against); "dense" dequantizes once at load.
+    """
+
+    def __init__(self, weight: GGUFTensor, rt: RuntimeConfig, bias: GGUFTensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.ggml_type = int(weight.ggml_type)
+        self.mode = rt.weights
+        if rt.weights == "dense":
+            self.weight = nn.Parameter(_dense(weight, rt), requires_grad=False)
+        elif rt.weights == "quant":
+            self.qweight = weight.torch().to(rt.device)
+            self._qlinear = select("qlinear", torch.device(rt.device)).fn
+        else:
+            raise ValueError(f"weights mode {rt.weights!r} is not one of dense, quant")
+        self.bias = None if bias is None else _dense(bias, rt)
+
+    @classmethod
+    def tied(cls, embedding: QuantEmbedding) -> QuantLinear:
+        """An output projection that shares the token embedding's table."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = embedding.shape
+        self.ggml_type, self.mode, self.bias = embedding.ggml_type, embedding.mode, None
+        if self.mode == "dense":
+            self.weight = embedding.weight
+        else:
+            self.qweight = embedding.qweight
+            self._qlinear = select("qlinear", embedding.qweight.device).fn
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.mode == "dense":
+            y = x @ self.weight.t()
+        else:
+            y = self._qlinear(
+                x, self.qweight, self.ggml_type, (self.out_features, self.in_features)
+            )
+        return y if self.bias is None else y + self.bias
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding [V, C]; in "quant" mode only the looked-up rows are dequantized."""
+
+    def __init__(self, table: GGUFTensor, rt: RuntimeConfig):
+        super().__init__()
+        self.shape = table.shape
+        self.ggml_type = int(table.ggml_type)
+        self.mode = rt.weights
+        self.dtype = rt.torch_dtype()
+        if self.mode == "dense":
+            self.weight = nn.Parameter(_dense(table, rt), requires_grad=False)
+        else:
+            self.qweight = table.torch().to(rt.device)
+            self._embed = select("embed", torch.device(rt.device)).fn
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, C]
+        if self.mode == "dense":
+            return self.weight[ids]
+        return self._embed(ids, self.qweight, self.ggml_type, self.shape).to(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: GGUFTensor, eps: float, rt: RuntimeConfig):
+        super().__init__()
+        self.weight = nn.Parameter(_dense(weight, rt, torch.float32), requires_grad=False)
+        self.eps = eps
+        self._fn = select("rms_norm", torch.device(rt.device)).fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
+        return self._fn(x, self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions, with the file's frequency scaling.
+
+    freqs[i] = theta^(-2i/rope_dim), divided by `rope_freqs` factors when the file has them
+    (llama3-style long context), and stretched by linear or YaRN scaling as the metadata says.
+    """
+
+    def __init__(self, cfg: ModelConfig, rt: RuntimeConfig, freq_factors: GGUFTensor | None):
+        super().__init__()
+        self.style = cfg.rope_style
+        dim = cfg.rope_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        if freq_factors is not None:
+            inv = inv / _dense(freq_factors, RuntimeConfig(device="cpu"), torch.float32)
+        self.mscale = 1.0
+        inv = self._scale(inv, cfg, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv.to(rt.device), persistent=False)
+        self._fn = select("rope", torch.device(rt.device)).fn
+
+    def _scale(self, inv: torch.Tensor, cfg: ModelConfig, s: RopeScaling) -> torch.Tensor:
+        if s.kind == "linear":
+            return inv / s.factor
+        if s.kind != "yarn":
+            return inv
+        # YaRN (llama.cpp's rope_yarn): dims that rotate fast keep their frequency, slow ones are
+        # interpolated by 1/factor, with a linear ramp between the two correction dims.
+        n_ctx = s.original_context_length or cfg.context_length
+        dim = cfg.rope_dim
+
+        def corr(beta: float) -> float:
+            return dim * math.log(n_ctx / (beta * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low = max(0.0, math.floor(corr(s.beta_fast)))
+        high = min(dim - 1.0, math.ceil(corr(s.beta_slow)))
+        i = torch.arange(0, dim // 2, dtype=torch.float32)
+        ramp = 1.0 - torch.clamp((i - low) / max(0.001, high - low), 0.0, 1.0)
+        self.mscale = (s.attn_factor or 1.0) * (1.0 + 0.1 * math.log(s.factor))
+        return (inv / s.factor) * (1.0 - ramp) + inv * ramp
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R]
+        return freqs.cos() * self.mscale, freqs.sin() * self.mscale
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self._fn(x, cos, sin, self.style)  # [T, H, D]

@@ -1,0 +1,129 @@
+"""The llama family in plain torch: llama (SmolLM2, Mistral-style), qwen2, qwen3, by flags.
+
+Reads top to bottom. Shapes: T new tokens, C model width, H query heads, KV key/value heads,
+D head dim, F feed-forward width, V vocabulary.
+
+    tokens [T] -> embed [T, C]
+    for each block:
+        h = rms_norm(x)
+        q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)       [T, H, D], [T, KV, D], [T, KV, D]
+        q, k = rms_norm_per_head(q), rms_norm_per_head(k)   (qwen3 only)
+        q, k = rope(q), rope(k)
+        x = x + attention(q, k, v) Wo                        (KV stored by the backend)
+        x = x + (silu(rms_norm(x) Wgate) * rms_norm(x) Wup) Wdown
+    logits = rms_norm(x[wanted]) Wout                       [N, V] float32
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from hetero.config import ModelConfig, RuntimeConfig
+from hetero.gguf_loader import GGUFModel
+from hetero.kernels import select
+from hetero.model.forward_batch import ForwardBatch
+from hetero.model.layers import QuantEmbedding, QuantLinear, RMSNorm, Rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, gm: GGUFModel, i: int, rt: RuntimeConfig):
+        super().__init__()
+        cfg, p = gm.config, f"blk.{i}."
+        self.cfg, self.layer = cfg, i
+        self.wq = QuantLinear(gm.tensor(p + "attn_q.weight"), rt, gm.get(p + "attn_q.bias"))
+        self.wk = QuantLinear(gm.tensor(p + "attn_k.weight"), rt, gm.get(p + "attn_k.bias"))
+        self.wv = QuantLinear(gm.tensor(p + "attn_v.weight"), rt, gm.get(p + "attn_v.bias"))
+        self.wo = QuantLinear(gm.tensor(p + "attn_output.weight"), rt)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(gm.tensor(p + "attn_q_norm.weight"), cfg.norm_eps, rt)
+            self.k_norm = RMSNorm(gm.tensor(p + "attn_k_norm.weight"), cfg.norm_eps, rt)
+
+    def forward(self, h: torch.Tensor, rotary: Rotary, cos, sin, batch: ForwardBatch):
+        t, cfg = h.shape[0], self.cfg
+        q = self.wq(h).view(t, cfg.n_heads, cfg.head_dim)
+        k = self.wk(h).view(t, cfg.n_kv_heads, cfg.head_dim)
+        v = self.wv(h).view(t, cfg.n_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        o = batch.attention(self.layer, q, k, v)  # [T, H, D]
+        return self.wo(o.reshape(t, cfg.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, gm: GGUFModel, i: int, rt: RuntimeConfig):
+        super().__init__()
+        p = f"blk.{i}."
+        self.gate = QuantLinear(gm.tensor(p + "ffn_gate.weight"), rt)
+        self.up = QuantLinear(gm.tensor(p + "ffn_up.weight"), rt)
+        self.down = QuantLinear(gm.tensor(p + "ffn_down.weight"), rt)
+        self._silu_mul = select("silu_mul", torch.device(rt.device)).fn
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, C] -> [T, C]
+        return self.down(self._silu_mul(self.gate(h), self.up(h)))
+
+
+class Block(nn.Module):
+    def __init__(self, gm: GGUFModel, i: int, rt: RuntimeConfig):
+        super().__init__()
+        eps = gm.config.norm_eps
+        self.attn_norm = RMSNorm(gm.tensor(f"blk.{i}.attn_norm.weight"), eps, rt)
+        self.attn = Attention(gm, i, rt)
+        self.ffn_norm = RMSNorm(gm.tensor(f"blk.{i}.ffn_norm.weight"), eps, rt)
+        self.ffn = FeedForward(gm, i, rt)
+
+    def forward(self, x, rotary, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rotary, cos, sin, batch)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, gm: GGUFModel, rt: RuntimeConfig, layers: range | None = None, progress: bool = False
+    ):
+        super().__init__()
+        cfg = self.config = gm.config
+        self.runtime = rt
+        self.layer_range = layers if layers is not None else range(cfg.n_layers)
+        self.embed = QuantEmbedding(gm.tensor("token_embd.weight"), rt)
+        self.rotary = Rotary(cfg, rt, gm.get("rope_freqs.weight"))
+        bar = tqdm(self.layer_range, desc="loading layers", unit="layer", disable=not progress)
+        self.blocks = nn.ModuleList(Block(gm, i, rt) for i in bar)
+        self.norm = RMSNorm(gm.tensor("output_norm.weight"), cfg.norm_eps, rt)
+        if cfg.tied_embeddings:
+            self.lm_head = QuantLinear.tied(self.embed)
+        else:
+            self.lm_head = QuantLinear(gm.tensor("output.weight"), rt)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """tokens [T] -> logits [N, V] float32 for the rows in batch.logits_indices."""
+        x = self.embed(tokens)  # [T, C]
+        cos, sin = self.rotary.cos_sin(batch.positions)  # [T, R] each
+        for block in self.blocks:
+            x = block(x, self.rotary, cos, sin, batch)
+        x = self.norm(x[batch.logits_indices])  # [N, C]
+        return self.lm_head(x).float()  # [N, V]
+
+
+def load_model(
+    path, rt: RuntimeConfig | None = None, progress: bool = False
+) -> tuple[GGUFModel, LlamaModel]:
+    from hetero.gguf_loader import load_gguf
+
+    rt = rt or RuntimeConfig()
+    if rt.threads:
+        torch.set_num_threads(rt.threads)
+    gm = load_gguf(path)
+    return gm, LlamaModel(gm, rt, progress=progress)
+
+
+def config_summary(cfg: ModelConfig) -> str:
+    return (
+        f"{cfg.arch} {cfg.name!r}: {cfg.n_layers} layers, width {cfg.d_model}, "
+        f"{cfg.n_heads} heads ({cfg.n_kv_heads} kv) x {cfg.head_dim}, ffn {cfg.d_ff}, "
+        f"vocab {cfg.vocab_size}, context {cfg.context_length}"
+    )

@@ -1,0 +1,73 @@
+"""Kernel registry: every op has a torch reference and may have faster implementations.
+
+An implementation declares what it needs of a device (`supports(device) -> bool`) and a priority;
+`select(op, device)` returns the best one the device can run, and the reference is always there to
+fall back to. Tests walk `ops()` and compare every implementation against its op's reference, so a
+new kernel is tested by being registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def any_device(device: torch.device) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    op: str
+    name: str
+    fn: Callable
+    priority: int  # higher wins among those the device supports; the reference is 0
+    supports: Callable[[torch.device], bool] = any_device
+
+    @property
+    def is_reference(self) -> bool:
+        return self.priority == 0
+
+
+_REGISTRY: dict[str, list[KernelImpl]] = {}
+
+
+def register(op: str, name: str, priority: int = 0, supports=any_device):
+    """Decorator: register `fn` as an implementation of `op` (priority 0 marks the reference)."""
+
+    def wrap(fn: Callable) -> Callable:
+        impls = _REGISTRY.setdefault(op, [])
+        if any(i.name == name for i in impls):
+            raise ValueError(f"kernel {name!r} is already registered for op {op!r}")
+        if priority == 0 and any(i.is_reference for i in impls):
+            raise ValueError(f"op {op!r} already has a reference implementation")
+        impls.append(KernelImpl(op, name, fn, priority, supports))
+        impls.sort(key=lambda i: -i.priority)
+        return fn
+
+    return wrap
+
+
+def ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def implementations(op: str) -> list[KernelImpl]:
+    if op not in _REGISTRY:
+        raise KeyError(f"unknown kernel op {op!r}; known: {', '.join(ops())}")
+    return list(_REGISTRY[op])
+
+
+def reference(op: str) -> KernelImpl:
+    return next(i for i in implementations(op) if i.is_reference)
+
+
+def select(op: str, device: torch.device | str) -> KernelImpl:
+    """The highest-priority implementation of `op` that `device` supports."""
+    device = torch.device(device)
+    for impl in implementations(op):
+        if impl.supports(device):
+            return impl
+    return reference(op)
