@@ -3,3 +3,17 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import hetero` stays cheap (no torch) for the command line's --help and --version.
+    if name == "LLM":
+        from hetero.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from hetero.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'hetero' has no attribute {name!r}")

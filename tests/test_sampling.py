@@ -16,10 +16,10 @@ from hetero.rng import GOLDEN, stream_key, uniform, uniform_reference
 from hetero.sampling import (
     Sampler,
     SamplingParams,
-    StopChecker,
     make_batch,
     sample_next,
 )
+from hetero.stop import StopChecker
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Iterable
 from typing import Any
 
 # Tie-breaker for requests created within one tick of the monotonic clock: arrival order must be
@@ -72,7 +73,7 @@ class Request:
         prompt_ids: list[int],
         params: Any = None,
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         arrival: float | None = None,
     ) -> None:
         if not prompt_ids:
@@ -81,7 +82,13 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
-        self.eos_token_id = eos_token_id
+        # one id, or the set a vocabulary marks as ends of generation (EOS, EOT, EOM ...)
+        if eos_token_id is None:
+            self.eos_token_id: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_id = frozenset((eos_token_id,))
+        else:
+            self.eos_token_id = frozenset(eos_token_id)
         max_tokens = getattr(params, "max_tokens", None)
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else int(max_tokens)
         if self.max_tokens < 1:
@@ -136,7 +143,7 @@ class Request:
         """The finished status that appending `token` (already appended) leads to, if any."""
         if token in self.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token == self.eos_token_id and not self.ignore_eos:
+        if token in self.eos_token_id and not self.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_ids) >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,111 @@
+"""Offline benchmark: N requests of given input/output lengths, C in flight at once.
+
+Closed loop: C requests start together; whenever one finishes the next waiting one starts, until
+N are done. Prompts are random token ids (seeded) and outputs ignore EOS, so every request has
+exactly the asked lengths. Reports output tok/s, TTFT and inter-token latency percentiles.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from hetero.engine.engine import Engine
+from hetero.sampling import SamplingParams
+
+
+@dataclass
+class Timeline:
+    start: float
+    tokens: list[float] = field(default_factory=list)  # arrival time of each output token
+
+
+@dataclass
+class BenchResult:
+    num_requests: int
+    concurrency: int
+    input_len: int
+    output_len: int
+    wall_s: float
+    ttft_s: list[float]
+    itl_s: list[float]
+    output_tokens: int
+    prompt_tokens: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def per_stream_tok_s(self) -> float:
+        """Decode speed one stream sees: 1 / median inter-token latency."""
+        return 1.0 / statistics.median(self.itl_s) if self.itl_s else 0.0
+
+    def lines(self) -> list[str]:
+        return [
+            f"requests {self.num_requests} x (in {self.input_len}, out {self.output_len}), "
+            f"concurrency {self.concurrency}, wall {self.wall_s:.2f} s",
+            f"output {self.output_tok_s:.1f} tok/s aggregate, "
+            f"{self.per_stream_tok_s:.1f} tok/s per stream (1 / median ITL); "
+            f"total {(self.output_tokens + self.prompt_tokens) / self.wall_s:.1f} tok/s",
+            "TTFT ms   " + _pcts(self.ttft_s),
+            "ITL ms    " + _pcts(self.itl_s),
+        ]
+
+
+def _pcts(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    s = sorted(xs)
+    pick = {p: s[min(len(s) - 1, int(p / 100 * len(s)))] * 1e3 for p in (50, 90, 99)}
+    mean = statistics.fmean(xs) * 1e3
+    return f"mean {mean:.1f}  p50 {pick[50]:.1f}  p90 {pick[90]:.1f}  p99 {pick[99]:.1f}"
+
+
+def run_bench(
+    engine: Engine,
+    num_requests: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+    params: SamplingParams | None = None,
+) -> BenchResult:
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(1000, vocab) for _ in range(input_len)] for _ in range(num_requests)]
+    params = params or SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    lines: dict[str, Timeline] = {}
+    pending = list(range(num_requests))
+    t0 = time.perf_counter()
+
+    def submit() -> None:
+        i = pending.pop(0)
+        rid = f"bench-{i}"
+        lines[rid] = Timeline(time.perf_counter())
+        engine.add_request(rid, prompts[i], params)
+
+    for _ in range(min(concurrency, num_requests)):
+        submit()
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            lines[out.request_id].tokens.extend([now] * len(out.new_token_ids))
+            if out.finished and pending:
+                submit()
+    wall = time.perf_counter() - t0
+    ttft = [tl.tokens[0] - tl.start for tl in lines.values() if tl.tokens]
+    itl = [b - a for tl in lines.values() for a, b in zip(tl.tokens, tl.tokens[1:])]
+    return BenchResult(
+        num_requests,
+        concurrency,
+        input_len,
+        output_len,
+        wall,
+        ttft,
+        itl,
+        sum(len(tl.tokens) for tl in lines.values()),
+        input_len * num_requests,
+    )

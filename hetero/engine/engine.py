@@ -1,0 +1,219 @@
+"""The engine core: schedule -> run -> sample -> update, one step at a time, over token ids.
+
+Text lives at the edges (engine/output.py and the server); here everything is integer ids.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hetero.config import RuntimeConfig
+from hetero.engine.block_manager import BlockManager
+from hetero.engine.config import EngineConfig, SchedulerConfig
+from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, size_pool
+from hetero.engine.request import Request
+from hetero.engine.runner import ModelRunner
+from hetero.engine.scheduler import Scheduler
+from hetero.gguf_loader import GGUFModel
+from hetero.model.llama import LlamaModel, load_model
+from hetero.models import resolve_model
+from hetero.sampling import Sampler, SamplingParams, make_batch
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, best first
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | None = None,
+        config: EngineConfig | None = None,
+        runtime: RuntimeConfig | None = None,
+        progress: bool = False,
+        loaded: tuple[GGUFModel, LlamaModel] | None = None,
+    ):
+        """`loaded`: a model already in memory (from load_model), shared instead of reloaded."""
+        from hetero.tokenizer import Tokenizer
+
+        self.config = config or EngineConfig()
+        self.model_path = resolve_model(model)
+        if loaded is None:
+            loaded = load_model(self.model_path, runtime or RuntimeConfig(), progress=progress)
+        self.gguf, self.model = loaded
+        self.runtime = self.model.runtime
+        self.model_config = self.gguf.config
+        self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
+        self.pool_size = self._size_pool()
+        cfg = self.config
+        self.pool = KVPool(
+            self.model_config,
+            len(self.model.layer_range),
+            self.pool_size.num_blocks,
+            cfg.block_size,
+            cfg.kv_dtype,
+            self.runtime.device,
+        )
+        self.block_manager = BlockManager(
+            self.pool_size.num_blocks, cfg.block_size, cfg.enable_prefix_caching
+        )
+        sched = cfg.scheduler
+        if sched.max_model_len is None:
+            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": self.max_model_len})
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.sampler = Sampler(cfg.seed)
+        self.params: dict[str, SamplingParams] = {}
+        self.stats = EngineStats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len or self.model_config.context_length
+
+    def _size_pool(self) -> PoolSize:
+        cfg = self.config
+        return size_pool(
+            self.model_config,
+            len(self.model.layer_range),
+            cfg.block_size,
+            cfg.kv_dtype,
+            self.runtime.device,
+            cfg.kv_memory_fraction,
+            cfg.num_kv_blocks,
+        )
+
+    def describe_kv(self) -> str:
+        """The pool, and what a block costs in each KV dtype (reported at start)."""
+        n = len(self.model.layer_range)
+        costs = ", ".join(
+            f"{d} {block_bytes(self.model_config, n, self.config.block_size, d) / 1024:.1f} KiB"
+            for d in ("fp8", "fp16", "bf16")
+        )
+        return f"{self.pool_size.describe(self.config.kv_dtype)}; one block costs {costs}"
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.params:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                f"{self.max_model_len} tokens (room is needed for at least one output token)"
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
+        self.scheduler.add(req)
+        self.params[request_id] = params
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
+        found = self.scheduler.abort(request_id)
+        self.params.pop(request_id, None)
+        return found
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        results: dict[str, StepOutput] = {}
+        for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
+            results[req.request_id] = self._final(req)
+        if out.scheduled:
+            t0 = time.perf_counter()
+            logits, producing = self.runner.run(out)
+            sampled = self._sample(logits, producing, results)
+            finished = self.scheduler.update(out, sampled)
+            self.stats.record(out, time.perf_counter() - t0)
+            for req in finished:
+                results[req.request_id].finished = True
+                results[req.request_id].finish_reason = req.finish_reason
+                self.params.pop(req.request_id, None)
+        return list(results.values())
+
+    def _sample(self, logits, producing, results) -> dict[str, int]:
+        if not producing:
+            return {}
+        reqs = [s.req for s in producing]
+        params = [self.params[r.request_id] for r in reqs]
+        state = make_batch(
+            params,
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            logits.device,
+        )
+        so = self.sampler(logits, state)
+        ids = so.token_ids.tolist()
+        lps = None if so.logprobs is None else so.logprobs.tolist()
+        tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
+        sampled = {}
+        for i, (req, p) in enumerate(zip(reqs, params)):
+            sampled[req.request_id] = ids[i]
+            o = results[req.request_id] = StepOutput(
+                req.request_id,
+                [ids[i]],
+                None,
+                False,
+                None,
+                req.num_prompt_tokens,
+                req.num_cached_tokens,
+            )
+            if p.logprobs is not None:
+                top = [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs]
+                o.logprobs = [TokenLogprob(ids[i], lps[i], top)]
+        return sampled
+
+    def _final(self, req: Request) -> StepOutput:
+        self.params.pop(req.request_id, None)
+        return StepOutput(
+            req.request_id,
+            [],
+            None,
+            True,
+            req.finish_reason,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+            req.error,
+        )
+
+    def cached_prompt_tokens(self, request_id: str) -> int:
+        req = self.scheduler.get(request_id)
+        return 0 if req is None else req.num_cached_tokens
+
+
+class EngineStats:
+    """Counters the bench and the server's /metrics read."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+        self.busy_s = 0.0
+
+    def record(self, out, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += out.num_batched_tokens
+        self.busy_s += seconds
