@@ -1,0 +1,155 @@
+"""The engine on its own thread, streamed to asyncio callers (the server).
+
+The engine thread owns the Engine: it alone calls add_request / abort / step. Callers talk to it
+through a command queue (each command carries a Future for its result) and receive StepOutputs
+on a per-request asyncio.Queue, filled with loop.call_soon_threadsafe. Tokenization and
+detokenization stay on the callers' side, off the scheduler's critical path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from hetero.engine.engine import Engine, StepOutput
+from hetero.sampling import SamplingParams
+
+log = logging.getLogger("hetero.engine")
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    done: concurrent.futures.Future
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hetero-engine", daemon=True)
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests; abort what is left; join the thread."""
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    # -- caller side (any thread with an event loop) ------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        """Stream the StepOutputs of one sequence; aborting it if the caller stops listening."""
+        if self._dead is not None or self._stop.is_set():
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shutting down'}")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt_ids, params, sink, loop, done))
+        await asyncio.wrap_future(done)  # raises the engine's ValueError for a bad request
+        finished = False
+        try:
+            while not finished:
+                out: StepOutput = await sink.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+        except BaseException as e:  # a dead engine must fail its requests, never hang them
+            log.exception("engine thread died")
+            self._dead = e
+            self._fail_all(f"engine error: {e}")
+            return
+        self._fail_all("the server is shutting down")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
+            except ValueError as e:
+                cmd.done.set_exception(e)
+                return
+            self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
+            cmd.done.set_result(None)
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+            self._sinks.pop(cmd[1], None)
+
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        for out in outs:
+            target = self._sinks.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            loop, sink = target
+            _put(loop, sink, out)
+
+    def _fail_all(self, reason: str) -> None:
+        for rid, (loop, sink) in list(self._sinks.items()):
+            _put(loop, sink, StepOutput(rid, finished=True, finish_reason="abort", error=reason))
+        self._sinks.clear()
+        while True:  # requests that arrived after the end
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.done.set_exception(EngineDeadError(reason))
+
+
+def _put(loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, out: StepOutput) -> None:
+    try:
+        loop.call_soon_threadsafe(sink.put_nowait, out)
+    except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+        pass
