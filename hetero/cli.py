@@ -117,7 +117,7 @@ def synth(out, shape, quant, seed):
     t0 = time.perf_counter()
     try:
         path = write_synthetic(out, shape, quant, seed=seed, progress=True)
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, OSError) as e:
         _fail(e)
     size = path.stat().st_size / 2**30
     click.echo(f"wrote {path} ({size:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
@@ -134,7 +134,7 @@ def quantize(src, dst, qtype):
     t0 = time.perf_counter()
     try:
         counts = requantize(src, dst, qtype, progress=True)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         _fail(e)
     summary = ", ".join(f"{k} x{v}" for k, v in counts.items())
     click.echo(f"wrote {dst} in {time.perf_counter() - t0:.1f} s: {summary}")
