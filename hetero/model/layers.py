@@ -23,25 +23,57 @@ def _dense(t: GGUFTensor, rt: RuntimeConfig, dtype: torch.dtype | None = None) -
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W^T (+ b) for W [N, K] from a GGUF tensor (GGUF ne = [K, N]).
+    """y = x @ W^T (+ b) for W [N, K] from GGUF tensors (GGUF ne = [K, N]).
 
-    "quant" keeps W in its GGUF blocks and dequantizes per call (the reference path every
-    quantized-matmul kernel is tested against); "dense" dequantizes once at load.
+    Several tensors with the same input width fuse into one along N (q|k|v, gate|up): one matmul
+    instead of three. "quant" keeps W in its GGUF blocks and dequantizes per call (the reference
+    path every quantized-matmul kernel is tested against); "dense" dequantizes once at load.
     """
 
-    def __init__(self, weight: GGUFTensor, rt: RuntimeConfig, bias: GGUFTensor | None = None):
+    def __init__(
+        self,
+        weights: GGUFTensor | list[GGUFTensor],
+        rt: RuntimeConfig,
+        biases: GGUFTensor | list[GGUFTensor | None] | None = None,
+    ):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.ggml_type = int(weight.ggml_type)
+        weights = weights if isinstance(weights, list) else [weights]
+        biases = biases if isinstance(biases, list) else [biases] * len(weights)
+        self.splits = [w.shape[0] for w in weights]  # output widths of the fused parts
+        self.out_features, self.in_features = sum(self.splits), weights[0].shape[1]
+        self.ggml_type = int(weights[0].ggml_type)
         self.mode = rt.weights
         if rt.weights == "dense":
-            self.weight = nn.Parameter(_dense(weight, rt), requires_grad=False)
+            w = (
+                torch.cat([_dense(t, rt) for t in weights])
+                if len(weights) > 1
+                else _dense(weights[0], rt)
+            )
+            self.weight = nn.Parameter(w, requires_grad=False)
         elif rt.weights == "quant":
-            self.qweight = weight.torch().to(rt.device)
-            self._qlinear = select("qlinear", torch.device(rt.device)).fn
+            self._init_quant(weights, rt)
         else:
             raise ValueError(f"weights mode {rt.weights!r} is not one of dense, quant")
-        self.bias = None if bias is None else _dense(bias, rt)
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat(
+                [
+                    _dense(b, rt) if b is not None else torch.zeros(n, device=rt.device)
+                    for b, n in zip(biases, self.splits)
+                ]
+            ).to(rt.torch_dtype())
+
+    def _init_quant(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
+        # Rows of a GGUF tensor are independent runs of blocks, so tensors of one type fuse by
+        # concatenating their bytes; mixed types (Q4_K_M's q/k beside a Q6_K v) stay apart.
+        self._qlinear = select("qlinear", torch.device(rt.device)).fn
+        same = all(int(w.ggml_type) == self.ggml_type for w in weights)
+        if len(weights) == 1 or same:
+            raw = [w.torch() for w in weights]
+            self.qweight = (torch.cat(raw) if len(raw) > 1 else raw[0]).to(rt.device)
+            self.parts = None
+        else:
+            self.parts = [(w.torch().to(rt.device), int(w.ggml_type), w.shape) for w in weights]
 
     @classmethod
     def tied(cls, embedding: QuantEmbedding) -> QuantLinear:
@@ -50,6 +82,7 @@ class QuantLinear(nn.Module):
         nn.Module.__init__(self)
         self.out_features, self.in_features = embedding.shape
         self.ggml_type, self.mode, self.bias = embedding.ggml_type, embedding.mode, None
+        self.splits, self.parts = [self.out_features], None
         if self.mode == "dense":
             self.weight = embedding.weight
         else:
@@ -60,11 +93,17 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.mode == "dense":
             y = x @ self.weight.t()
-        else:
+        elif self.parts is None:
             y = self._qlinear(
                 x, self.qweight, self.ggml_type, (self.out_features, self.in_features)
             )
+        else:
+            y = torch.cat([self._qlinear(x, w, t, shape) for w, t, shape in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The outputs of the fused parts: [T, N] -> ([T, N0], [T, N1], ...)."""
+        return y.split(self.splits, dim=-1)
 
 
 class QuantEmbedding(nn.Module):

@@ -6,11 +6,12 @@ D head dim, F feed-forward width, V vocabulary.
     tokens [T] -> embed [T, C]
     for each block:
         h = rms_norm(x)
-        q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)       [T, H, D], [T, KV, D], [T, KV, D]
+        q, k, v = h [Wq|Wk|Wv] (+b), split                   [T, H, D], [T, KV, D], [T, KV, D]
         q, k = rms_norm_per_head(q), rms_norm_per_head(k)   (qwen3 only)
         q, k = rope(q), rope(k)
         x = x + attention(q, k, v) Wo                        (KV stored by the backend)
-        x = x + (silu(rms_norm(x) Wgate) * rms_norm(x) Wup) Wdown
+        gate, up = rms_norm(x) [Wgate|Wup], split            [T, F] each
+        x = x + (silu(gate) * up) Wdown
     logits = rms_norm(x[wanted]) Wout                       [N, V] float32
 """
 
@@ -32,9 +33,10 @@ class Attention(nn.Module):
         super().__init__()
         cfg, p = gm.config, f"blk.{i}."
         self.cfg, self.layer = cfg, i
-        self.wq = QuantLinear(gm.tensor(p + "attn_q.weight"), rt, gm.get(p + "attn_q.bias"))
-        self.wk = QuantLinear(gm.tensor(p + "attn_k.weight"), rt, gm.get(p + "attn_k.bias"))
-        self.wv = QuantLinear(gm.tensor(p + "attn_v.weight"), rt, gm.get(p + "attn_v.bias"))
+        names = [p + "attn_q", p + "attn_k", p + "attn_v"]
+        self.wqkv = QuantLinear(  # q | k | v fused: [C] -> [H*D + 2*KV*D]
+            [gm.tensor(n + ".weight") for n in names], rt, [gm.get(n + ".bias") for n in names]
+        )
         self.wo = QuantLinear(gm.tensor(p + "attn_output.weight"), rt)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
@@ -43,9 +45,10 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, rotary: Rotary, cos, sin, batch: ForwardBatch):
         t, cfg = h.shape[0], self.cfg
-        q = self.wq(h).view(t, cfg.n_heads, cfg.head_dim)
-        k = self.wk(h).view(t, cfg.n_kv_heads, cfg.head_dim)
-        v = self.wv(h).view(t, cfg.n_kv_heads, cfg.head_dim)
+        q, k, v = self.wqkv.split(self.wqkv(h))
+        q = q.reshape(t, cfg.n_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
@@ -57,13 +60,15 @@ class FeedForward(nn.Module):
     def __init__(self, gm: GGUFModel, i: int, rt: RuntimeConfig):
         super().__init__()
         p = f"blk.{i}."
-        self.gate = QuantLinear(gm.tensor(p + "ffn_gate.weight"), rt)
-        self.up = QuantLinear(gm.tensor(p + "ffn_up.weight"), rt)
+        self.gate_up = QuantLinear(  # gate | up fused: [C] -> [2F]
+            [gm.tensor(p + "ffn_gate.weight"), gm.tensor(p + "ffn_up.weight")], rt
+        )
         self.down = QuantLinear(gm.tensor(p + "ffn_down.weight"), rt)
         self._silu_mul = select("silu_mul", torch.device(rt.device)).fn
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, C] -> [T, C]
-        return self.down(self._silu_mul(self.gate(h), self.up(h)))
+        gate, up = self.gate_up.split(self.gate_up(h))
+        return self.down(self._silu_mul(gate, up))
 
 
 class Block(nn.Module):
