@@ -19,10 +19,11 @@ def runtime_options(f):
     )(f)
     f = click.option(
         "--weights",
-        type=click.Choice(["dense", "quant"]),
-        default="dense",
+        type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16"]),
+        default="auto",
         show_default=True,
-        help="dense: dequantize once at load; quant: keep GGUF blocks (reference path)",
+        help="auto: fp16 repack on CPU, dense on GPU; dense: exact dequantized weights; "
+        "quant: keep GGUF blocks (reference path); fp16/int4/int8/bf16: CPU repacks",
     )(f)
     f = click.option("--threads", type=int, default=0, help="CPU threads (0: torch's default)")(f)
     return f

@@ -69,14 +69,27 @@ class RuntimeConfig:
     """Where and how the model runs.
 
     weights: "quant" keeps weights in their GGUF blocks and dequantizes them in the layer that uses
-    them (the reference path); "dense" dequantizes once at load into `dtype` (faster on a CPU, at
-    the cost of memory).
+    them (the reference path); "dense" dequantizes once at load into `dtype` (exact);
+    "fp16" / "int4" / "int8" / "bf16" repack for the CPU's kernels (kernels/cpu_linear.py);
+    "auto" is fp16 on a CPU (1.6-3x faster than fp32, logits within 0.03: BENCHMARKS.md) and
+    dense on a GPU.
     """
 
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    weights: str = "dense"
+    weights: str = "auto"
     threads: int = 0  # 0: leave torch's default
+
+    def weights_mode(self) -> str:
+        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16")
+        if self.weights not in modes:
+            raise ValueError(f"weights mode {self.weights!r} is not one of {', '.join(modes)}")
+        on_cpu = self.device.startswith("cpu")
+        if self.weights == "auto":
+            return "fp16" if on_cpu else "dense"
+        if self.weights not in ("dense", "quant") and not on_cpu:
+            raise ValueError(f"weights mode {self.weights!r} is for the CPU; use dense or quant")
+        return self.weights
 
     def torch_dtype(self):
         import torch

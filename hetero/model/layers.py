@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from hetero.config import ModelConfig, RopeScaling, RuntimeConfig
 from hetero.gguf_loader import GGUFTensor
 from hetero.kernels import select
+from hetero.kernels.cpu_linear import pack_linear, packed_linear
 from hetero.quant import dequantize
 
 
@@ -42,18 +44,14 @@ class QuantLinear(nn.Module):
         self.splits = [w.shape[0] for w in weights]  # output widths of the fused parts
         self.out_features, self.in_features = sum(self.splits), weights[0].shape[1]
         self.ggml_type = int(weights[0].ggml_type)
-        self.mode = rt.weights
-        if rt.weights == "dense":
-            w = (
-                torch.cat([_dense(t, rt) for t in weights])
-                if len(weights) > 1
-                else _dense(weights[0], rt)
-            )
+        self.mode = rt.weights_mode()
+        if self.mode == "dense":
+            w = torch.cat([_dense(t, rt) for t in weights])
             self.weight = nn.Parameter(w, requires_grad=False)
-        elif rt.weights == "quant":
+        elif self.mode == "quant":
             self._init_quant(weights, rt)
         else:
-            raise ValueError(f"weights mode {rt.weights!r} is not one of dense, quant")
+            self._init_packed(weights, rt)
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = torch.cat(
@@ -75,6 +73,17 @@ class QuantLinear(nn.Module):
         else:
             self.parts = [(w.torch().to(rt.device), int(w.ggml_type), w.shape) for w in weights]
 
+    def _init_packed(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
+        # CPU repacking (kernels/cpu_linear.py): same-type tensors pack from their GGUF bytes
+        # (int4 keeps Q4 codes as they are); mixed types pack from the exact fp32 weights.
+        if all(int(w.ggml_type) == self.ggml_type for w in weights):
+            raws = [w.torch() for w in weights]
+            raw, qtype = (torch.cat(raws) if len(raws) > 1 else raws[0]), self.ggml_type
+        else:
+            raw = torch.cat([dequantize(w.torch(), w.ggml_type, w.shape) for w in weights])
+            qtype = int(GGMLQuantizationType.F32)
+        self.packed = pack_linear(raw, qtype, (self.out_features, self.in_features), self.mode)
+
     @classmethod
     def tied(cls, embedding: QuantEmbedding) -> QuantLinear:
         """An output projection that shares the token embedding's table."""
@@ -85,6 +94,9 @@ class QuantLinear(nn.Module):
         self.splits, self.parts = [self.out_features], None
         if self.mode == "dense":
             self.weight = embedding.weight
+        elif self.mode != "quant":  # packed from the embedding's exact fp32 table
+            f32 = int(GGMLQuantizationType.F32)
+            self.packed = pack_linear(embedding.weight.float(), f32, embedding.shape, self.mode)
         else:
             self.qweight = embedding.qweight
             self._qlinear = select("qlinear", embedding.qweight.device).fn
@@ -93,6 +105,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.mode == "dense":
             y = x @ self.weight.t()
+        elif self.mode != "quant":
+            y = packed_linear(x, self.packed).to(x.dtype)
         elif self.parts is None:
             y = self._qlinear(
                 x, self.qweight, self.ggml_type, (self.out_features, self.in_features)
@@ -113,16 +127,16 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.shape = table.shape
         self.ggml_type = int(table.ggml_type)
-        self.mode = rt.weights
+        self.mode = rt.weights_mode()
         self.dtype = rt.torch_dtype()
-        if self.mode == "dense":
+        if self.mode != "quant":  # dense, or packed linears: rows are looked up from fp32
             self.weight = nn.Parameter(_dense(table, rt), requires_grad=False)
         else:
             self.qweight = table.torch().to(rt.device)
             self._embed = select("embed", torch.device(rt.device)).fn
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, C]
-        if self.mode == "dense":
+        if self.mode != "quant":
             return self.weight[ids]
         return self._embed(ids, self.qweight, self.ggml_type, self.shape).to(self.dtype)
 
