@@ -1,0 +1,92 @@
+"""`hetero-serve`: the command line of the OpenAI-compatible daemon.
+
+Options come from flags, a TOML file (`--config`) and defaults, in that order of precedence. The
+options are checked before anything heavy is imported, so `--help` and a bad config answer at
+once; the application itself is in `hetero.server.daemon`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import click
+
+from hetero.cli_options import engine_options
+from hetero.server.config_file import apply_config
+
+SERVER_KEYS = (
+    "model",
+    "host",
+    "port",
+    "api_key",
+    "served_model_name",
+    "max_request_bytes",
+    "shutdown_grace",
+    "log_level",
+)
+
+
+@click.command(name="hetero-serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+@click.option("--served-model-name", default=None, help="model name for clients (default: file)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="TOML file of these options (flags given on the command line win)",
+)
+@click.option(
+    "--max-request-bytes", type=click.IntRange(1024), default=8 * 2**20, show_default=True
+)
+@click.option(
+    "--shutdown-grace",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+@engine_options
+@click.pass_context
+def serve_cli(ctx: click.Context, config_path: str | None, **values) -> None:
+    """Serve MODEL (default: SmolLM2-135M-Instruct) over the OpenAI API and llama.cpp's /infill."""
+    from hetero.models import resolve_model
+
+    if config_path:
+        values = apply_config(ctx, values, config_path)
+    server = {k: values.pop(k) for k in SERVER_KEYS}
+    logging.basicConfig(
+        level=server.pop("log_level").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        model_path = resolve_model(server.pop("model"))
+        if not model_path.is_file():
+            raise FileNotFoundError(f"no such model file: {model_path}")
+        code = _serve(model_path, server, values)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    ctx.exit(code)
+
+
+def _serve(model_path, server: dict, engine_options: dict) -> int:
+    # torch and the engine load here, once the command line is known to be good.
+    from hetero.llm import build_configs
+    from hetero.server.daemon import serve
+    from hetero.server.state import ServerSettings
+
+    engine_config, runtime = build_configs(**engine_options)
+    settings = ServerSettings(model_path, **server, engine_config=engine_config, runtime=runtime)
+    return asyncio.run(serve(settings))

@@ -1,0 +1,114 @@
+"""Load a running `hetero-serve` the way `hetero bench` loads the engine, through HTTP.
+
+    python -m hetero.server.bench_http --url http://127.0.0.1:8080 -c 16 -n 32
+
+Closed loop: C streaming clients; whenever one finishes the next request starts, until N are done.
+Prompts are the same seeded random token ids as `hetero bench` uses (so the two runs compare the
+same work), sent to /v1/completions with `ignore_eos`, so every request has exactly the asked
+lengths. TTFT is the time to the first streamed chunk; a chunk is one engine step's text (a step
+whose token ends inside a UTF-8 character sends nothing, so ITL is a little coarse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import aiohttp
+import click
+
+from hetero.bench import BenchResult, Timeline
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict, line: Timeline) -> None:
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            if raw.startswith(b"data: {"):
+                chunk = json.loads(raw[6:])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    line.tokens.append(time.perf_counter())
+
+
+def _prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)  # the same prompts as hetero.bench.run_bench
+    return [[rng.randrange(1000, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+async def run_http_bench(
+    url: str,
+    vocab_size: int,
+    num_requests: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+) -> BenchResult:
+    prompts = _prompts(vocab_size, num_requests, input_len, seed)
+    lines: list[Timeline] = []
+    pending = list(range(num_requests))
+    timeout = aiohttp.ClientTimeout(total=None)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def client() -> None:
+            while pending:
+                i = pending.pop(0)
+                line = Timeline(time.perf_counter())
+                lines.append(line)
+                body = {
+                    "prompt": prompts[i],
+                    "max_tokens": output_len,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                await _one(session, url, body, line)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(min(concurrency, num_requests))))
+        wall = time.perf_counter() - t0
+    return BenchResult(
+        num_requests,
+        concurrency,
+        input_len,
+        output_len,
+        wall,
+        [tl.tokens[0] - tl.start for tl in lines if tl.tokens],
+        [b - a for tl in lines for a, b in zip(tl.tokens, tl.tokens[1:])],
+        num_requests * output_len,  # ignore_eos: exactly output_len each
+        num_requests * input_len,
+    )
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--url", default="http://127.0.0.1:8080", show_default=True)
+@click.option("--num-requests", "-n", type=click.IntRange(1), default=None)
+@click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--input-len", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--warmup/--no-warmup", default=True, help="one short untimed run first")
+@click.option("--seed", type=int, default=0, show_default=True)
+def main(model, url, num_requests, concurrency, input_len, output_len, warmup, seed) -> None:
+    """Throughput and TTFT of the daemon at URL; MODEL (default: the default model) gives the
+    vocabulary size for the random prompts."""
+    from hetero.gguf_loader import load_gguf
+    from hetero.models import resolve_model
+
+    vocab = load_gguf(resolve_model(model)).config.vocab_size
+    if warmup:
+        asyncio.run(run_http_bench(url, vocab, 1, 1, min(input_len, 16), 4, seed=seed + 1))
+    result = asyncio.run(
+        run_http_bench(
+            url, vocab, num_requests or concurrency, concurrency, input_len, output_len, seed
+        )
+    )
+    click.echo("\n".join(result.lines()))
+
+
+if __name__ == "__main__":
+    main()

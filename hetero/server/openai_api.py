@@ -1,0 +1,339 @@
+"""Handlers of the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each handler checks the body (protocol.py), renders and encodes the prompt on the tokenizer
+threads, runs a Job (generation.py) and answers one JSON body or a stream of chunks. Streams start
+once the engine has produced the first token, so refusals are still plain HTTP errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from hetero.chat_template import ChatTemplateError
+from hetero.server import logprobs as lp
+from hetero.server.generation import Event, Job
+from hetero.server.infill import fim_prompt
+from hetero.server.protocol import (
+    CHAT_FIELDS,
+    CHAT_UNSUPPORTED,
+    COMPLETION_FIELDS,
+    MAX_PROMPTS,
+    ApiError,
+    bad,
+    check_fields,
+    check_model,
+    include_usage,
+    make_params,
+    resolve_max_tokens,
+    sampling_kwargs,
+)
+from hetero.server.sse import EventStream, engine_errors, first_event, stopped_message
+from hetero.server.state import STATE, ServerState, read_body
+
+# -- /v1/models ----------------------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine, _ = state.require_ready()
+    card = {
+        "id": state.served_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "hetero",
+        "root": str(state.settings.model_path),
+        "max_model_len": engine.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------------
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    top = body.get("top_logprobs")
+    if not body.get("logprobs"):
+        if top is not None:
+            raise bad("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def _check_response_format(body: dict[str, Any]) -> None:
+    """`text`, or `json_object` under OpenAI's rules.
+
+    The output is not grammar-constrained yet: the engine's sampler has no per-request hook to
+    mask logits, so JSON mode relies on the prompt asking for JSON (which OpenAI requires too).
+    """
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    if kind == "text":
+        return
+    if kind != "json_object":
+        raise bad(
+            f"response_format type {kind!r} is not supported; use 'text' or 'json_object'",
+            param="response_format",
+        )
+    # OpenAI's rule: the model must be told to answer in JSON, or it may never stop.
+    if not any("json" in str(m.get("content", "")).lower() for m in body["messages"]):
+        raise bad(
+            "'messages' must contain the word 'json' in some form, to use 'response_format' "
+            "of type 'json_object'.",
+            param="messages",
+        )
+
+
+def _chat_prompt(tokenizer, messages: list, add_generation_prompt: bool) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError as e:
+        raise bad(str(e), param="messages") from e
+    return tokenizer.encode(text)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_body(request)
+    check_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
+    check_model(body, state.served_name)
+    engine, ae = state.require_ready()
+    kw = sampling_kwargs(body)
+    logprobs = _chat_logprobs(body)
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    messages = body["messages"]
+    if not messages:
+        raise bad("'messages' must hold at least one message", param="messages")
+    _check_response_format(body)
+    add_prompt = body.get("add_generation_prompt")
+    add_prompt = True if add_prompt is None else add_prompt
+    ids = await state.off_loop(_chat_prompt, engine.tokenizer, messages, add_prompt)
+    requested = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, state.pool_tokens)
+    params = make_params(kw, max_tokens)
+    job = Job(ae, engine.tokenizer, state.metrics, [ids], params, "chatcmpl")
+    with state.in_flight():
+        if body.get("stream"):
+            return await _stream_chat(request, state, job, include_usage(body), logprobs)
+        with engine_errors():
+            await job.run()
+        return web.json_response(_chat_body(state, job, logprobs))
+
+
+def _finished_or_503(job: Job) -> None:
+    if job.error is not None:
+        tokens = job.usage().completion_tokens
+        raise ApiError(503, stopped_message(job.error, tokens), code="aborted")
+
+
+def _chat_body(state: ServerState, job: Job, logprobs: int | None) -> dict[str, Any]:
+    _finished_or_503(job)
+    tok = state.engine.tokenizer
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.stream.out.text},
+            "logprobs": lp.chat(tok, c.stream.out.logprobs) if logprobs is not None else None,
+            "finish_reason": c.stream.out.finish_reason,
+        }
+        for c in job.choices
+    ]
+    return {
+        "id": job.id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": state.served_name,
+        "choices": choices,
+        "usage": job.usage().body(),
+    }
+
+
+async def _stream_chat(
+    request: web.Request, state: ServerState, job: Job, usage: bool, logprobs: int | None
+) -> web.StreamResponse:
+    head = {
+        "id": job.id,
+        "object": "chat.completion.chunk",
+        "created": job.created,
+        "model": state.served_name,
+    }
+    tok = state.engine.tokenizer
+    started: set[int] = set()
+
+    def chunk(index: int, delta: dict, event: Event | None) -> dict[str, Any]:
+        logs = lp.chat(tok, event.logprobs) if event and logprobs is not None else None
+        reason = event.finish_reason if event else None
+        choice = {"index": index, "delta": delta, "logprobs": logs, "finish_reason": reason}
+        return {**head, "choices": [choice]}
+
+    async with aclosing(job.events()) as events:
+        event = await first_event(events)
+        sse = await EventStream.open(request)
+        while event is not None:
+            if event.error:
+                await sse.send_error(stopped_message(event.error, job.usage().completion_tokens))
+                return await sse.done()
+            if event.index not in started:
+                started.add(event.index)
+                await sse.send(chunk(event.index, {"role": "assistant", "content": ""}, None))
+            if event.delta or event.finish_reason or (logprobs is not None and event.logprobs):
+                delta = {"content": event.delta} if event.delta else {}
+                await sse.send(chunk(event.index, delta, event))
+            event = await anext(events, None)
+    if usage:
+        await sse.send({**head, "choices": [], "usage": job.usage().body()})
+    return await sse.done()
+
+
+# -- /v1/completions -----------------------------------------------------------------------------
+
+
+def _prompt_list(prompt: Any, vocab_size: int) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes -> a list of prompts, each a string or token ids."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad("'prompt' must not be empty", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad(f"at most {MAX_PROMPTS} prompts are allowed in one request", param="prompt")
+    for p in items:
+        ok_ids = isinstance(p, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
+        )
+        if not (isinstance(p, str) or ok_ids) or (isinstance(p, list) and not p):
+            raise bad(
+                "'prompt' must be a string, an array of strings, or (arrays of) token ids in "
+                f"[0, {vocab_size})",
+                param="prompt",
+            )
+    return items
+
+
+def _encode_prompts(tokenizer, items: Sequence[str | list[int]], suffix: str | None) -> list:
+    ids = [tokenizer.encode(p, add_special=True) if isinstance(p, str) else p for p in items]
+    if suffix is None:
+        return ids
+    suffix_ids = tokenizer.encode(suffix)
+    texts = [tokenizer.encode(p) if isinstance(p, str) else p for p in items]
+    return [fim_prompt(tokenizer, t, suffix_ids) for t in texts]
+
+
+def _completion_checks(body: dict[str, Any]) -> None:
+    if body.get("echo") and body.get("suffix") is not None:
+        raise bad("'echo' cannot be combined with 'suffix'", param="echo")
+    if body.get("echo") and body.get("logprobs") is not None:
+        raise bad(
+            "'echo' with 'logprobs' needs the prompt's logprobs, which this engine does not "
+            "compute yet; ask for one or the other",
+            param="logprobs",
+        )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != (body.get("n") or 1):
+        raise bad("'best_of' other than 'n' is not supported", param="best_of")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_body(request)
+    check_fields(body, COMPLETION_FIELDS)
+    check_model(body, state.served_name)
+    engine, ae = state.require_ready()
+    _completion_checks(body)
+    kw = sampling_kwargs(body)
+    if body.get("logprobs") is not None:
+        kw["logprobs"] = body["logprobs"]
+    tok = engine.tokenizer
+    items = _prompt_list(body["prompt"], tok.vocab_size)
+    prompts = await state.off_loop(_encode_prompts, tok, items, body.get("suffix"))
+    requested = body.get("max_tokens") or 16  # the legacy API's default
+    limits = (engine.max_model_len, state.pool_tokens)
+    for p in prompts:
+        resolve_max_tokens(requested, len(p), *limits, prompt_param="prompt")
+    job = Job(ae, tok, state.metrics, prompts, make_params(kw, requested), "cmpl")
+    echo = [_echo_text(tok, p) for p in items] if body.get("echo") else None
+    with state.in_flight():
+        if body.get("stream"):
+            return await _stream_completion(request, state, job, echo, include_usage(body))
+        with engine_errors():
+            await job.run()
+        return web.json_response(_completion_body(state, job, echo))
+
+
+def _echo_text(tokenizer, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+def _completion_body(state: ServerState, job: Job, echo: list[str] | None) -> dict[str, Any]:
+    _finished_or_503(job)
+    tok = state.engine.tokenizer
+    choices = []
+    for c in job.choices:
+        head = echo[c.prompt] if echo else ""
+        out = c.stream.out
+        logs = None if out.logprobs is None else lp.legacy(tok, out.logprobs, len(head))
+        choices.append(
+            {
+                "index": c.index,
+                "text": head + out.text,
+                "logprobs": logs,
+                "finish_reason": out.finish_reason,
+            }
+        )
+    return {
+        "id": job.id,
+        "object": "text_completion",
+        "created": job.created,
+        "model": state.served_name,
+        "choices": choices,
+        "usage": job.usage().body(),
+    }
+
+
+async def _stream_completion(
+    request: web.Request, state: ServerState, job: Job, echo: list[str] | None, usage: bool
+) -> web.StreamResponse:
+    head = {
+        "id": job.id,
+        "object": "text_completion",
+        "created": job.created,
+        "model": state.served_name,
+    }
+    tok = state.engine.tokenizer
+    offsets = {c.index: len(echo[c.prompt]) if echo else 0 for c in job.choices}
+    started: set[int] = set()
+
+    def chunk(index: int, text: str, logs: Any, reason: str | None) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logs, "finish_reason": reason}
+        return {**head, "choices": [choice]}
+
+    async with aclosing(job.events()) as events:
+        event = await first_event(events)
+        sse = await EventStream.open(request)
+        while event is not None:
+            i = event.index
+            if event.error:
+                await sse.send_error(stopped_message(event.error, job.usage().completion_tokens))
+                return await sse.done()
+            if echo and i not in started:
+                started.add(i)
+                await sse.send(chunk(i, echo[job.choices[i].prompt], None, None))
+            logs = None
+            if event.logprobs is not None and job.params.logprobs is not None:
+                logs = lp.legacy(tok, event.logprobs, offsets[i])
+                offsets[i] += sum(len(t) for t in logs["tokens"])
+            if event.delta or event.finish_reason or logs:
+                await sse.send(chunk(i, event.delta, logs, event.finish_reason))
+            event = await anext(events, None)
+    if usage:
+        await sse.send({**head, "choices": [], "usage": job.usage().body()})
+    return await sse.done()

@@ -1,0 +1,350 @@
+"""Request validation for the OpenAI-compatible API, and OpenAI's JSON error shape.
+
+Every body is checked against a table of the fields an endpoint knows before anything runs:
+types (null is accepted for every optional field, as OpenAI does), OpenAI's ranges, fields
+OpenAI would reject ("Unrecognized request argument supplied"), and fields OpenAI knows but this
+server does not implement (a clear 400 instead of silently different behaviour). The vLLM
+extensions `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`skip_special_tokens` and `include_stop_str_in_output` are accepted too (clients pass them as
+`extra_body`). Range checks that `SamplingParams` already makes stay there; its ValueError,
+which names the field, becomes a 400 with that field as `param`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128  # OpenAI's bound on n
+MAX_STOP = 64  # IDE clients send many stop strings; bound the work they ask for
+MAX_PROMPTS = 256  # prompts in one /v1/completions batch
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# -- field tables --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field: its JSON kind and, for numbers, OpenAI's closed range."""
+
+    kind: str  # number | integer | boolean | string | object | array | stop | prompt | int_array
+    lo: float | None = None
+    hi: float | None = None
+    required: bool = False
+
+
+_KIND_NAMES = {
+    "number": "a number",
+    "integer": "an integer",
+    "boolean": "a boolean",
+    "string": "a string",
+    "object": "an object",
+    "array": "an array",
+    "stop": "a string or an array of strings",
+    "prompt": "a string, an array of strings, an array of token ids or an array of arrays of ids",
+    "int_array": "an array of integers",
+}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kind_ok(kind: str, v: object) -> bool:
+    if kind == "number":
+        return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    if kind == "integer":
+        return _is_int(v)
+    if kind == "boolean":
+        return isinstance(v, bool)
+    if kind == "string":
+        return isinstance(v, str)
+    if kind == "object":
+        return isinstance(v, dict)
+    if kind == "array":
+        return isinstance(v, list)
+    if kind == "stop":
+        return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+    if kind == "int_array":
+        return isinstance(v, list) and all(_is_int(t) for t in v)
+    if kind == "prompt":
+        return isinstance(v, (str, list))  # the shape inside is checked by completion_prompts
+    raise AssertionError(kind)
+
+
+def _json_type(v: object) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    names |= {list: "an array", dict: "an object"}
+    return names.get(type(v), type(v).__name__)
+
+
+SAMPLING_FIELDS: dict[str, Field] = {
+    "model": Field("string"),
+    "n": Field("integer", 1, MAX_N),
+    "temperature": Field("number", 0, 2),
+    "top_p": Field("number", 0, 1),
+    "seed": Field("integer", -(2**63), 2**64 - 1),
+    "stop": Field("stop"),
+    "max_tokens": Field("integer", 1),
+    "presence_penalty": Field("number", -2, 2),
+    "frequency_penalty": Field("number", -2, 2),
+    "logit_bias": Field("object"),
+    "stream": Field("boolean"),
+    "stream_options": Field("object"),
+    "user": Field("string"),
+    # vLLM's extensions
+    "top_k": Field("integer", -1),
+    "min_p": Field("number", 0, 1),
+    "repetition_penalty": Field("number", 0),
+    "ignore_eos": Field("boolean"),
+    "stop_token_ids": Field("int_array"),
+    "skip_special_tokens": Field("boolean"),
+    "include_stop_str_in_output": Field("boolean"),
+}
+# Fields of OpenAI's API that carry no meaning for one local model; accepted and not used.
+IGNORED = ("user", "service_tier", "store", "metadata", "parallel_tool_calls")
+
+CHAT_FIELDS: dict[str, Field] = SAMPLING_FIELDS | {
+    "messages": Field("array", required=True),
+    "max_completion_tokens": Field("integer", 1),
+    "logprobs": Field("boolean"),
+    "top_logprobs": Field("integer", 0, MAX_LOGPROBS),
+    "response_format": Field("object"),
+    "add_generation_prompt": Field("boolean"),
+    "service_tier": Field("string"),
+    "store": Field("boolean"),
+    "metadata": Field("object"),
+    "parallel_tool_calls": Field("boolean"),
+}
+# OpenAI chat fields that would change the output in ways this server cannot honour.
+CHAT_UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+)
+
+COMPLETION_FIELDS: dict[str, Field] = SAMPLING_FIELDS | {
+    "prompt": Field("prompt", required=True),
+    "echo": Field("boolean"),
+    "logprobs": Field("integer", 0, MAX_LOGPROBS),
+    "suffix": Field("string"),
+    "best_of": Field("integer", 1, MAX_N),
+}
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says where parsing failed."""
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8: {e}") from e
+    except json.JSONDecodeError as e:
+        raise bad(
+            f"could not parse the JSON body of the request: {e.msg} at line {e.lineno} "
+            f"column {e.colno}; the API expects a JSON object"
+        ) from e
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, not {_json_type(body)}")
+    return body
+
+
+def check_fields(
+    body: Mapping[str, Any], table: Mapping[str, Field], unsupported: tuple[str, ...] = ()
+) -> None:
+    """Types, ranges, required and unknown fields of `body` against `table`."""
+    for key, value in body.items():
+        if key in unsupported:
+            if value is None or value == [] or (key == "tool_choice" and value == "none"):
+                continue
+            raise bad(f"'{key}' is not supported by this server", param=key)
+        spec = table.get(key)
+        if spec is None:
+            raise bad(f"Unrecognized request argument supplied: {key}", param=key)
+        if value is None:
+            continue
+        if not _kind_ok(spec.kind, value):
+            raise bad(
+                f"Invalid type for '{key}': expected {_KIND_NAMES[spec.kind]}, "
+                f"but got {_json_type(value)} instead.",
+                param=key,
+            )
+        if spec.lo is not None and value < spec.lo or spec.hi is not None and value > spec.hi:
+            bounds = _bounds(spec)
+            raise bad(f"Invalid value for '{key}': {value!r} is {bounds}.", param=key)
+    for key, spec in table.items():
+        if spec.required and body.get(key) is None:
+            raise bad(f"Missing required parameter: '{key}'.", param=key)
+
+
+def _bounds(spec: Field) -> str:
+    if spec.hi is None:
+        return f"below the minimum of {spec.lo:g}"
+    if spec.lo is None:
+        return f"above the maximum of {spec.hi:g}"
+    return f"outside the range [{spec.lo:g}, {spec.hi:g}]"
+
+
+def check_model(body: Mapping[str, Any], served_name: str) -> None:
+    """`model` may be left out; when given it must name the served model (404 otherwise)."""
+    model = body.get("model")
+    if model is not None and model != served_name:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist. This server serves `{served_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+# -- sampling parameters --------------------------------------------------------------------------
+
+
+_PASSED = (
+    "n",
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
+def sampling_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The SamplingParams fields a checked body sets (max_tokens is resolved later)."""
+    kw = {k: body[k] for k in _PASSED if body.get(k) is not None}
+    stop = body.get("stop")
+    if stop is not None:
+        kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        if len(kw["stop"]) > MAX_STOP:
+            raise bad(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
+    if body.get("logit_bias"):
+        raise bad("'logit_bias' is not supported by this server", param="logit_bias")
+    options = body.get("stream_options")
+    if options is not None:
+        if not body.get("stream"):
+            raise bad(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                param="stream_options",
+            )
+        extra = set(options) - {"include_usage", "continuous_usage_stats"}
+        if extra:
+            raise bad(f"Unrecognized stream option: {sorted(extra)[0]}", param="stream_options")
+    return kw
+
+
+def include_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options") or {}
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise bad("'stream_options.include_usage' must be a boolean", param="stream_options")
+    return value
+
+
+def make_params(kw: Mapping[str, Any], max_tokens: int) -> SamplingParams:
+    """SamplingParams, its ValueError (which names the field) turned into a 400."""
+    try:
+        return SamplingParams(**kw, max_tokens=max_tokens)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise bad(str(e), param=field if field in SAMPLING_FIELDS else None) from e
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    pool_tokens: int,
+    prompt_param: str = "messages",
+) -> int:
+    """max_tokens as asked, or all the room left; 400 (both numbers) when it cannot fit.
+
+    The room is bounded by the context and by the KV pool, which must hold the whole sequence
+    (the scheduler refuses a request the pool could never fit).
+    """
+    limit = min(max_model_len, pool_tokens)
+    if prompt_len >= limit:
+        raise context_error(prompt_len, None, limit, max_model_len, pool_tokens, prompt_param)
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise context_error(prompt_len, requested, limit, max_model_len, pool_tokens, "max_tokens")
+    return requested
+
+
+def context_error(
+    prompt_len: int,
+    requested: int | None,
+    limit: int,
+    max_model_len: int,
+    pool_tokens: int,
+    param: str,
+) -> ApiError:
+    what = (
+        f"This model's maximum context length is {max_model_len} tokens"
+        if limit == max_model_len
+        else f"The KV cache of this server holds at most {pool_tokens} tokens for one request"
+    )
+    if requested is None:
+        asked = f"However, your prompt has {prompt_len} tokens, which leaves no room for output"
+    else:
+        asked = (
+            f"However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
+            f"prompt, {requested} in the completion)"
+        )
+    return ApiError(
+        400,
+        f"{what}. {asked}. Please reduce the length of the prompt or of the completion.",
+        param=param,
+        code="context_length_exceeded",
+    )

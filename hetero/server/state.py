@@ -1,0 +1,148 @@
+"""What the daemon holds while it runs: settings, the engine (once loaded), metrics, counters."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from hetero.config import RuntimeConfig
+from hetero.engine.async_engine import AsyncEngine
+from hetero.engine.config import EngineConfig
+from hetero.engine.engine import Engine
+from hetero.server.metrics import Metrics
+from hetero.server.protocol import ApiError, parse_json
+
+log = logging.getLogger("hetero.server")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_path: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_bytes: int = 8 * 2**20
+    shutdown_grace: float = 30.0
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model_path.stem
+
+
+class ServerState:
+    """Status: loading -> ready -> draining (or loading -> failed)."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.served_name = settings.served_name
+        self.status = "loading"
+        self.error: str | None = None
+        self.engine: Engine | None = None
+        self.ae: AsyncEngine | None = None
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        # Prompt rendering and encoding run here, off the event loop that streams tokens; the
+        # engine has its own thread. Two workers: the machine's tokenizer work is short and bursty.
+        self.tok_pool = ThreadPoolExecutor(2, thread_name_prefix="hetero-tokenize")
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- loading -----------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Build the engine on a daemon thread (a signal during loading must not wait for it)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def work() -> None:
+            try:
+                s = self.settings
+                engine = Engine(s.model_path, s.engine_config, s.runtime, progress=True)
+                result: Any = engine
+            except BaseException as e:  # reported to the loop, which fails the daemon
+                result = e
+            loop.call_soon_threadsafe(_settle, done, result)
+
+        threading.Thread(target=work, name="hetero-load", daemon=True).start()
+        result = await done
+        if isinstance(result, BaseException):
+            self.status, self.error = "failed", f"{type(result).__name__}: {result}"
+            raise result
+        self.engine = result
+        self.ae = AsyncEngine(result).start()
+        self.status = "ready"
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def require_ready(self) -> tuple[Engine, AsyncEngine]:
+        if self.status == "ready" and self.engine is not None and self.ae is not None:
+            return self.engine, self.ae
+        if self.status == "loading":
+            raise ApiError(503, "the model is still loading; retry shortly", code="loading")
+        if self.status == "draining":
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        raise ApiError(503, f"the model failed to load: {self.error}", code="load_failed")
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of KV one request can hold at most: the whole pool."""
+        assert self.engine is not None
+        bm = self.engine.block_manager
+        return bm.num_blocks * bm.block_size
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work (chat templates, encoding) on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.tok_pool, fn, *args)
+
+    @contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Counts a generation request while it is served (the drain waits for zero)."""
+        self.metrics.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.metrics.in_flight -= 1
+            if self.metrics.in_flight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when no generation request is left within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (its requests get an abort saying why) and the tokenizer pool."""
+        if self.ae is not None:
+            self.ae.shutdown(timeout)
+        self.tok_pool.shutdown(wait=False, cancel_futures=True)
+
+
+STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
+
+
+async def read_body(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object (aiohttp enforces the size limit while reading: 413)."""
+    return parse_json(await request.read())
+
+
+def _settle(fut: asyncio.Future, result: object) -> None:
+    if not fut.done():
+        fut.set_result(result)

@@ -1,0 +1,189 @@
+"""The daemon's life: 503 while loading, the ready line, the TOML config, a clean stop on SIGTERM
+(in-flight requests finish within the grace period or are told why they stop), bad configs and
+model files refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hetero.server.app import serve_cli
+from hetero.server.config_file import apply_config
+from tests.server_fixture import free_port, sse_events, start_daemon
+
+NAME = "from-toml"
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hetero.server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "server.toml"
+    path.write_text(
+        f'served_model_name = "{NAME}"\n'
+        "num-kv-blocks = 40  # the command line below overrides this one\n"
+        "shutdown_grace = 2.0\n"
+        "threads = 1\n"
+        'kv_dtype = "fp16"\n'
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def loading_seen(config):
+    """Start the daemon and watch /health from the first moment it listens."""
+    d = start_daemon("--config", str(config), "--num-kv-blocks", "48", wait=False)
+    seen = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and d.proc.poll() is None:
+        try:
+            status, _, raw = d.request("GET", "/health", timeout=5)
+        except OSError:
+            time.sleep(0.02)
+            continue
+        if status == 503 and not seen:
+            seen.append((json.loads(raw), d.request("GET", "/metrics")[2].decode()))
+            seen.append(d.request("GET", "/v1/models")[0])
+        if status == 200:
+            break
+        time.sleep(0.02)
+    yield d, seen
+    if d.proc.poll() is None:  # the SIGTERM test did not get to stop it
+        d.stop(signal.SIGKILL)
+
+
+def test_health_is_503_while_loading_then_ready(loading_seen):
+    d, seen = loading_seen
+    assert d.request("GET", "/health")[0] == 200
+    assert seen, "the listener was expected to answer while the model loads"
+    (body, metrics_text), models_status = seen
+    assert body["error"]["code"] == "loading"
+    assert "hetero_up 0" in metrics_text
+    assert models_status == 503
+    log = d.log()
+    ready = [line for line in log.splitlines() if "ready: " in line]
+    assert len(ready) == 1
+    assert d.url + "/v1" in ready[0] and repr(NAME) in ready[0]
+    assert ".gguf" in ready[0] and "KV cache: 48 blocks" in ready[0] and "(fp16)" in ready[0]
+    assert "loading layers" in log  # the progress bar
+
+
+def test_config_file_and_flags(loading_seen):
+    d, _ = loading_seen
+    status, _, raw = d.request("GET", "/v1/models")
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == NAME  # from the file
+    assert d.metrics()['hetero_kv_blocks_total{tier="cpu"}'] == 48  # the flag won
+
+
+def test_sigterm_lets_short_requests_finish_and_tells_the_others_why(loading_seen):
+    d, _ = loading_seen
+    results: dict[str, tuple] = {}
+    first_chunks = threading.Event()
+
+    def stream():
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
+        body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 500, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body))
+        resp = conn.getresponse()
+        raw = resp.read1(65536)
+        first_chunks.set()
+        while chunk := resp.read1(65536):
+            raw += chunk
+        results["stream"] = (resp.status, raw)
+
+    def post(key, max_tokens):
+        body = {"model": NAME, "prompt": "Hello there", "max_tokens": max_tokens}
+        results[key] = d.post("/v1/completions", body)
+
+    threads = [threading.Thread(target=stream)]
+    threads[0].start()
+    assert first_chunks.wait(120)
+    threads += [
+        threading.Thread(target=post, args=("short", 3)),
+        threading.Thread(target=post, args=("long", 500)),
+    ]
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.3)  # both are admitted
+    d.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert d.proc.wait(60) == 0
+    status, body = results["short"]
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
+    status, body = results["long"]
+    assert status == 503 and "shutting down" in body["error"]["message"]
+    status, raw = results["stream"]
+    events = sse_events(raw)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "shutting down" in events[-2]["error"]["message"]
+    assert "stopped" in d.log()
+    d.log_path.unlink()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("nonsense_key = 1\n", "unknown key 'nonsense_key'"),
+        ('num_kv_blocks = "8"\n', "wrong type"),
+        ('kv_dtype = "fp4"\n', "kv_dtype"),
+        ("port = 70000\n", "port"),
+        ("threads = [\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_files_are_refused(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    r = run_cli("--config", str(path), "--port", str(free_port()))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_the_example_config_is_valid_and_flags_win():
+    example = Path(__file__).parents[1] / "configs" / "server.toml"
+    ctx = serve_cli.make_context("hetero-serve", ["--config", str(example), "--port", "9999"])
+    values = dict(ctx.params)
+    with ctx:
+        out = apply_config(ctx, values, values.pop("config_path"))
+    assert out["served_model_name"] == "office" and out["max_num_seqs"] == 64
+    assert out["port"] == 9999 and out["enable_prefix_caching"] is True
+
+
+def test_missing_and_broken_model_files(tmp_path):
+    r = run_cli(str(tmp_path / "absent.gguf"), "--port", str(free_port()))
+    assert r.returncode == 1 and "no such model file" in r.stderr, r.stderr
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all" * 10)
+    r = run_cli(str(broken), "--port", str(free_port()))
+    assert r.returncode == 1 and "failed to load" in r.stderr, r.stderr
+
+
+def test_sigint_while_loading_exits_at_once(smollm2_path):
+    d = start_daemon("--threads", "1", wait=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait for the listener, not for the model
+        try:
+            if d.request("GET", "/health", timeout=5)[0] in (200, 503):
+                break
+        except OSError:
+            time.sleep(0.02)
+    t0 = time.monotonic()
+    assert d.stop(signal.SIGINT) == 0, d.log()
+    assert time.monotonic() - t0 < 10
+    d.log_path.unlink()
