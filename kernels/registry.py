@@ -25,6 +25,10 @@ class KernelImpl:
     fn: Callable
     priority: int  # higher wins among those the device supports; the reference is 0
     supports: Callable[[torch.device], bool] = any_device
+    # Optional load-time step: the op's weight argument as this implementation wants it (e.g. GGUF
+    # blocks repacked into a kernel layout). Same arguments as the op minus its activations;
+    # `fn` must still accept the unprepared form.
+    prepare: Callable | None = None
 
     @property
     def is_reference(self) -> bool:
@@ -34,7 +38,7 @@ class KernelImpl:
 _REGISTRY: dict[str, list[KernelImpl]] = {}
 
 
-def register(op: str, name: str, priority: int = 0, supports=any_device):
+def register(op: str, name: str, priority: int = 0, supports=any_device, prepare=None):
     """Decorator: register `fn` as an implementation of `op` (priority 0 marks the reference)."""
 
     def wrap(fn: Callable) -> Callable:
@@ -43,7 +47,7 @@ def register(op: str, name: str, priority: int = 0, supports=any_device):
             raise ValueError(f"kernel {name!r} is already registered for op {op!r}")
         if priority == 0 and any(i.is_reference for i in impls):
             raise ValueError(f"op {op!r} already has a reference implementation")
-        impls.append(KernelImpl(op, name, fn, priority, supports))
+        impls.append(KernelImpl(op, name, fn, priority, supports, prepare))
         impls.sort(key=lambda i: -i.priority)
         return fn
 
@@ -71,3 +75,12 @@ def select(op: str, device: torch.device | str) -> KernelImpl:
         if impl.supports(device):
             return impl
     return reference(op)
+
+
+def prepare_weight(impl: KernelImpl, weight, *args):
+    """`weight` as `impl` wants it at load time: its prepare hook's result, else `weight` itself.
+
+    For "qlinear": prepare_weight(impl, qweight, ggml_type, shape) once, then
+    impl.fn(x, prepared, ggml_type, shape) per call.
+    """
+    return weight if impl.prepare is None else impl.prepare(weight, *args)

@@ -1,0 +1,283 @@
+"""Load-time repacking of GGUF quantized blocks into a layout GPU kernels read with wide loads.
+
+GGUF blocks interleave fp16 scales with the codes (Q4_0: 18-byte blocks, Q6_K: 210), so their
+codes sit at 2-byte-aligned addresses in an order chosen for CPU SIMD. `repack` splits a weight
+W [N, K] into planes, each row-major over N:
+
+    codes  int32 [N, K*LB/32]  the low LB bits of every code, in chunks of 4 words (16 bytes):
+                               F = 32/LB fields a word, E = 4F codes a chunk, and field f of word
+                               c of chunk h holds element h*E + 4f + c. For LB = 4 (E = 32):
+
+           word c:  | e28+c | e24+c | e20+c | e16+c | e12+c | e8+c | e4+c | e0+c |  (bits 31..0)
+
+                               so field f of the chunk's 4 words is 4 consecutive elements: a
+                               kernel turns one 16-byte load into F vectors of 4 weights without
+                               moving data between threads.
+    high   int8/int16 [N, K*LB/32]  the HB high bits of the same codes, one F*HB-bit value per
+                               code word (Q5_*: 8 bits, Q6_K and Q3_K: 16), field f at f*HB
+    scale  [N, K/G]            per-group scale: fp16 d (legacy types) or the K-quant sub-block
+                               code sc (uint8; int8 for Q6_K and Q3_K, whose sc - 32 is stored)
+    minv   [N, K/G]            per-group min: fp16 m (Q4_1, Q5_1) or the K-quant code m (uint8)
+    d, dmin fp16 [N, K/256]    K-quant super-block scales
+
+Q2_K keeps its byte m << 4 | sc in `scale` (no `minv`): the kernel splits it.
+
+Every type then dequantizes with one formula, the references' float32 operations in their order:
+
+    q = low | high << LB                       (unsigned integer code)
+    A = d                  (legacy)  or  d * sc      (K-quants; float32, as the references do)
+    B = -m                 (Q4_1/Q5_1) or  dmin * mn (K-quants with mins)
+    w = A * (q + OFF) - B                      (OFF folds the code offset: Q4_0 -8, Q6_K -32 ...)
+
+A * (q + OFF) is exact in float32 for every type (at most 11 + 7 + 6 significant bits), so fused
+or unfused, the one rounding left is that of the - B, exactly as in the references: the values
+are bit-identical to `hetero.quant.dequantize` (checked by `dequantize_packed` in the tests).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from hetero.quant import get_quant
+from hetero.quant.bits import bit_planes, crumbs, le_bits, low_high_nibbles
+from hetero.quant.kquants import k4_scale_min, q3_k_scales
+
+_T = GGMLQuantizationType
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class QSpec:
+    """How one GGUF type maps onto the packed planes (see the module docstring)."""
+
+    low_bits: int  # LB: bits per code in `codes` (2, 4 or 8)
+    high_bits: int  # HB: bits per code in `high` (0, 1 or 2)
+    group: int  # G: codes sharing one scale (16 or 32)
+    offset: int  # OFF in w = A * (q + OFF) - B
+    kquant: bool  # A = d * sc with d per 256-element super-block
+    has_min: bool  # a B term
+    packed_min: bool = False  # Q2_K: scale byte = mn << 4 | sc
+
+    @property
+    def high_dtype(self) -> torch.dtype:
+        """One value a code word: (32 / LB) * HB bits."""
+        return torch.int8 if (32 // self.low_bits) * self.high_bits == 8 else torch.int16
+
+
+SPECS: dict[GGMLQuantizationType, QSpec] = {
+    _T.Q4_0: QSpec(4, 0, 32, -8, kquant=False, has_min=False),
+    _T.Q4_1: QSpec(4, 0, 32, 0, kquant=False, has_min=True),
+    _T.Q5_0: QSpec(4, 1, 32, -16, kquant=False, has_min=False),
+    _T.Q5_1: QSpec(4, 1, 32, 0, kquant=False, has_min=True),
+    _T.Q8_0: QSpec(8, 0, 32, -128, kquant=False, has_min=False),  # codes stored as q + 128
+    _T.Q2_K: QSpec(2, 0, 16, 0, kquant=True, has_min=True, packed_min=True),
+    _T.Q3_K: QSpec(2, 1, 16, -4, kquant=True, has_min=False),
+    _T.Q4_K: QSpec(4, 0, 32, 0, kquant=True, has_min=True),
+    _T.Q5_K: QSpec(4, 1, 32, 0, kquant=True, has_min=True),
+    _T.Q6_K: QSpec(4, 2, 16, -32, kquant=True, has_min=False),
+}
+
+
+def spec_of(ggml_type: GGMLQuantizationType | int | str) -> QSpec:
+    qt = get_quant(ggml_type)
+    spec = SPECS.get(qt.ggml_type)
+    if spec is None:
+        known = ", ".join(t.name for t in SPECS)
+        raise ValueError(f"{qt.name} has no packed GPU layout; packable types: {known}")
+    return spec
+
+
+def packable(ggml_type: GGMLQuantizationType | int | str) -> bool:
+    try:
+        return get_quant(ggml_type).ggml_type in SPECS
+    except ValueError:
+        return False
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """A weight W [N, K] from GGUF blocks in the planes above (all on one device)."""
+
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]  # (N, K)
+    codes: torch.Tensor
+    scale: torch.Tensor
+    high: torch.Tensor | None = None
+    minv: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
+
+    @property
+    def spec(self) -> QSpec:
+        return SPECS[self.ggml_type]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def planes(self) -> list[torch.Tensor]:
+        return [
+            t
+            for t in (self.codes, self.high, self.scale, self.minv, self.d, self.dmin)
+            if t is not None
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel reads to use the whole weight once."""
+        return sum(t.numel() * t.element_size() for t in self.planes())
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return PackedWeight(
+            self.ggml_type, self.shape, move(self.codes), move(self.scale), move(self.high),
+            move(self.minv), move(self.d), move(self.dmin),
+        )  # fmt: skip
+
+
+def chunk_codes(low_bits: int) -> int:
+    """E: codes in one 4-word chunk of the `codes` plane."""
+    return 4 * (32 // low_bits)
+
+
+def _pack_fields(q: torch.Tensor, low_bits: int, bits: int) -> torch.Tensor:
+    """Codes (n, K) < 2^bits, chunked as the LB-bit plane -> int64 (n, K*LB/32): one value a code
+    word, holding the word's F codes at bits f*bits."""
+    n, per_word = q.shape[0], 32 // low_bits
+    fields = q.reshape(n, -1, per_word, 4).transpose(2, 3).to(torch.int64)  # (n, chunk, c, f)
+    shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
+    return (fields << shifts).sum(-1).reshape(n, -1)
+
+
+def _as_signed(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Unsigned values below 2^bits(dtype) -> the same bits as `dtype` (two's complement)."""
+    half = 1 << (8 * dtype.itemsize - 1)
+    return torch.where(v >= half, v - 2 * half, v).to(dtype)
+
+
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte `offset` of every block: (n_blocks,) float16 (bits copied, not rounded)."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).reshape(-1)
+
+
+def _codes(t: GGMLQuantizationType, b: torch.Tensor) -> torch.Tensor:
+    """(n, type_size) blocks -> (n, block_size) uint8 unsigned codes q in element order."""
+    n = b.shape[0]
+    if t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1):
+        lo = {_T.Q4_0: 2, _T.Q4_1: 4, _T.Q5_0: 6, _T.Q5_1: 8}[t]
+        q = low_high_nibbles(b[:, lo : lo + 16].unsqueeze(1)).reshape(n, 32)
+        if t in (_T.Q5_0, _T.Q5_1):
+            q = q | (le_bits(b[:, lo - 4 : lo]) << 4)
+        return q
+    if t == _T.Q8_0:
+        return (b[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    if t == _T.Q2_K:
+        return crumbs(b[:, 16:80].reshape(n, 2, 32)).reshape(n, QK_K)
+    if t == _T.Q3_K:
+        low = crumbs(b[:, 32:96].reshape(n, 2, 32)).reshape(n, QK_K)
+        return low | (bit_planes(b[:, 0:32]).reshape(n, QK_K) << 2)
+    if t == _T.Q4_K:
+        return low_high_nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, QK_K)
+    if t == _T.Q5_K:
+        low = low_high_nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, QK_K)
+        return low | (bit_planes(b[:, 16:48]).reshape(n, QK_K) << 4)
+    if t == _T.Q6_K:
+        low = low_high_nibbles(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
+        high = crumbs(b[:, 128:192].reshape(n, 2, 32))
+        return (low | (high << 4)).reshape(n, QK_K)
+    raise AssertionError(t)
+
+
+def _scales(t: GGMLQuantizationType, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-block scale fields, each (n_blocks, groups per block) or (n_blocks,)."""
+    if t in (_T.Q4_0, _T.Q5_0, _T.Q8_0):
+        return {"scale": _f16(b, 0)}
+    if t in (_T.Q4_1, _T.Q5_1):
+        return {"scale": _f16(b, 0), "minv": _f16(b, 2)}
+    if t == _T.Q2_K:
+        return {"scale": b[:, 0:16], "d": _f16(b, 80), "dmin": _f16(b, 82)}
+    if t == _T.Q3_K:
+        return {"scale": q3_k_scales(b[:, 96:108]), "d": _f16(b, 108)}
+    if t in (_T.Q4_K, _T.Q5_K):
+        sc, mn = k4_scale_min(b[:, 4:16])
+        return {"scale": sc, "minv": mn, "d": _f16(b, 0), "dmin": _f16(b, 2)}
+    if t == _T.Q6_K:
+        return {"scale": b[:, 192:208].view(torch.int8), "d": _f16(b, 208)}
+    raise AssertionError(t)
+
+
+def repack(
+    qweight: torch.Tensor, ggml_type: GGMLQuantizationType | int | str, shape: tuple[int, int]
+) -> PackedWeight:
+    """GGUF bytes uint8 [N, row_bytes] of a weight W [N, K] -> PackedWeight on the same device."""
+    if sys.byteorder != "little":
+        raise RuntimeError("the packed layout assumes a little-endian host and device")
+    qt = get_quant(ggml_type)
+    spec = spec_of(qt.ggml_type)
+    n, k = (int(s) for s in shape)
+    if qweight.dtype != torch.uint8:
+        raise ValueError(f"{qt.name} weight must be uint8 GGUF bytes, got {qweight.dtype}")
+    if k % qt.block_size:
+        raise ValueError(f"{qt.name}: K={k} is not a multiple of the block size {qt.block_size}")
+    n_blocks = n * (k // qt.block_size)
+    if qweight.numel() != n_blocks * qt.type_size:
+        raise ValueError(
+            f"{qt.name}: {qweight.numel()} bytes do not hold a [{n}, {k}] weight "
+            f"({n_blocks} blocks of {qt.type_size} bytes)"
+        )
+    blocks = qweight.reshape(n_blocks, qt.type_size)
+    if k % chunk_codes(spec.low_bits):
+        raise ValueError(f"{qt.name}: K={k} is not a multiple of {chunk_codes(spec.low_bits)}")
+    q = _codes(qt.ggml_type, blocks).reshape(n, k)
+    lb = spec.low_bits
+    codes = _as_signed(_pack_fields(q & ((1 << lb) - 1), lb, lb), torch.int32)
+    high = None
+    if spec.high_bits:
+        high = _as_signed(_pack_fields(q >> lb, lb, spec.high_bits), spec.high_dtype)
+    fields = {
+        name: f.reshape(n, -1).contiguous() for name, f in _scales(qt.ggml_type, blocks).items()
+    }
+    return PackedWeight(qt.ggml_type, (n, k), codes.contiguous(), high=high, **fields)
+
+
+def _unpack_fields(words: torch.Tensor, low_bits: int, bits: int) -> torch.Tensor:
+    """Inverse of `_pack_fields`: one value a code word (n, m) -> int32 codes (n, K)."""
+    n, per_word = words.shape[0], 32 // low_bits
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
+    fields = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (n, m, f)
+    return fields.reshape(n, -1, 4, per_word).transpose(2, 3).reshape(n, -1).to(torch.int32)
+
+
+def dequantize_packed(pw: PackedWeight) -> torch.Tensor:
+    """float32 [N, K] from the packed planes with the kernels' formula, in torch (the test oracle
+    that the layout still holds the references' values bit for bit)."""
+    spec, (n, k) = pw.spec, pw.shape
+    q = _unpack_fields(pw.codes, spec.low_bits, spec.low_bits)
+    if pw.high is not None:
+        q = q | (_unpack_fields(pw.high, spec.low_bits, spec.high_bits) << spec.low_bits)
+    q = (q + spec.offset).to(torch.float32).reshape(n, -1, spec.group)
+    if spec.kquant:
+        assert pw.d is not None
+        per_super = QK_K // spec.group
+        d = pw.d.to(torch.float32).repeat_interleave(per_super, dim=1)
+        sc = pw.scale.to(torch.int32)
+        mn = sc >> 4 if spec.packed_min else pw.minv
+        sc = sc & 15 if spec.packed_min else sc
+        a = d * sc.to(torch.float32)
+        b = None
+        if spec.has_min:
+            assert pw.dmin is not None and mn is not None
+            b = pw.dmin.to(torch.float32).repeat_interleave(per_super, dim=1) * mn.to(torch.float32)
+    else:
+        a = pw.scale.to(torch.float32)
+        b = -pw.minv.to(torch.float32) if pw.minv is not None else None
+    w = q * a.unsqueeze(-1)
+    if b is not None:
+        w = w - b.unsqueeze(-1)
+    return w.reshape(n, k)
