@@ -74,29 +74,30 @@ def paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale: floa
 
 def _causal(q, k, v, scale):
     """q [n, H, D] at the last n positions of a context k, v [L, KV, D] -> [n, H, D]."""
-    n, h, _ = q.shape
-    length, kv, _ = k.shape
-    group = h // kv
-    qf = q.float().transpose(0, 1)  # [H, n, D]
-    kf = k.transpose(0, 1).repeat_interleave(group, 0)  # [H, L, D]
-    vf = v.transpose(0, 1).repeat_interleave(group, 0)
+    n, length = q.shape[0], k.shape[0]
     pos = torch.arange(length - n, length, device=q.device)[:, None]
     mask = torch.arange(length, device=q.device)[None, :] <= pos  # [n, L]
-    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),  # [H|KV, n|L, D]
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
     return o.transpose(0, 1).to(q.dtype)
 
 
 def _decode_batch(q, k_cache, v_cache, k_scale, v_scale, meta, scale):
     """B single-token queries: contexts padded to the longest, masked. q [B, H, D]."""
-    b, h, d = q.shape
     k = kv_read(k_cache, k_scale, meta.decode_slots, torch.float32)  # [B, Lmax, KV, D]
     v = kv_read(v_cache, v_scale, meta.decode_slots, torch.float32)
-    kv = k.shape[2]
-    # [B, KV, group, 1, D] x [B, KV, 1, D, Lmax]: GQA without repeating K/V
-    qf = q.float().view(b, kv, h // kv, 1, d)
-    kt = k.permute(0, 2, 3, 1).unsqueeze(2)
-    scores = (qf @ kt) * scale  # [B, KV, group, 1, Lmax]
-    scores = scores.masked_fill(~meta.decode_mask[:, None, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    o = p @ v.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, group, 1, D]
-    return o.view(b, h, d).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],  # [B, H, 1, D]
+        k.transpose(1, 2),
+        v.transpose(1, 2),  # [B, KV, Lmax, D]
+        attn_mask=meta.decode_mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[:, :, 0, :].to(q.dtype)
