@@ -124,7 +124,7 @@ class ServerState:
         """True when no generation request is left within `timeout` seconds."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
