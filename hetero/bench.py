@@ -34,6 +34,32 @@ class BenchResult:
     output_tokens: int
     prompt_tokens: int
 
+    @classmethod
+    def from_timelines(
+        cls,
+        timelines,
+        num_requests,
+        concurrency,
+        input_len,
+        output_len,
+        wall,
+        output_tokens: int | None = None,
+    ) -> BenchResult:
+        """Percentiles from per-request token arrival times (shared by the offline and HTTP
+        benchmarks, so both report the same quantities)."""
+        tls = list(timelines)
+        return cls(
+            num_requests,
+            concurrency,
+            input_len,
+            output_len,
+            wall,
+            [tl.tokens[0] - tl.start for tl in tls if tl.tokens],
+            [b - a for tl in tls for a, b in zip(tl.tokens, tl.tokens[1:])],
+            sum(len(tl.tokens) for tl in tls) if output_tokens is None else output_tokens,
+            input_len * num_requests,
+        )
+
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.wall_s
@@ -96,16 +122,6 @@ def run_bench(
             if out.finished and pending:
                 submit()
     wall = time.perf_counter() - t0
-    ttft = [tl.tokens[0] - tl.start for tl in lines.values() if tl.tokens]
-    itl = [b - a for tl in lines.values() for a, b in zip(tl.tokens, tl.tokens[1:])]
-    return BenchResult(
-        num_requests,
-        concurrency,
-        input_len,
-        output_len,
-        wall,
-        ttft,
-        itl,
-        sum(len(tl.tokens) for tl in lines.values()),
-        input_len * num_requests,
+    return BenchResult.from_timelines(
+        lines.values(), num_requests, concurrency, input_len, output_len, wall
     )

@@ -71,16 +71,15 @@ async def run_http_bench(
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(min(concurrency, num_requests))))
         wall = time.perf_counter() - t0
-    return BenchResult(
+    # ignore_eos: exactly output_len tokens each, however the chunks grouped them
+    return BenchResult.from_timelines(
+        lines,
         num_requests,
         concurrency,
         input_len,
         output_len,
         wall,
-        [tl.tokens[0] - tl.start for tl in lines if tl.tokens],
-        [b - a for tl in lines for a, b in zip(tl.tokens, tl.tokens[1:])],
-        num_requests * output_len,  # ignore_eos: exactly output_len each
-        num_requests * input_len,
+        output_tokens=num_requests * output_len,
     )
 
 
