@@ -32,6 +32,22 @@ def smollm2_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    """hetero's tokenizer of the default model."""
+    from hetero.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path):
+    """transformers' tokenizer of the same GGUF: the independent reference."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -62,18 +62,6 @@ TEMPLATES = {
 }
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-
-
 @pytest.mark.parametrize("chat", CHATS, ids=range(len(CHATS)))
 @pytest.mark.parametrize("gen", [True, False])
 def test_smollm2_template_matches_transformers(smollm2, hf_smollm2, chat, gen):

@@ -164,18 +164,6 @@ class ReferenceBPE:
         return ids
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-
-
 @pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
 def test_smollm2_matches_transformers(smollm2, hf_smollm2, text):
     ids = smollm2.encode(text)
