@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.engine.kv_cache import KVPool
+from hetero.engine.paged_meta import TensorMeta, tensor_meta
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.kernels import select
 from hetero.model.forward_batch import ForwardBatch
@@ -25,6 +26,7 @@ class PagedMeta:
     ctx_slots: list[torch.Tensor]  # [ctx_len] slots of positions 0 .. ctx_len - 1, per sequence
     decode_slots: torch.Tensor | None = None  # [B, Lmax] when every sequence has one query
     decode_mask: torch.Tensor | None = None  # [B, Lmax] True where a slot is real
+    tensors: TensorMeta | None = None  # block tables etc. for the Triton kernels (paged_meta.py)
 
 
 class PagedAttention:
@@ -74,6 +76,9 @@ def build_meta(
             slots[b, : c.shape[0]] = c
             mask[b, : c.shape[0]] = True
         meta.decode_slots, meta.decode_mask = slots, mask
+    ctx_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
+    tables = [s.req.block_table for s in scheduled]
+    meta.tensors = tensor_meta(tables, ctx_lens, meta.q_lens, block_size)
     return torch.cat(new_slots), meta
 
 
@@ -104,6 +109,7 @@ class ModelRunner:
                 meta.decode_slots.to(dev),
                 meta.decode_mask.to(dev),
             )
+        meta.tensors = meta.tensors.to(dev)
         attn = PagedAttention(
             self.pool, self.model.layer_range.start, slots.to(dev), meta, self.scale
         )
