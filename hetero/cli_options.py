@@ -64,6 +64,11 @@ def engine_options(f):
         click.option(
             "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True
         ),
+        click.option(
+            "--enforce-eager",
+            is_flag=True,
+            help="no CUDA graphs: decode steps run eagerly (graphs are captured at start on GPU)",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)

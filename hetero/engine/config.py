@@ -63,6 +63,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (cuda_graph.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -87,10 +87,13 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.device = torch.device(model.runtime.device)
         self.scale = model.config.head_dim**-0.5
+        self.graphs = None  # DecodeGraphs (cuda_graph.py): replays decode-only steps
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Logits [N, V] float32 for the N scheduled requests whose step produces a token."""
         self.pool.copy_blocks(out.copies)
+        if self.graphs is not None and self.graphs.fits(out):
+            return self.graphs.run(out.scheduled), list(out.scheduled)
         sched = out.scheduled
         tokens, positions, last_rows, producing = [], [], [], []
         row = 0
