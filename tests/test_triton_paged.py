@@ -166,7 +166,7 @@ def test_gpu_llama_shapes(kv_dtype: str, dtype: torch.dtype) -> None:
     """Llama-3-8B attention (32 heads over 8 KV, D 128, blocks of 16): decode of 64 sequences up
     to 4k context with auto splits, and a prefill batch with prefixes."""
     gen = torch.Generator().manual_seed(11)
-    pool = Pool(2048, 16, 8, 128, kv_dtype)
+    pool = Pool(8192, 16, 8, 128, kv_dtype)  # 24 contexts of up to 4k need up to 6144 blocks
     ctx = torch.randint(1, 4096, (24,), generator=gen).tolist()
     q, meta = make_step(pool, ctx, [1] * len(ctx), 32, dtype, gen)
     want = paged_attention_ref(q, *pool.caches(), meta, 128**-0.5)
