@@ -140,8 +140,9 @@ def decode_split_kernel(
     d = tl.arange(0, BD)
     gm = g < G
     qm = gm[:, None] & (d[None, :] < D)
-    qv = tl.load(q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qm)
-    qv = qv.to(q.dtype.element_ty)
+    # masked lanes must be 0: a padded dim of q meets a 0 of k, a padded head row is dropped
+    qv = tl.load(q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qm,
+                 other=0.0)  # fmt: skip
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BD], tl.float32)
@@ -177,7 +178,8 @@ def decode_reduce_kernel(
     m_all = tl.max(m, axis=0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # [BSP]
-    acc = tl.load(part_o + row[:, None] * D + d[None, :], mask=sm[:, None] & (d[None, :] < D))
+    om = sm[:, None] & (d[None, :] < D)
+    acc = tl.load(part_o + row[:, None] * D + d[None, :], mask=om, other=0.0)
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(l_s * w, axis=0)
     o = num / tl.where(den > 0, den, 1.0)
