@@ -71,28 +71,23 @@ def kv_write_triton(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
     )  # fmt: skip
 
 
-def decode_splits(batch: int, kv: int, max_len: int, sm_count: int) -> tuple[int, int]:
-    """(splits, tokens a split): enough programs to fill the SMs, splits >= MIN_SPLIT long."""
+def decode_splits(batch: int, kv: int, max_len: int, sm_count: int) -> int:
+    """Splits a sequence's context is cut into: enough programs to fill the SMs, each split at
+    least MIN_SPLIT of the longest context long. Depends on shapes and max_len only, so a CUDA
+    graph (max_len = its longest context) keeps one grid."""
     want = max(1, (_CTAS_PER_SM * sm_count) // max(1, batch * kv))
-    most = max(1, -(-max_len // MIN_SPLIT))
-    n = min(want, most)
-    split_len = -(-max(1, max_len) // (n * DECODE_BN)) * DECODE_BN
-    return -(-max(1, max_len) // split_len), split_len
+    return max(1, min(want, -(-max_len // MIN_SPLIT)))
 
 
-def paged_decode(q, k_cache, v_cache, k_scale, v_scale, meta, scale, split_len=None):
-    """q [B, H, D], one query a sequence -> [B, H, D]. split_len: tokens a split (tests force
-    it; by default decode_splits picks it from the shapes and meta.max_seq_len)."""
+def paged_decode(q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None):
+    """q [B, H, D], one query a sequence -> [B, H, D]. n_splits: tests force it; by default
+    decode_splits picks it from the shapes and meta.max_seq_len."""
     b, h, d = q.shape
     kv = k_cache.shape[1]
     out = torch.empty_like(q)
     if b == 0:
         return out
-    max_len = max(1, int(meta.max_seq_len))
-    if split_len is None:
-        n, split_len = decode_splits(b, kv, max_len, _sm_count(q.device))
-    else:
-        n = -(-max_len // split_len)
+    n = n_splits or decode_splits(b, kv, max(1, int(meta.max_seq_len)), _sm_count(q.device))
     kc, vc = _bits(k_cache), _bits(v_cache)
     fp8 = k_cache.dtype == FP8
     part_o = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
@@ -101,7 +96,7 @@ def paged_decode(q, k_cache, v_cache, k_scale, v_scale, meta, scale, split_len=N
     kern = _kernels()
     kern.decode_split_kernel[(b, kv, n)](
         q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens, part_o,
-        part_ml, scale, split_len, q.stride(0), q.stride(1), bt.stride(0), n,
+        part_ml, scale, q.stride(0), q.stride(1), bt.stride(0), n,
         H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d), BS=meta.block_size,
         BN=DECODE_BN, FP8=fp8, IEEE=q.dtype == torch.float32,
     )  # fmt: skip

@@ -118,12 +118,15 @@ def _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr):
 @triton.jit
 def decode_split_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part_o, part_ml,
-    scale, split_len, stride_qt, stride_qh, stride_bt, n_splits,
+    scale, stride_qt, stride_qh, stride_bt, n_splits,
     H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
     BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, KV, splits): the G query heads of KV head h over context [s * split_len, ...).
+    """Grid (B, KV, splits): the G query heads of KV head h over split s of the sequence's
+    context. Each sequence cuts its own length into n_splits runs of whole BN tiles (so a graph
+    captured for the longest context splits a short one as finely; splits past the end stay
+    empty: m = -inf, l = 0).
 
     Flash-decoding: each split keeps a running max m, sum l and unnormalized output acc; it
     stores acc [BG, D] and (m, l) to part_o [B, H, splits, D], part_ml [B, H, splits, 2] for
@@ -134,6 +137,7 @@ def decode_split_kernel(
     h = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.load(seq_lens + b)
+    split_len = tl.cdiv(tl.cdiv(length, n_splits), BN) * BN
     start = s * split_len
     end = tl.minimum(start + split_len, length)
     g = tl.arange(0, BG)

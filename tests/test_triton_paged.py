@@ -112,7 +112,7 @@ def test_decode_attention(kv_dtype: str, case: tuple[int, int, int, int]) -> Non
     for dtype in (torch.float32, torch.float16):
         q, meta = make_step(pool, ctx, [1] * len(ctx), kv * g, dtype, gen)
         want = paged_attention_ref(q, *pool.caches(), meta, d**-0.5)
-        got = tp.paged_decode(q, *pool.caches(), meta.tensors, d**-0.5, split_len=32)
+        got = tp.paged_decode(q, *pool.caches(), meta.tensors, d**-0.5, n_splits=4)
         assert_attention_close(got, want)
     assert_attention_close(tp.paged_attention_triton(q, *pool.caches(), meta, d**-0.5), want)
 
@@ -140,7 +140,7 @@ def test_padding_rows_give_zeros_and_reference_fallback() -> None:
     gen = torch.Generator().manual_seed(3)
     pool = Pool(16, 4, 1, 16, "fp8")
     q, meta = make_step(pool, [9, 0], [1, 1], 2, torch.float32, gen)
-    got = tp.paged_decode(q, *pool.caches(), meta.tensors, 0.25, split_len=32)
+    got = tp.paged_decode(q, *pool.caches(), meta.tensors, 0.25, n_splits=3)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     want = paged_attention_ref(q[:1], *pool.caches(), PagedMeta([0], [1], meta.ctx_slots[:1]), 0.25)
     assert_attention_close(got[:1], want)
