@@ -1,0 +1,231 @@
+"""The KV mover: executes the tier ops that kv_tiers queued, between the device pool, host RAM
+and disk, and reports finished restores.
+
+Host layout: slot-major, so one block is contiguous bytes (one copy per run of slots, one file
+per block on disk), unlike the device pool's layer-major layout:
+
+    device k  [L, num_blocks * B, KV, D]   viewed as [L, num_blocks, B, KV, D]
+    host   k  [R, L, B, KV, D]             (R RAM slots; pinned when the device is CUDA)
+    scales    the same without D (fp8 only), float32
+
+Every tier moves raw bytes (uint8 views of the pool's tensors): fp8 codes and their scales are
+copied as they are, never converted, and torch's fp8 dtypes need no copy kernels of their own.
+
+On CUDA, offloads (device -> RAM) run on the compute stream, before the step that overwrites the
+evicted blocks; restores run on a separate transfer stream that first waits for the compute
+stream (a restore may read a slot just offloaded, or fill a block just evicted), in chunks of
+CHUNK blocks staged through device memory, then scattered into the pool; an event per step's
+restores tells poll() when the request may run. On a CPU, copies are plain and finish at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+import torch
+
+from hetero.engine.kv_cache import KVPool
+from hetero.engine.kv_disk import DiskStore
+from hetero.engine.kv_tiers import Demote, KVTiers, Load, Offload, Restore, Save, TierOp
+
+CHUNK = 64  # blocks per staged copy: ~70 MB for an 8B model in fp8, enough to reach full PCIe rate
+
+
+def runs(idx: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(i0, i1, first) for maximal runs where idx[i0:i1] == first, first+1, ... (at most CHUNK)."""
+    i0 = 0
+    for i in range(1, len(idx) + 1):
+        if i == len(idx) or idx[i] != idx[i - 1] + 1 or i - i0 == CHUNK:
+            yield i0, i, idx[i0]
+            i0 = i
+
+
+class HostKVPool:
+    """The RAM tier's bytes: `num_slots` blocks in the pool's dtypes, block-contiguous."""
+
+    def __init__(self, pool: KVPool, num_slots: int, pin: bool) -> None:
+        self.block_size = pool.block_size
+        self.device_views = []  # [L, num_blocks, B, ...] views of the pool's tensors
+        self.tensors = []
+        for t in (pool.k, pool.v, pool.k_scale, pool.v_scale):
+            if t is None:
+                continue
+            raw = t.view(torch.uint8)  # [L, slots, KV, D * itemsize] (scales: [L, slots, KV * 4])
+            L, rest = raw.shape[0], raw.shape[2:]
+            self.device_views.append(raw.view(L, pool.num_blocks, pool.block_size, *rest))
+            shape = (num_slots, L, pool.block_size, *rest)
+            self.tensors.append(torch.empty(shape, dtype=torch.uint8, pin_memory=pin))
+        # bytes of one block in each tensor, in payload order (also without RAM slots: disk)
+        self.parts = [v[:, 0].numel() for v in self.device_views]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.parts)
+
+    def payload(self, slot: int) -> bytes:
+        """One RAM slot as the disk tier stores it: each tensor's bytes, concatenated."""
+        return b"".join(t[slot].numpy().tobytes() for t in self.tensors)
+
+    def unpack(self, payload: bytes | bytearray) -> list[torch.Tensor]:
+        """A payload -> one CPU tensor [L, B, ...] per pool tensor (views of the buffer)."""
+        out, off = [], 0
+        for v, n in zip(self.device_views, self.parts):
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off)
+            out.append(raw.view(v.shape[0], *v.shape[2:]))
+            off += n
+        return out
+
+
+class KVMover:
+    def __init__(
+        self, pool: KVPool, host: HostKVPool, disk: DiskStore | None, tiers: KVTiers
+    ) -> None:
+        self.host, self.disk, self.tiers = host, disk, tiers
+        self.device = pool.k.device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._offload_event = None  # last offload's D2H on the compute stream (CUDA)
+        self._pending: list[tuple[list[int], object, object, int]] = []  # tickets, start, end, B
+        self._done: list[int] = []
+
+    # -- executing ops ---------------------------------------------------------------------------
+
+    def run(self, ops: list[TierOp]) -> None:
+        """Execute ops in order (grouped by kind where consecutive), before the step's forward."""
+        tickets, t0, nbytes = [], time.perf_counter(), 0
+        start = self._begin_restores() if any(isinstance(o, Restore | Load) for o in ops) else None
+        for kind, group in itertools.groupby(ops, key=type):
+            group = list(group)
+            if kind is Offload:
+                self._offload(group)
+            elif kind is Demote:
+                self._demote(group)
+            elif kind is Save:
+                self._save([(o.block, o.name) for o in group])
+            else:
+                nbytes += self._restore(group) if kind is Restore else self._load(group)
+                tickets += [t for t in dict.fromkeys(o.ticket for o in group) if t not in tickets]
+        if not tickets:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            self._pending.append((tickets, start, end, nbytes))
+        else:
+            self._finish(tickets, time.perf_counter() - t0, nbytes)
+
+    def _begin_restores(self):
+        if not self.cuda:
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.stream)
+        return start
+
+    def _offload(self, ops: list[Offload]) -> None:
+        blocks, slots = [o.block for o in ops], [o.slot for o in ops]
+        for i0, i1, s0 in runs(slots):
+            idx = torch.tensor(blocks[i0:i1], device=self.device)
+            for v, h in zip(self.host.device_views, self.host.tensors):
+                # [L, n, B, ...] gathered on the device -> [n, L, B, ...] into the RAM slots
+                h[s0 : s0 + i1 - i0].copy_(
+                    v.index_select(1, idx).transpose(0, 1), non_blocking=True
+                )
+        if self.cuda:
+            self._offload_event = torch.cuda.Event()
+            self._offload_event.record(torch.cuda.current_stream(self.device))
+        self.tiers.stats.moved("device->ram", len(ops), len(ops) * self.host.block_bytes)
+
+    def _host_ready(self) -> None:
+        """Wait for offloads in flight before the CPU reads RAM slots."""
+        if self._offload_event is not None:
+            self._offload_event.synchronize()
+            self._offload_event = None
+
+    def _demote(self, ops: list[Demote]) -> None:
+        self._host_ready()
+        assert self.disk is not None
+        ok = sum(self.disk.write(o.name, self.host.payload(o.slot)) for o in ops)
+        self.tiers.stats.dropped += len(ops) - ok
+        self.tiers.stats.moved("ram->disk", ok, ok * self.host.block_bytes)
+
+    def _save(self, items: list[tuple[int, bytes]]) -> None:
+        """Device blocks straight to disk (synchronous: the block may be reused right after)."""
+        assert self.disk is not None
+        ok = 0
+        for block, name in items:
+            parts = [v[:, block].contiguous().cpu() for v in self.host.device_views]
+            ok += self.disk.write(name, b"".join(p.numpy().tobytes() for p in parts))
+        self.tiers.stats.dropped += len(items) - ok
+        self.tiers.stats.moved("device->disk", ok, ok * self.host.block_bytes)
+
+    def _restore(self, ops: list[Restore]) -> int:
+        slots, blocks = [o.slot for o in ops], [o.block for o in ops]
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            for i0, i1, s0 in runs(slots):
+                idx = torch.tensor(blocks[i0:i1], device=self.device)
+                for v, h in zip(self.host.device_views, self.host.tensors):
+                    staged = h[s0 : s0 + i1 - i0].to(self.device, non_blocking=True)
+                    v.index_copy_(1, idx, staged.transpose(0, 1))  # [L, n, B, ...]
+        n = len(ops) * self.host.block_bytes
+        self.tiers.stats.moved("ram->device", len(ops), n)
+        return n
+
+    def _load(self, ops: list[Load]) -> int:
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            for o in ops:
+                for v, part in zip(self.host.device_views, self.host.unpack(o.payload)):
+                    v[:, o.block].copy_(part)
+        n = len(ops) * self.host.block_bytes
+        self.tiers.stats.moved("disk->device", len(ops), n)
+        return n
+
+    # -- completion ------------------------------------------------------------------------------
+
+    def _finish(self, tickets: list[int], seconds: float, nbytes: int) -> None:
+        st, cost = self.tiers.stats, self.tiers.cost
+        st.restores += len(tickets)
+        st.restore_s += seconds
+        if seconds > 0 and nbytes:
+            cost.ram_bytes_per_s = cost.follow(cost.ram_bytes_per_s, nbytes / seconds)
+        self._done += tickets
+
+    def poll(self) -> list[int]:
+        """Restore tickets finished since the last poll."""
+        still = []
+        for tickets, start, end, nbytes in self._pending:
+            if end.query():
+                self._finish(tickets, start.elapsed_time(end) / 1e3, nbytes)
+            else:
+                still.append((tickets, start, end, nbytes))
+        self._pending = still
+        done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[int]:
+        """Block until every restore in flight is done; returns the finished tickets."""
+        for _, _, end, _ in self._pending:
+            end.synchronize()
+        return self.poll()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending or self._done)
+
+    # -- persistence -----------------------------------------------------------------------------
+
+    def persist(self, device_named: list[tuple[bytes, int]]) -> int:
+        """Write every named block not yet on disk (device ones, then RAM ones); how many."""
+        if self.disk is None:
+            return 0
+        self.wait()
+        self._host_ready()
+        todo = [(b, h) for h, b in device_named if not self.disk.contains(h)]
+        self._save(todo)
+        ram = [(h, s) for h, s in self.tiers.ram.items() if not self.disk.contains(h)]
+        ok = sum(self.disk.write(h, self.host.payload(s)) for h, s in ram)
+        self.tiers.stats.moved("ram->disk", ok, ok * self.host.block_bytes)
+        return len(todo) + ok
