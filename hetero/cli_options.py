@@ -68,8 +68,8 @@ def engine_options(f):
             "--kv-ram-gb",
             type=click.FloatRange(0.0),
             default=None,
-            help="host-RAM tier for evicted KV blocks, GiB (default: half the free RAM, up to "
-            "8 GiB kept free, with a GPU; 0 on a CPU, whose KV pool is in RAM already)",
+            help="host-RAM tier for evicted KV blocks, GiB (default with a GPU: half the free "
+            "RAM, at most 16, leaving 8 free; 0 on a CPU, whose KV pool is in RAM already)",
         ),
         click.option(
             "--kv-disk-dir",

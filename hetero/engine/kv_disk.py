@@ -24,6 +24,7 @@ Writes go to a temporary name first and are renamed into place, so a crash leave
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -135,7 +136,8 @@ class DiskStore:
                 f.write(payload)
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             log.warning("KV disk tier: cannot write %s (%s); the block is dropped", path, e)
             return False
         self._lru[name] = None

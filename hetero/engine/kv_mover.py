@@ -8,8 +8,9 @@ per block on disk), unlike the device pool's layer-major layout:
     host   k  [R, L, B, KV, D]             (R RAM slots; pinned when the device is CUDA)
     scales    the same without D (fp8 only), float32
 
-Every tier moves raw bytes (uint8 views of the pool's tensors): fp8 codes and their scales are
-copied as they are, never converted, and torch's fp8 dtypes need no copy kernels of their own.
+Every tier moves raw bytes (integer views of the pool's tensors, the widest that divides a row):
+fp8 codes and their scales are copied as they are, never converted; torch's fp8 dtypes need no
+copy kernels of their own; and a CPU copies 8 bytes per element, not 1 (8x faster strided copies).
 
 On CUDA, offloads (device -> RAM) run on the compute stream, before the step that overwrites the
 evicted blocks; restores run on a separate transfer stream that first waits for the compute
@@ -43,23 +44,56 @@ def runs(idx: list[int]) -> Iterator[tuple[int, int, int]]:
             i0 = i
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as the widest integer dtype whose size divides its last dimension's bytes."""
+    row = t.shape[-1] * t.element_size()
+    wide = next(
+        d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if row % d.itemsize == 0
+    )
+    return t.view(torch.uint8).view(wide)
+
+
+def _consecutive(idx: list[int]) -> bool:
+    return idx == list(range(idx[0], idx[0] + len(idx)))
+
+
+def gather(view: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """view[:, blocks] as [n, L, B, ...] (a slice when the blocks are consecutive: no kernel)."""
+    if _consecutive(blocks):
+        return view[:, blocks[0] : blocks[0] + len(blocks)].transpose(0, 1)
+    idx = torch.tensor(blocks, device=view.device)
+    return view.index_select(1, idx).transpose(0, 1)
+
+
+def scatter(view: torch.Tensor, blocks: list[int], src: torch.Tensor) -> None:
+    """view[:, blocks] = src.transpose(0, 1), src [n, L, B, ...] on view's device."""
+    if _consecutive(blocks):
+        view[:, blocks[0] : blocks[0] + len(blocks)].copy_(src.transpose(0, 1))
+    else:
+        view.index_copy_(1, torch.tensor(blocks, device=view.device), src.transpose(0, 1))
+
+
 class HostKVPool:
     """The RAM tier's bytes: `num_slots` blocks in the pool's dtypes, block-contiguous."""
 
     def __init__(self, pool: KVPool, num_slots: int, pin: bool) -> None:
         self.block_size = pool.block_size
         self.device_views = []  # [L, num_blocks, B, ...] views of the pool's tensors
-        self.tensors = []
         for t in (pool.k, pool.v, pool.k_scale, pool.v_scale):
-            if t is None:
-                continue
-            raw = t.view(torch.uint8)  # [L, slots, KV, D * itemsize] (scales: [L, slots, KV * 4])
-            L, rest = raw.shape[0], raw.shape[2:]
-            self.device_views.append(raw.view(L, pool.num_blocks, pool.block_size, *rest))
-            shape = (num_slots, L, pool.block_size, *rest)
-            self.tensors.append(torch.empty(shape, dtype=torch.uint8, pin_memory=pin))
+            if t is not None:
+                raw = _raw(t)  # [L, slots, KV, D * itemsize / w] (scales: [L, slots, KV * 4 / w])
+                L, rest = raw.shape[0], raw.shape[2:]
+                self.device_views.append(raw.view(L, pool.num_blocks, pool.block_size, *rest))
         # bytes of one block in each tensor, in payload order (also without RAM slots: disk)
-        self.parts = [v[:, 0].numel() for v in self.device_views]
+        self.parts = [v[:, 0].numel() * v.element_size() for v in self.device_views]
+        # One allocation carved into the four tensors: torch's pinned allocator rounds each
+        # request up to a power of two, which four separate tensors would pay four times.
+        buf = torch.empty(num_slots * self.block_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.tensors, off = [], 0
+        for v, n in zip(self.device_views, self.parts):
+            part = buf[off : off + num_slots * n].view(v.dtype)
+            self.tensors.append(part.view(num_slots, v.shape[0], *v.shape[2:]))
+            off += num_slots * n
 
     @property
     def block_bytes(self) -> int:
@@ -73,7 +107,8 @@ class HostKVPool:
         """A payload -> one CPU tensor [L, B, ...] per pool tensor (views of the buffer)."""
         out, off = [], 0
         for v, n in zip(self.device_views, self.parts):
-            raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off)
+            w = v.element_size()
+            raw = torch.frombuffer(payload, dtype=v.dtype, count=n // w, offset=off)
             out.append(raw.view(v.shape[0], *v.shape[2:]))
             off += n
         return out
@@ -126,14 +161,12 @@ class KVMover:
         return start
 
     def _offload(self, ops: list[Offload]) -> None:
+        ops = sorted(ops, key=lambda o: o.slot)  # runs of slots: one copy each
         blocks, slots = [o.block for o in ops], [o.slot for o in ops]
         for i0, i1, s0 in runs(slots):
-            idx = torch.tensor(blocks[i0:i1], device=self.device)
             for v, h in zip(self.host.device_views, self.host.tensors):
-                # [L, n, B, ...] gathered on the device -> [n, L, B, ...] into the RAM slots
-                h[s0 : s0 + i1 - i0].copy_(
-                    v.index_select(1, idx).transpose(0, 1), non_blocking=True
-                )
+                # [n, L, B, ...] gathered on the device, into n consecutive RAM slots
+                h[s0 : s0 + i1 - i0].copy_(gather(v, blocks[i0:i1]), non_blocking=True)
         if self.cuda:
             self._offload_event = torch.cuda.Event()
             self._offload_event.record(torch.cuda.current_stream(self.device))
@@ -163,13 +196,14 @@ class KVMover:
         self.tiers.stats.moved("device->disk", ok, ok * self.host.block_bytes)
 
     def _restore(self, ops: list[Restore]) -> int:
+        # by slot: a chain evicted leaf first lies in descending slots; sorted, it is one run
+        ops = sorted(ops, key=lambda o: o.slot)
         slots, blocks = [o.slot for o in ops], [o.block for o in ops]
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
             for i0, i1, s0 in runs(slots):
-                idx = torch.tensor(blocks[i0:i1], device=self.device)
                 for v, h in zip(self.host.device_views, self.host.tensors):
                     staged = h[s0 : s0 + i1 - i0].to(self.device, non_blocking=True)
-                    v.index_copy_(1, idx, staged.transpose(0, 1))  # [L, n, B, ...]
+                    scatter(v, blocks[i0:i1], staged)  # [n, L, B, ...] into [L, n, B, ...]
         n = len(ops) * self.host.block_bytes
         self.tiers.stats.moved("ram->device", len(ops), n)
         return n

@@ -27,6 +27,7 @@ log = logging.getLogger("hetero.kv_tiers")
 
 GiB = 2**30
 RAM_KEEP_FREE = 8 * GiB  # the default RAM tier leaves this much (and half the free RAM) alone
+RAM_DEFAULT_MAX = 16 * GiB  # pinning takes seconds per 10 GiB at start: more only when asked
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def plan_tiers(config: EngineConfig, block_bytes: int, device: str) -> TierPlan:
     ram = config.kv_ram_gb
     if ram is None:
         avail = psutil.virtual_memory().available
-        ram_bytes = max(0, min(avail // 2, avail - RAM_KEEP_FREE)) if cuda else 0
+        ram_bytes = max(0, min(avail // 2, avail - RAM_KEEP_FREE, RAM_DEFAULT_MAX)) if cuda else 0
     else:
         ram_bytes = int(ram * GiB)
     disk_cap = 0
@@ -105,6 +106,12 @@ class TieredKV:
         if tokens >= 64 and seconds > 0:
             cost = self.tiers.cost
             cost.prefill_tokens_per_s = cost.follow(cost.prefill_tokens_per_s, tokens / seconds)
+
+    def offload_all(self, bm: BlockManager) -> int:
+        """Push every parked device block down a tier now (benchmarks, tests); how many."""
+        n = bm.evict_parked()
+        self.after_schedule()
+        return n
 
     def persist(self, bm: BlockManager) -> int:
         """Save every named block to disk (at shutdown, for the next start); how many."""
