@@ -71,7 +71,8 @@ def measure(model: str, context: int, device: str, kv_dtype: str, block_size: in
         kv_dtype=kv_dtype,
         num_kv_blocks=n_blocks + 16,
         kv_ram_gb=ctx_bytes * 1.1 / GiB + 0.01,
-        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, block_size * 16)),
+        # past the model's trained context if need be (a synthetic model's weights are random)
+        scheduler=SchedulerConfig(max_model_len=context + 64),
     )
     engine = Engine(model, cfg, RuntimeConfig(device=device), loaded=(engine.gguf, engine.model))
     vocab = engine.model_config.vocab_size

@@ -69,10 +69,10 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 class Rig:
     def __init__(self, num_blocks, block_size, ram_slots, disk_dir=None, disk_blocks=0, **kw):
-        self.kv_dtype = kw.pop("kv_dtype", "fp32")
-        self.pool = KVPool(CFG, CFG.n_layers, num_blocks, block_size, self.kv_dtype)
+        self.kv_dtype, device = kw.pop("kv_dtype", "fp32"), kw.pop("device", "cpu")
+        self.pool = KVPool(CFG, CFG.n_layers, num_blocks, block_size, self.kv_dtype, device)
         nbytes = block_bytes(CFG, CFG.n_layers, block_size, self.kv_dtype)
-        self.host = HostKVPool(self.pool, ram_slots, pin=False)
+        self.host = HostKVPool(self.pool, ram_slots, pin=device.startswith("cuda"))
         disk = None
         if disk_dir is not None:
             disk = DiskStore(disk_dir, b"\x01" * 32, nbytes, disk_blocks * (nbytes + 84))
@@ -255,8 +255,37 @@ def test_ram_full_of_pinned_slots_saves_to_disk_or_drops(tmp_path):
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
 def test_crowd_with_tiny_pool_small_ram_and_disk(tmp_path, kv_dtype):
     """Many prefix-sharing requests, a pool that must evict, RAM that must demote."""
+    crowd(tmp_path, kv_dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
+def test_crowd_on_cuda_with_async_restores(tmp_path, kv_dtype):
+    """The same on a GPU: pinned RAM, restores on their own stream, events polled."""
+    crowd(tmp_path, kv_dtype, "cuda")
+
+
+def test_recompute_is_chosen_when_estimated_faster():
+    rig = Rig(num_blocks=8, block_size=4, ram_slots=8)
+    a = list(range(1, 18))
+    rig.add("a", a, 1)
+    rig.run()
+    rig.bm.evict_parked()
+    rig.mover.run(rig.tiers.take_ops())
+    rig.tiers.cost.prefill_tokens_per_s = 1e15  # recomputing is (estimated) free
+    req = rig.add("b", a + [2], 3)
+    rig.run()
+    assert rig.outputs["b"] == reference(a + [2], 3)
+    assert req.num_cached_tokens == 0 and rig.tiers.stats.hits["ram"] == 0
+    rig.tiers.cost.prefill_tokens_per_s = 1.0
+    req = rig.add("c", a + [2], 3)
+    rig.run()
+    assert rig.outputs["c"] == reference(a + [2], 3) and req.num_cached_tokens == 16
+
+
+def crowd(tmp_path, kv_dtype: str, device: str) -> None:
     rig = Rig(num_blocks=12, block_size=4, ram_slots=6, disk_dir=tmp_path, disk_blocks=64,
-              kv_dtype=kv_dtype, seqs=3, tb=24)  # fmt: skip
+              kv_dtype=kv_dtype, seqs=3, tb=24, device=device)  # fmt: skip
     rng = random.Random(0)
     system = [rng.randrange(VOCAB) for _ in range(10)]
     want = {}

@@ -17,11 +17,9 @@ Blocks are taken per step (for the tokens being scheduled), not for the whole pr
 with chunked prefill an 8k-token prompt computed 512 tokens a step would otherwise hold blocks
 it fills only many steps later, blocks that running decodes need now.
 
-With lower KV tiers (kv_tiers.py: host RAM, disk), a parked block that is evicted keeps its data
-a tier down, and a prefix hit there takes fresh blocks that fill asynchronously: such a block is
-*loading* until the KV mover reports its restore ticket done (finish_restores), and a request
-holding one is not scheduled. A loading block whose last reference goes away waits in *limbo*
-(named, neither free nor parked: the copy still writes into it) until its restore finishes.
+With lower KV tiers (kv_tiers.py: host RAM, disk), an evicted parked block keeps its data a tier
+down, and a prefix hit there takes fresh blocks that fill asynchronously (block_tiers.py: such
+blocks are *loading*, or in *limbo* once nobody holds them, until their restore finishes).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from hetero.engine.block_tiers import TieredBlocks
 from hetero.engine.prefix_cache import PrefixCache, block_hash
 from hetero.engine.request import Request, RequestStatus
 
@@ -40,7 +39,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
+class BlockManager(TieredBlocks):
     def __init__(
         self,
         num_blocks: int,
@@ -62,10 +61,7 @@ class BlockManager:
         # names of each live request's leading full blocks (the chain commit() extends)
         self._hashes: dict[str, list[bytes]] = {}
         self._copies: list[tuple[int, int]] = []
-        self.tiers = tiers if enable_prefix_caching else None
-        self._loading: dict[int, int] = {}  # block -> restore ticket filling it
-        self._ticket_blocks: dict[int, list[int]] = {}
-        self._limbo: set[int] = set()
+        self._init_tiers(tiers if enable_prefix_caching else None)
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -198,64 +194,6 @@ class BlockManager:
         self._ref[block] += 1
         if self.tiers is not None:
             self.tiers.stats.hits["device"] += 1
-
-    # -- lower tiers -----------------------------------------------------------------------------
-
-    def _claim(self, hits: list[tuple[bytes, int | None]]):
-        """Make the lower-tier hits safe to restore; cut the run at the first that is not."""
-        assert self.tiers is not None
-        names = [h for h, b in hits if b is None]
-        claimed = self.tiers.claim(names)
-        if len(claimed) < len(names):
-            cut = [i for i, (_, b) in enumerate(hits) if b is None][len(claimed)]
-            hits = hits[:cut]
-        return hits, claimed
-
-    def _restore(self, hits, table: list[int], claimed) -> None:
-        """Name the fresh blocks of lower-tier hits and queue their restore; they are loading."""
-        assert self.tiers is not None
-        blocks = [t for (h, b), t in zip(hits, table) if b is None]
-        for (h, b), t in zip(hits, table):
-            if b is None:
-                self._cache.register(t, h)
-        ticket = self.tiers.restore(claimed, blocks)
-        self._ticket_blocks[ticket] = blocks
-        for b in blocks:
-            self._loading[b] = ticket
-
-    def is_loading(self, req: Request) -> bool:
-        """True while a restore is still filling one of req's blocks (do not schedule it)."""
-        return bool(self._loading) and any(b in self._loading for b in req.block_table)
-
-    @property
-    def num_loading_blocks(self) -> int:
-        return len(self._loading)
-
-    def finish_restores(self, tickets: list[int]) -> None:
-        """The mover finished these restores: their blocks hold valid KV now."""
-        for t in tickets:
-            for b in self._ticket_blocks.pop(t):
-                del self._loading[b]
-                if b in self._limbo:
-                    self._limbo.remove(b)
-                    self._cache.park(b)
-            if self.tiers is not None:
-                self.tiers.restored(t)
-
-    def named_blocks(self) -> list[tuple[bytes, int]]:
-        """(name, block) of every named block whose KV is in place (for saving to disk)."""
-        return [(h, b) for h, b in self._cache.named_items() if b not in self._loading]
-
-    def evict_parked(self) -> int:
-        """Evict every parked block now (to the lower tiers when there are some); how many."""
-        n = 0
-        while self._cache.num_parked:
-            block, name = self._cache.evict_named()
-            if self.tiers is not None:
-                self.tiers.evicted(block, name)
-            self._free.append(block)
-            n += 1
-        return n
 
     # -- growth ----------------------------------------------------------------------------------
 
