@@ -22,6 +22,7 @@ restores tells poll() when the request may run. On a CPU, copies are plain and f
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -31,6 +32,8 @@ import torch
 from hetero.engine.kv_cache import KVPool
 from hetero.engine.kv_disk import DiskStore
 from hetero.engine.kv_tiers import Demote, KVTiers, Load, Offload, Restore, Save, TierOp
+
+log = logging.getLogger("hetero.kv_tiers")
 
 CHUNK = 64  # blocks per staged copy: ~70 MB for an 8B model in fp8, enough to reach full PCIe rate
 
@@ -185,7 +188,7 @@ class KVMover:
         self.tiers.stats.dropped += len(ops) - ok
         self.tiers.stats.moved("ram->disk", ok, ok * self.host.block_bytes)
 
-    def _save(self, items: list[tuple[int, bytes]]) -> None:
+    def _save(self, items: list[tuple[int, bytes]]) -> int:
         """Device blocks straight to disk (synchronous: the block may be reused right after)."""
         assert self.disk is not None
         ok = 0
@@ -194,6 +197,7 @@ class KVMover:
             ok += self.disk.write(name, b"".join(p.numpy().tobytes() for p in parts))
         self.tiers.stats.dropped += len(items) - ok
         self.tiers.stats.moved("device->disk", ok, ok * self.host.block_bytes)
+        return ok
 
     def _restore(self, ops: list[Restore]) -> int:
         # by slot: a chain evicted leaf first lies in descending slots; sorted, it is one run
@@ -252,14 +256,21 @@ class KVMover:
     # -- persistence -----------------------------------------------------------------------------
 
     def persist(self, device_named: list[tuple[bytes, int]]) -> int:
-        """Write every named block not yet on disk (device ones, then RAM ones); how many."""
+        """Write the named blocks not yet on disk, at most what the disk tier holds; how many.
+
+        Least valuable first, so the disk's LRU order keeps the best when the cap cuts: RAM
+        blocks (least recently used first), then the device's (older names first).
+        """
         if self.disk is None:
             return 0
         self.wait()
         self._host_ready()
-        todo = [(b, h) for h, b in device_named if not self.disk.contains(h)]
-        self._save(todo)
-        ram = [(h, s) for h, s in self.tiers.ram.items() if not self.disk.contains(h)]
+        todo = [("ram", h, s) for h, s in self.tiers.ram.items() if not self.disk.contains(h)]
+        todo += [("device", h, b) for h, b in device_named if not self.disk.contains(h)]
+        todo = todo[max(0, len(todo) - self.disk.cap_files) :]
+        if len(todo) > 1000:
+            log.info("KV disk tier: saving %d blocks to %s", len(todo), self.disk.dir)
+        ram = [(h, s) for tier, h, s in todo if tier == "ram"]
         ok = sum(self.disk.write(h, self.host.payload(s)) for h, s in ram)
         self.tiers.stats.moved("ram->disk", ok, ok * self.host.block_bytes)
-        return len(todo) + ok
+        return ok + self._save([(b, h) for tier, h, b in todo if tier == "device"])
