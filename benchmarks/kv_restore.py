@@ -63,7 +63,7 @@ def ttft(engine: Engine, rid: str, prompt: list[int]) -> tuple[float, int]:
 def measure(model: str, context: int, device: str, kv_dtype: str, block_size: int) -> dict:
     rng = random.Random(0)
     n_blocks = -(-(context + 64) // block_size)
-    probe = EngineConfig(block_size=block_size, kv_dtype=kv_dtype, num_kv_blocks=1)
+    probe = EngineConfig(block_size=block_size, kv_dtype=kv_dtype, num_kv_blocks=1, kv_ram_gb=0)
     engine = Engine(model, probe, RuntimeConfig(device=device))
     ctx_bytes = n_blocks * engine.pool_size.block_bytes
     cfg = EngineConfig(

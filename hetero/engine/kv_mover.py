@@ -60,11 +60,23 @@ def _consecutive(idx: list[int]) -> bool:
     return idx == list(range(idx[0], idx[0] + len(idx)))
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without blocking the host on CUDA.
+
+    A plain .to(cuda) from pageable memory synchronizes the current stream, which on the
+    transfer stream would make the host wait for every restore queued before: stage through
+    pinned memory (torch's pinned allocator keeps the buffer until the copy is done).
+    """
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def gather(view: torch.Tensor, blocks: list[int]) -> torch.Tensor:
     """view[:, blocks] as [n, L, B, ...] (a slice when the blocks are consecutive: no kernel)."""
     if _consecutive(blocks):
         return view[:, blocks[0] : blocks[0] + len(blocks)].transpose(0, 1)
-    idx = torch.tensor(blocks, device=view.device)
+    idx = to_device(torch.tensor(blocks), view.device)
     return view.index_select(1, idx).transpose(0, 1)
 
 
@@ -73,7 +85,7 @@ def scatter(view: torch.Tensor, blocks: list[int], src: torch.Tensor) -> None:
     if _consecutive(blocks):
         view[:, blocks[0] : blocks[0] + len(blocks)].copy_(src.transpose(0, 1))
     else:
-        view.index_copy_(1, torch.tensor(blocks, device=view.device), src.transpose(0, 1))
+        view.index_copy_(1, to_device(torch.tensor(blocks), view.device), src.transpose(0, 1))
 
 
 class HostKVPool:
@@ -216,7 +228,7 @@ class KVMover:
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
             for o in ops:
                 for v, part in zip(self.host.device_views, self.host.unpack(o.payload)):
-                    v[:, o.block].copy_(part)
+                    v[:, o.block].copy_(to_device(part, self.device))
         n = len(ops) * self.host.block_bytes
         self.tiers.stats.moved("disk->device", len(ops), n)
         return n
