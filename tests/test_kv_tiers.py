@@ -351,3 +351,20 @@ def test_cuda_restore_does_not_block_the_host():
     queued = time.perf_counter() - t0
     assert mover.wait() == [1]
     assert queued < tiers.stats.restore_s / 2, (queued, tiers.stats.restore_s)
+
+
+def test_tier_plan_defaults_and_config_errors(tmp_path):
+    from hetero.engine.config import EngineConfig
+    from hetero.engine.kv_tiered import GiB, plan_tiers
+
+    assert not plan_tiers(EngineConfig(), 4096, "cpu").enabled  # a CPU's pool is in RAM already
+    plan = plan_tiers(EngineConfig(kv_ram_gb=0.5), 4096, "cpu")
+    assert plan.ram_slots == GiB // 2 // 4096 and plan.disk_dir is None and not plan.pinned
+    plan = plan_tiers(EngineConfig(kv_disk_dir=str(tmp_path), kv_disk_gb=1.0), 4096, "cpu")
+    assert plan.enabled and plan.ram_slots == 0 and plan.disk_cap == GiB
+    off = EngineConfig(kv_ram_gb=1.0, kv_disk_dir=str(tmp_path), enable_prefix_caching=False)
+    assert not plan_tiers(off, 4096, "cpu").enabled  # unnamed blocks cannot be found again
+    with pytest.raises(ValueError, match="kv_ram_gb"):
+        EngineConfig(kv_ram_gb=-1.0)
+    with pytest.raises(ValueError, match="kv_disk_dir"):
+        EngineConfig(kv_disk_gb=1.0)
