@@ -134,6 +134,8 @@ class Rig:
             self.outputs[req.request_id] = list(req.output_ids)
         if not out.scheduled and self.mover.busy:
             self.bm.finish_restores(self.mover.wait())
+        elif not out.scheduled and self.tiers.prefetch is not None:
+            self.tiers.prefetch.wait(5.0)
         self.bm.check()
         return out
 
@@ -194,7 +196,10 @@ def test_restore_fills_exactly_the_hit_blocks(tmp_path):
     rig.mover.run(rig.tiers.take_ops())
     assert sorted(rig.tiers.where(h) for h in chain_names(prompt, 4)) == ["disk"] * 2 + ["ram"] * 2
     req = rig.add("b", prompt + [5, 6], 4)
-    out = rig.step()  # admitted, restoring: not scheduled yet
+    out = rig.step()  # its disk blocks are being read ahead: not admitted yet
+    assert not out.scheduled and not req.block_table
+    while not req.block_table:
+        out = rig.step()  # then admitted and restored, but not scheduled in that step
     assert not out.scheduled and req.num_computed_tokens == 16 and rig.bm.is_loading(req) is False
     assert rig.tiers.stats.hits == {"device": 0, "ram": 2, "disk": 2}
     rig.run()

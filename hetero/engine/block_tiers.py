@@ -11,6 +11,7 @@ its restore finishes; a hit on it meanwhile revives it from limbo.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ class TieredBlocks:
 
     _cache: PrefixCache
     _free: deque[int]
+    _match: Callable[[Request], list[tuple[bytes, int | None]]]
 
     def _init_tiers(self, tiers: KVTiers | None) -> None:
         self.tiers = tiers
@@ -52,6 +54,15 @@ class TieredBlocks:
         self._ticket_blocks[ticket] = blocks
         for b in blocks:
             self._loading[b] = ticket
+
+    def fetching(self, req: Request) -> bool:
+        """True while disk blocks of req's prefix hit are being read ahead: admit it later."""
+        prefetch = None if self.tiers is None else self.tiers.prefetch
+        if prefetch is None or not len(prefetch.disk):
+            return False
+        tiers = self.tiers
+        names = [h for h, b in self._match(req) if b is None and tiers.where(h) == "disk"]
+        return bool(names) and prefetch.pending(names)
 
     def is_loading(self, req: Request) -> bool:
         """True while a restore is still filling one of req's blocks (do not schedule it)."""

@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -77,6 +78,8 @@ class DiskStore:
         self.cap_files = cap_bytes // self.file_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        # reads may run on a prefetch thread (kv_prefetch.py): the index changes under this lock
+        self._lock = threading.RLock()
         self.dropped = 0  # files found bad (truncated, corrupt) and deleted
         self._scan()
 
@@ -117,17 +120,19 @@ class DiskStore:
         return name in self._lru
 
     def names(self) -> list[bytes]:
-        return list(self._lru)
+        with self._lock:
+            return list(self._lru)
 
     def write(self, name: bytes, payload: bytes | memoryview) -> bool:
         """Store a block (LRU files make room); False, with a warning, if the write fails."""
         if len(payload) != self.payload_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, expected {self.payload_bytes}")
-        if name in self._lru:
-            self._lru.move_to_end(name)
-            return True
-        while len(self._lru) >= self.cap_files:
-            self._evict()
+        with self._lock:
+            if name in self._lru:
+                self._lru.move_to_end(name)
+                return True
+            while len(self._lru) >= self.cap_files:
+                self._evict()
         header = HEADER.pack(MAGIC, self.identity, name, len(payload), zlib.crc32(payload))
         path, tmp = self._path(name), self._path(name).with_suffix(".tmp")
         try:
@@ -140,7 +145,8 @@ class DiskStore:
                 tmp.unlink(missing_ok=True)
             log.warning("KV disk tier: cannot write %s (%s); the block is dropped", path, e)
             return False
-        self._lru[name] = None
+        with self._lock:
+            self._lru[name] = None
         return True
 
     def read(self, name: bytes) -> bytearray | None:
@@ -152,7 +158,8 @@ class DiskStore:
             with open(path, "rb") as f:  # a bytearray: torch.frombuffer wants writable memory
                 data = bytearray(f.read())
         except OSError as e:
-            self._drop(name, f"unreadable ({e})")
+            if name in self._lru:  # else evicted meanwhile by a write on another thread
+                self._drop(name, f"unreadable ({e})")
             return None
         if len(data) != self.file_bytes:
             self._drop(name, f"{len(data)} bytes, expected {self.file_bytes} (truncated?)")
@@ -165,16 +172,19 @@ class DiskStore:
         if zlib.crc32(payload) != crc:
             self._drop(name, "checksum mismatch (corrupted)")
             return None
-        self._lru.move_to_end(name)
+        with self._lock:
+            if name in self._lru:
+                self._lru.move_to_end(name)
         return payload
 
-    def _evict(self) -> None:
+    def _evict(self) -> None:  # under the lock
         name, _ = self._lru.popitem(last=False)
         self._path(name).unlink(missing_ok=True)
 
     def _drop(self, name: bytes, why: str) -> None:
         log.warning("KV disk tier: dropping %s: %s", self._path(name), why)
-        self._lru.pop(name, None)
+        with self._lock:
+            self._lru.pop(name, None)
         self._path(name).unlink(missing_ok=True)
         self.dropped += 1
 

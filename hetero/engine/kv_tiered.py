@@ -97,9 +97,11 @@ class TieredKV:
         self.mover.run(self.tiers.take_ops())
 
     def idle(self, bm: BlockManager) -> None:
-        """Nothing was scheduled: wait for the restores that the waiting requests need."""
+        """Nothing was scheduled: wait for the restores or disk reads the waiting ones need."""
         if self.mover.busy:
             bm.finish_restores(self.mover.wait())
+        elif self.tiers.prefetch is not None and self.tiers.prefetch.busy:
+            self.tiers.prefetch.wait(timeout=1.0)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A prefill-sized step's throughput feeds the restore-or-recompute estimate."""

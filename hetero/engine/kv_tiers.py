@@ -26,6 +26,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hetero.engine.kv_prefetch import DiskPrefetcher
+
 if TYPE_CHECKING:
     from hetero.engine.kv_disk import DiskStore
 
@@ -185,6 +187,7 @@ class KVTiers:
     def __init__(self, ram_slots: int, disk: DiskStore | None, block_bytes: int) -> None:
         self.ram = RamIndex(ram_slots)
         self.disk = disk
+        self.prefetch = None if disk is None else DiskPrefetcher(disk)
         self.block_bytes = block_bytes
         self.stats = TierStats()
         self.cost = CostModel()
@@ -246,7 +249,8 @@ class KVTiers:
     def claim(self, names: list[bytes]) -> list[tuple[str, int | memoryview]]:
         """Make the lower-tier hits `names` (in chain order) safe to restore.
 
-        RAM hits are pinned (no eviction until restored); disk hits are read and verified now.
+        RAM hits are pinned (no eviction until restored); disk hits were read and verified ahead
+        (fetching), or are now.
         Returns (tier, RAM slot or disk payload) for the leading names that are still good: a
         corrupt or vanished file ends the run there (the rest is recomputed).
         """
@@ -258,7 +262,9 @@ class KVTiers:
                 self.ram.touch(name)
                 out.append(("ram", slot))
                 continue
-            payload = None if self.disk is None else self.disk.read(name)
+            payload = None if self.prefetch is None else self.prefetch.take(name)
+            if payload is None and self.disk is not None:  # not read ahead: read it now
+                payload = self.disk.read(name)
             if payload is None:
                 break
             out.append(("disk", payload))

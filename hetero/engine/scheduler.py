@@ -241,6 +241,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if bm.fetching(req):  # its prefix is being read from disk: the head waits for it
+                break
             hit = bm.cached_prefix_len(req)
             n = self._chunk(req, hit)
             if not bm.allocate(req, n):
