@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -101,14 +102,39 @@ class HostKVPool:
                 self.device_views.append(raw.view(L, pool.num_blocks, pool.block_size, *rest))
         # bytes of one block in each tensor, in payload order (also without RAM slots: disk)
         self.parts = [v[:, 0].numel() * v.element_size() for v in self.device_views]
+        self.num_slots = num_slots
+        self._tensors: list[torch.Tensor] | None = None
+        # Pinning takes about a second per few GiB: done on a thread, so the engine starts at
+        # once and only a first use before it is done waits for it.
+        self._buf: torch.Tensor | None = None
+        self._alloc = threading.Thread(
+            target=self._allocate, args=(num_slots * self.block_bytes, pin), daemon=True
+        )
+        self._alloc.start()
+
+    def _allocate(self, nbytes: int, pin: bool) -> None:
         # One allocation carved into the four tensors: torch's pinned allocator rounds each
         # request up to a power of two, which four separate tensors would pay four times.
-        buf = torch.empty(num_slots * self.block_bytes, dtype=torch.uint8, pin_memory=pin)
-        self.tensors, off = [], 0
-        for v, n in zip(self.device_views, self.parts):
-            part = buf[off : off + num_slots * n].view(v.dtype)
-            self.tensors.append(part.view(num_slots, v.shape[0], *v.shape[2:]))
-            off += num_slots * n
+        try:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        except RuntimeError as e:  # pinned memory is limited (ulimit -l, containers)
+            log.warning("RAM tier: %s; using pageable memory (slower restores)", e)
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """[R, L, B, ...] per pool tensor, views of the one host buffer."""
+        if self._tensors is None:
+            self._alloc.join()
+            if self._buf is None:
+                raise RuntimeError(f"could not allocate the RAM tier ({self.num_slots} blocks)")
+            out, off, r = [], 0, self.num_slots
+            for v, n in zip(self.device_views, self.parts):
+                part = self._buf[off : off + r * n].view(v.dtype)
+                out.append(part.view(r, v.shape[0], *v.shape[2:]))
+                off += r * n
+            self._tensors = out
+        return self._tensors
 
     @property
     def block_bytes(self) -> int:

@@ -6,8 +6,8 @@ forward pass:
 
     device pool --(Offload: evicted parked block)--> RAM slot --(Demote: RAM evicts it)--> disk
          ^                                              |                                    |
-         +-------------- Restore (async) ---------------+          Load (payload read and    |
-         +---------------------------------------------------------- verified at admission) -+
+         +-------------- Restore (async) ---------------+                                    |
+         +---------- Load (payload read ahead on a thread and verified: kv_prefetch) ---------+
 
 A block keeps its stored form in every tier (fp8 codes + float32 scales, or fp16/bf16/fp32), so
 a restore is a copy, never a re-quantization. Tiers are inclusive: a block restored from RAM keeps
