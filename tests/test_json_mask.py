@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from hetero.engine.json_grammar import DONE, INITIAL, JsonLimits
+from hetero.engine.json_grammar import (
+    DONE,
+    ESC_VAL,
+    HEX_KEY,
+    HEX_VAL,
+    INITIAL,
+    VALUE,
+    JsonLimits,
+)
 from hetero.engine.json_mask import Constraints, JsonConstraint, JsonVocab
 
 
@@ -49,6 +57,8 @@ def test_masks_equal_brute_force(vocab, smollm2):
     states = states_of(vocab, smollm2, text.rstrip())
     escaped = states_of(vocab, smollm2, json.dumps({"é": "\u263a"}))  # \\u escapes
     picks = random.Random(0).sample(states, 10) + escaped[:6] + [INITIAL]
+    # the shortcuts: a first byte that opens a string, or ends an escape inside one
+    picks += [(VALUE, 0, "{["), (ESC_VAL, 0, "{"), (HEX_VAL, 1, "{"), (HEX_KEY, 1, "{")]
     for s in picks:
         assert (vocab.mask(s) == brute_force(vocab, s)).all(), s
 
