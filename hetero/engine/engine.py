@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
+from hetero.engine.json_mask import Constraints
 from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, size_pool
 from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
@@ -94,6 +95,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool)
         self.sampler = Sampler(cfg.seed)
         self.params: dict[str, SamplingParams] = {}
+        self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
 
     @property
@@ -142,11 +144,13 @@ class Engine:
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)
         self.params[request_id] = params
+        self.constraints.add(request_id, params)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
         found = self.scheduler.abort(request_id)
         self.params.pop(request_id, None)
+        self.constraints.drop(request_id)
         return found
 
     def has_unfinished(self) -> bool:
@@ -176,6 +180,7 @@ class Engine:
                 results[req.request_id].finished = True
                 results[req.request_id].finish_reason = req.finish_reason
                 self.params.pop(req.request_id, None)
+                self.constraints.drop(req.request_id)
         elif tiered is not None:  # only requests waiting for restores: wait, do not spin
             tiered.idle(self.block_manager)
         return list(results.values())
@@ -191,9 +196,12 @@ class Engine:
             [r.output_ids for r in reqs],
             [len(r.output_ids) for r in reqs],
             logits.device,
+            self.constraints.masks([r.request_id for r in reqs]),
         )
         so = self.sampler(logits, state)
         ids = so.token_ids.tolist()
+        for req, token in zip(reqs, ids):  # a completed JSON object ends its request now
+            req.stop_now = self.constraints.accept(req.request_id, token)
         lps = None if so.logprobs is None else so.logprobs.tolist()
         tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
         sampled = {}
@@ -215,6 +223,7 @@ class Engine:
 
     def _final(self, req: Request) -> StepOutput:
         self.params.pop(req.request_id, None)
+        self.constraints.drop(req.request_id)
         return StepOutput(
             req.request_id,
             [],
