@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
-from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, size_pool
+from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
@@ -62,6 +62,7 @@ class Engine:
         self.runtime = self.model.runtime
         self.model_config = self.gguf.config
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
+        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.runtime.device)
         self.pool_size = self._size_pool()
         cfg = self.config
         self.pool = KVPool(
@@ -69,7 +70,7 @@ class Engine:
             len(self.model.layer_range),
             self.pool_size.num_blocks,
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
         )
         self.block_manager = BlockManager(
@@ -94,7 +95,7 @@ class Engine:
             self.model_config,
             len(self.model.layer_range),
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
             cfg.kv_memory_fraction,
             cfg.num_kv_blocks,
@@ -107,7 +108,12 @@ class Engine:
             f"{d} {block_bytes(self.model_config, n, self.config.block_size, d) / 1024:.1f} KiB"
             for d in ("fp8", "fp16", "bf16")
         )
-        return f"{self.pool_size.describe(self.config.kv_dtype)}; one block costs {costs}"
+        return f"{self.pool_size.describe(self._kv_dtype_name())}; one block costs {costs}"
+
+    def _kv_dtype_name(self) -> str:
+        if self.config.kv_dtype != "auto":
+            return self.kv_dtype
+        return f"{self.kv_dtype}, auto for {self.runtime.device}"
 
     # -- requests ------------------------------------------------------------------------------
 
