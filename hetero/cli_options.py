@@ -34,10 +34,11 @@ def engine_options(f):
     opts = [
         click.option(
             "--kv-dtype",
-            type=click.Choice(["fp8", "fp16", "bf16", "fp32"]),
-            default="fp8",
+            type=click.Choice(["auto", "fp8", "fp16", "bf16", "fp32"]),
+            default="auto",
             show_default=True,
-            help="KV cache storage (fp8: e4m3 with per-token-head scales)",
+            help="KV cache storage (fp8: e4m3 with per-token-head scales; auto: fp8 on GPUs "
+            "with fp8 hardware, fp16 elsewhere)",
         ),
         click.option(
             "--kv-memory-fraction",

@@ -12,7 +12,7 @@ from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.json_mask import Constraints
-from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, size_pool
+from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
 from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
@@ -64,6 +64,7 @@ class Engine:
         self.runtime = self.model.runtime
         self.model_config = self.gguf.config
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
+        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.runtime.device)
         self.pool_size = self._size_pool()
         cfg = self.config
         self.pool = KVPool(
@@ -71,7 +72,7 @@ class Engine:
             len(self.model.layer_range),
             self.pool_size.num_blocks,
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
         )
         self.kv_tiers = build_tiers(
@@ -108,7 +109,7 @@ class Engine:
             self.model_config,
             len(self.model.layer_range),
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
             cfg.kv_memory_fraction,
             cfg.num_kv_blocks,
@@ -122,7 +123,13 @@ class Engine:
             for d in ("fp8", "fp16", "bf16")
         )
         tiers = "" if self.kv_tiers is None else f"; {self.kv_tiers.plan.describe()}"
-        return f"{self.pool_size.describe(self.config.kv_dtype)}; one block costs {costs}{tiers}"
+        name = self._kv_dtype_name()
+        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}"
+
+    def _kv_dtype_name(self) -> str:
+        if self.config.kv_dtype != "auto":
+            return self.kv_dtype
+        return f"{self.kv_dtype}, auto for {self.runtime.device}"
 
     def save_kv_cache(self) -> int:
         """Write the named KV blocks to the disk tier for the next start (0 without one)."""
