@@ -14,6 +14,7 @@ import torch
 
 from hetero.config import RuntimeConfig
 from hetero.engine.cuda_graph import DecodeGraphs, batch_buckets, bucket_for
+from hetero.kernels.registry import forcing
 from hetero.llm import LLM
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
@@ -66,8 +67,12 @@ def _generate(tiny, graphs: bool, capture: bool, kv_dtype: str):
 
 
 def _compare(tiny, capture: bool, kv_dtype: str) -> None:
-    eager, _ = _generate(tiny, False, False, kv_dtype)
-    static, graphs = _generate(tiny, True, capture, kv_dtype)
+    # On a CPU the static path runs the references (the CPU kernels read host lists); on CUDA
+    # both paths run the kernels the device selects.
+    refs = {} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}
+    with forcing(refs):
+        eager, _ = _generate(tiny, False, False, kv_dtype)
+        static, graphs = _generate(tiny, True, capture, kv_dtype)
     assert graphs.steps > 0
     for a, b in zip(eager, static):
         ca, cb = a.outputs[0], b.outputs[0]
@@ -83,9 +88,13 @@ def test_static_buffer_path_equals_eager(tiny) -> None:
     _compare(tiny, capture=False, kv_dtype="fp32")
 
 
-def test_fits_only_decode_steps(tiny) -> None:
+def test_fits_only_decode_steps_and_needs_tensor_kernels(tiny) -> None:
     llm = LLM(loaded=tiny, kv_dtype="fp32", num_kv_blocks=16, max_model_len=64, enforce_eager=True)
-    graphs = DecodeGraphs(tiny[1], llm.engine.pool, 2, 64)
+    if not CUDA:  # the CPU kernels read host lists: refused, not silently wrong
+        with pytest.raises(ValueError, match="host lists"):
+            DecodeGraphs(tiny[1], llm.engine.pool, 2, 64)
+    with forcing({} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}):
+        graphs = DecodeGraphs(tiny[1], llm.engine.pool, 2, 64)
     eng = llm.engine
     eng.add_request("a", [1, 2, 3], GREEDY)
     out = eng.scheduler.schedule()

@@ -52,6 +52,20 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def _check_kernels(device: torch.device) -> bool:
+    """Whether attention is the reference (which reads per-position slots, derived here from the
+    tables). Other kernels must read the tensor metadata and skip slot -1 (the Triton ones do);
+    a kernel that reads the host lists would see none and attend to nothing."""
+    for op in ("paged_attention", "kv_write"):
+        impl = select(op, device)
+        if not (impl.is_reference or impl.name == "triton"):
+            raise ValueError(
+                f"{op} kernel {impl.name!r} reads host lists: the static decode buffers need "
+                "the Triton kernels or the references"
+            )
+    return select("paged_attention", device).is_reference
+
+
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, pool: KVPool, max_batch: int, max_model_len: int):
         self.model, self.pool = model, pool
@@ -70,7 +84,7 @@ class DecodeGraphs:
         self.scale = model.config.head_dim**-0.5
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._ref_attention = select("paged_attention", self.device).is_reference
+        self._ref_attention = _check_kernels(self.device)
         self.steps = 0  # decode steps run through the static buffers (replayed or not)
 
     def fits(self, out: SchedulerOutput) -> bool:

@@ -162,13 +162,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(_dense(weight, rt, torch.float32), requires_grad=False)
         self.eps = eps
         self._fn = select("rms_norm", torch.device(rt.device)).fn
-        self._add = select("add_rms_norm", torch.device(rt.device)).fn
+        fused = select("add_rms_norm", torch.device(rt.device))
+        self._add = None if fused.is_reference else fused.fn  # unfused: the add, then _fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
         return self._fn(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add fused with the norm that follows it: (x + delta, norm(x + delta))."""
+        if self._add is None:
+            total = x + delta
+            return total, self(total)
         normed, total = self._add(x, delta, self.weight, self.eps)
         return total, normed
 
