@@ -2,6 +2,7 @@
 # The GPU suite for one CUDA machine, in stages that each fit a 10-minute slot:
 #
 #   benchmarks/gpu_suite.sh tests    pytest -m gpu on the kernel and CUDA-graph tests
+#   benchmarks/gpu_suite.sh kernels  paged decode attention / KV write: us per call, GB/s vs copy
 #   benchmarks/gpu_suite.sh check    SmolLM2 greedy: Triton + graphs vs the GPU reference, CPU fp32
 #   benchmarks/gpu_suite.sh synth    write llama3-8b Q4_K_M and Q6_K files (hetero synth)
 #   benchmarks/gpu_suite.sh bench    decode B = 1/8/32/64, prefill 512/4096 on Q4_K_M, rooflines
@@ -22,6 +23,7 @@ tests() {
   "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_paged.py \
     tests/test_triton_fused.py tests/test_cuda_graph.py tests/test_triton_qmatmul.py 2>&1 | tail -25
 }
+kernels() { "$PY" benchmarks/gpu_paged.py; }
 check() { "$PY" benchmarks/gpu_check_smollm2.py --kv-dtype fp16 && "$PY" benchmarks/gpu_check_smollm2.py --kv-dtype fp8; }
 synth() {
   [ -f "$Q4" ] || "$PY" -m hetero.cli synth "$Q4" --shape llama3-8b --quant q4_k_m
@@ -38,7 +40,7 @@ extra() {
 
 stage=${1:-all}
 case "$stage" in
-  tests|check|synth|bench|extra) "$stage" ;;
-  all) tests; check; synth; bench; extra ;;
-  *) echo "unknown stage $stage: tests | check | synth | bench | extra | all" >&2; exit 2 ;;
+  tests|kernels|check|synth|bench|extra) "$stage" ;;
+  all) tests; kernels; check; synth; bench; extra ;;
+  *) echo "unknown stage $stage: tests | kernels | check | synth | bench | extra | all" >&2; exit 2 ;;
 esac
