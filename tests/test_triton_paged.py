@@ -66,11 +66,13 @@ def make_step(pool: Pool, ctx_lens: list[int], q_lens: list[int], h: int, dtype,
 
 
 def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    tol = 2e-5 if got.dtype == torch.float32 else 1e-2
+    """Within the query dtype's rounding: the kernels multiply in it (tensor cores), the
+    reference in float32; both round the output once (bf16: one ulp is 2^-8 relative)."""
+    tol = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[got.dtype]
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.isfinite(got).all()
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= tol, f"max error {err} > {tol}"
+    excess = (got.float() - want.float()).abs() - tol * (1 + want.float().abs())
+    assert excess.max().item() <= 0, f"max error past the bound by {excess.max().item()}"
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
