@@ -149,8 +149,7 @@ class LiveDevice:
     def profile(self, mem_bw_gbs: float, tflops: float, **measured: Any) -> DeviceProfile:
         """Its profile from measured rates (attention defaults to the copy bandwidth until the
         engine calibration replaces it)."""
-        measured.setdefault("attn_gbs", mem_bw_gbs)
-        return DeviceProfile(
+        fields: dict[str, Any] = dict(
             id=self.id,
             kind=self.kind,
             name=self.name,
@@ -158,7 +157,8 @@ class LiveDevice:
             memory_free=self.memory_free,
             mem_bw_gbs=mem_bw_gbs,
             bf16_tflops=tflops,
+            attn_gbs=mem_bw_gbs,
             bus_id=self.bus_id,
             compute_capability=self.compute_capability,
-            **measured,
         )
+        return DeviceProfile(**{**fields, **measured})

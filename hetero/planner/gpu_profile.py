@@ -1,7 +1,8 @@
 """CUDA devices: NVML enumeration by PCI bus id, and the measurements of one GPU.
 
 NVML lists GPUs in PCI bus order; torch numbers them as CUDA_DEVICE_ORDER says (fastest first
-by default). The two are joined on the PCI bus id, never on the index.
+by default) and after CUDA_VISIBLE_DEVICES. The two are joined on the GPU's UUID, never on the
+index; profiles record the PCI bus id.
 """
 
 from __future__ import annotations
@@ -30,14 +31,19 @@ def _bus(domain: int, bus: int, device: int) -> str:
     return f"{domain:08x}:{bus:02x}:{device:02x}.0"
 
 
+def _uuid(text: object) -> str:
+    """NVML says "GPU-8f2c...", torch's properties give the bare UUID: compare the bare form."""
+    t = text.decode() if isinstance(text, bytes) else str(text)
+    return t.lower().removeprefix("gpu-")
+
+
 def _torch_indices() -> dict[str, int]:
-    """PCI bus id -> torch CUDA index."""
+    """GPU UUID -> torch CUDA index (the same GPU whatever order each side lists them in)."""
     out: dict[str, int] = {}
     if not torch.cuda.is_available():
         return out
     for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        out[_bus(p.pci_domain_id, p.pci_bus_id, p.pci_device_id)] = i
+        out[_uuid(torch.cuda.get_device_properties(i).uuid)] = i
     return out
 
 
@@ -55,14 +61,15 @@ def nvml_gpus() -> list[dict[str, Any]]:
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         pci = pynvml.nvmlDeviceGetPciInfo(h)
         bus = _bus(pci.domain, pci.bus, pci.device)
-        if bus not in index:  # hidden by CUDA_VISIBLE_DEVICES
+        uuid = _uuid(pynvml.nvmlDeviceGetUUID(h))
+        if uuid not in index:  # hidden by CUDA_VISIBLE_DEVICES
             continue
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
         name = pynvml.nvmlDeviceGetName(h)
         gpus.append(
             dict(
-                id=f"cuda:{index[bus]}",
+                id=f"cuda:{index[uuid]}",
                 kind="cuda",
                 name=name.decode() if isinstance(name, bytes) else str(name),
                 bus_id=bus,

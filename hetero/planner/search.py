@@ -34,19 +34,24 @@ class Split:
     cycle_s: float  # seconds for every sequence to gain one token
 
 
+Value = tuple[float, float]  # (primary, secondary): (max, sum) or (sum, max) of stage times
+
+
 def _solve(
     n_dev: int,
     n_layers: int,
     k: int,
     cost: Callable[[int, int, int], float],
-    combine: Callable[[float, float], float],
-) -> tuple[float, tuple[tuple[int, int], ...]] | None:
-    """Best (value, ranges) with exactly k non-empty stages; None when nothing fits."""
+    combine: Callable[[Value, float], Value],
+) -> tuple[Value, tuple[tuple[int, int], ...]] | None:
+    """Best (value, ranges) with exactly k non-empty stages; None when nothing fits. Values
+    compare as tuples, so among splits with the same slowest stage the one with the smallest
+    sum (the lowest single-stream latency) wins, and the other way round."""
 
     @cache
-    def best(i: int, a: int, left: int) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+    def best(i: int, a: int, left: int):
         if a == n_layers:
-            return (0.0, ((a, a),) * (n_dev - i)) if left == 0 else None
+            return ((0.0, 0.0), ((a, a),) * (n_dev - i)) if left == 0 else None
         if i == n_dev or left == 0 or n_dev - i < left:
             return None
         found = None
@@ -60,12 +65,20 @@ def _solve(
             rest = best(i + 1, b, left - 1)
             if rest is None:
                 continue
-            value = combine(t, rest[0])
+            value = combine(rest[0], t)
             if found is None or value < found[0]:
                 found = (value, ((a, b), *rest[1]))
         return found
 
     return best(0, 0, k)
+
+
+def _by_max(v: Value, t: float) -> Value:
+    return (max(v[0], t), v[1] + t)
+
+
+def _by_sum(v: Value, t: float) -> Value:
+    return (v[0] + t, max(v[1], t))
 
 
 def search(
@@ -86,7 +99,7 @@ def search(
         def cost(i: int, a: int, b: int, m: int = m) -> float:
             return stage_s(i, a, b, m) if fits(i, a, b) else INF
 
-        for combine in (max, lambda x, y: x + y):
+        for combine in (_by_max, _by_sum):
             found = _solve(n_dev, n_layers, k, cost, combine)
             if found is None:
                 continue
