@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--context", type=int, default=None)
     ap.add_argument("--use-all-devices", action="store_true")
+    ap.add_argument("--weights", default="auto", help="force a weights mode (default: planned)")
     ap.add_argument("--refresh", action="store_true")
     ap.add_argument("--json", default=None, help="write every row here")
     args = ap.parse_args()
@@ -129,6 +130,7 @@ def main() -> None:
             output_len=args.output_len,
             context=args.context or args.input_len + args.output_len + 16,
             use_all_devices=args.use_all_devices,
+            weights=args.weights,
         )
         p = plan(desc, devices, cfg)
         meas = None
