@@ -202,3 +202,53 @@ def test_description_from_the_gguf_header_matches_the_file(smollm2_path):
     assert synth.n_layers == 30 and {t.name: t.shape for t in synth.layers[3]} == shapes
     with pytest.raises(ValueError, match="unknown shape"):
         describe("synth:nope")
+
+
+def _brute_force(n_dev, n_layers, c, fits, stage_s, use_all=False):
+    """Every composition of the layers over the devices: the reference for the search."""
+    import itertools
+
+    best = None
+    for cuts in itertools.combinations_with_replacement(range(n_layers + 1), n_dev - 1):
+        bounds = (0, *cuts, n_layers)
+        ranges = list(zip(bounds, bounds[1:]))
+        used = [(i, a, b) for i, (a, b) in enumerate(ranges) if b > a]
+        if (use_all and len(used) < n_dev) or not all(fits(i, a, b) for i, a, b in used):
+            continue
+        micro = min(c, len(used))
+        m = -(-c // micro)
+        times = [stage_s(i, a, b, m) for i, a, b in used]
+        cycle = max(sum(times), micro * max(times))
+        best = cycle if best is None else min(best, cycle)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_search_matches_brute_force(seed):
+    import random
+
+    from hetero.planner.search import search
+
+    rng = random.Random(seed)
+    n_dev, n_layers = rng.choice([2, 3]), rng.randint(3, 9)
+    per_layer = [[rng.uniform(0.5, 3.0) for _ in range(n_layers)] for _ in range(n_dev)]
+    fixed = [rng.uniform(0.0, 2.0) for _ in range(n_dev)]
+    room = [rng.randint(1, n_layers) for _ in range(n_dev)]
+    room[0] = n_layers if seed % 2 else room[0]
+
+    def fits(i, a, b):
+        return b - a <= room[i]
+
+    def stage_s(i, a, b, m):
+        return fixed[i] + m * sum(per_layer[i][a:b])
+
+    for c in (1, 2, 5):
+        for use_all in (False, True):
+            want = _brute_force(n_dev, n_layers, c, fits, stage_s, use_all)
+            got = search(n_dev, n_layers, c, fits, stage_s, use_all)
+            if want is None:
+                assert got is None
+            else:
+                # exact at c = 1 (sum) and c >= stages (slowest stage); between, within 25%
+                assert got is not None and got.cycle_s >= want * (1 - 1e-9)
+                assert got.cycle_s <= want * (1.0 if c == 1 or c >= n_dev else 1.25) + 1e-9
