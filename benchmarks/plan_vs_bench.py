@@ -98,13 +98,7 @@ def row(c: int, pred: dict, meas: dict | None) -> str:
     return "  ".join(cells)
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        model, input_len, output_len = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-        print(
-            json.dumps(bench_stage(model, Plan.from_json(sys.stdin.read()), input_len, output_len))
-        )
-        return
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("--devices", default="cpu")
@@ -116,7 +110,17 @@ def main() -> None:
     ap.add_argument("--weights", default="auto", help="force a weights mode (default: planned)")
     ap.add_argument("--refresh", action="store_true")
     ap.add_argument("--json", default=None, help="write every row here")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        model, input_len, output_len = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        print(
+            json.dumps(bench_stage(model, Plan.from_json(sys.stdin.read()), input_len, output_len))
+        )
+        return
+    args = parse_args()
     from hetero.models import resolve_model
 
     model = str(resolve_model(args.model))

@@ -158,6 +158,7 @@ def test_plans_are_deterministic_and_round_trip_json(llama8b, tmp_path):
     loaded = Plan.load(path)
     assert loaded == p1 and isinstance(loaded.stages[0].kernels, dict)
     assert loaded.stages[0].device == "cuda:0" and loaded.stages[-1].device == "cpu"
+    assert loaded.model_path == "synth:llama3-8b:q4_k_m"
     with pytest.raises(ValueError, match="not a version-1 hetero plan"):
         Plan.from_json('{"version": 99}')
     with pytest.raises(FileNotFoundError):
@@ -195,6 +196,7 @@ def test_check_devices_refuses_a_vanished_device(llama8b):
 def test_description_from_the_gguf_header_matches_the_file(smollm2_path):
     d = from_gguf(str(smollm2_path))
     assert d.n_layers == 30 and d.config.d_model == 576 and d.output is None  # tied
+    assert d.source == str(smollm2_path)
     header = smollm2_path.stat().st_size - d.file_bytes
     assert 0 < header < 8 << 20  # tensor data is the file but its header (and the vocabulary)
     synth = describe("synth:smollm2-135m:q4_1")

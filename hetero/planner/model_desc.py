@@ -54,6 +54,7 @@ class ModelDesc:
     embed: TensorInfo
     output: TensorInfo | None  # None: tied to the embedding
     globals_: tuple[TensorInfo, ...] = ()  # output norm, rope factors
+    source: str = ""  # the GGUF path, or "synth:SHAPE:QUANT"
 
     @property
     def n_layers(self) -> int:
@@ -79,7 +80,7 @@ def from_gguf(path: str) -> ModelDesc:
         name: TensorInfo(name, t.ggml_type.name, t.shape, t.nbytes)
         for name, t in gm.tensors.items()
     }
-    return _assemble(gm.config.name or gm.path.name, gm.config, infos)
+    return _assemble(gm.config.name or gm.path.name, gm.config, infos, str(gm.path))
 
 
 def from_shape(shape: str, quant: str = "q4_k_m") -> ModelDesc:
@@ -111,7 +112,7 @@ def from_shape(shape: str, quant: str = "q4_k_m") -> ModelDesc:
         attn_bias=s.attn_bias,
         qk_norm=s.qk_norm,
     )
-    return _assemble(cfg.name, cfg, infos)
+    return _assemble(cfg.name, cfg, infos, f"synth:{shape}:{quant}")
 
 
 def describe(model: str) -> ModelDesc:
@@ -124,7 +125,7 @@ def describe(model: str) -> ModelDesc:
     return from_gguf(model)
 
 
-def _assemble(name: str, cfg: ModelConfig, infos: dict[str, TensorInfo]) -> ModelDesc:
+def _assemble(name: str, cfg: ModelConfig, infos: dict[str, TensorInfo], source: str) -> ModelDesc:
     layers = tuple(
         tuple(t for key, t in infos.items() if key.startswith(f"blk.{i}."))
         for i in range(cfg.n_layers)
@@ -134,6 +135,5 @@ def _assemble(name: str, cfg: ModelConfig, infos: dict[str, TensorInfo]) -> Mode
     rest = tuple(t for key, t in infos.items() if key not in in_layers and key not in special)
     if "token_embd.weight" not in infos:
         raise ValueError(f"{name}: tensor 'token_embd.weight' is missing")
-    return ModelDesc(
-        name, cfg, layers, infos["token_embd.weight"], infos.get("output.weight"), rest
-    )
+    head = infos.get("output.weight")
+    return ModelDesc(name, cfg, layers, infos["token_embd.weight"], head, rest, source)

@@ -211,6 +211,7 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         ttft_burst_s=burst,
         max_context=min(desc.config.context_length, blocks // cfg.concurrency * cfg.block_size),
         max_concurrency=blocks // per_seq,
+        model_path=desc.source,
         unused_devices=tuple(d.id for d in devices if d.id not in used_ids),
         notes=_notes(stages, devices, cfg),
     )

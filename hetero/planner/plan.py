@@ -120,6 +120,7 @@ class Plan:
     ttft_burst_s: float  # `concurrency` prompts arriving together: the last first token
     max_context: int  # longest context every one of `concurrency` sequences can have
     max_concurrency: int  # sequences of `context` tokens that fit at once
+    model_path: str = ""  # the GGUF file planned (or "synth:SHAPE:QUANT" for a dry run)
     unused_devices: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     version: int = PLAN_VERSION

@@ -16,6 +16,19 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
+def _stage_row(s) -> list[str]:
+    return [
+        s.device,
+        f"{s.layer_start}-{s.layer_end - 1} ({s.n_layers})",
+        s.weights,
+        f"{s.weight_bytes / GB:.2f}",
+        str(s.num_kv_blocks),
+        f"{s.kv_bytes / GB:.2f}",
+        f"{s.kernels.get('qlinear', '?')}, kv {s.kv_dtype}",
+        f"{s.predicted_step_s * 1e3:.1f}",
+    ]
+
+
 def format_plan(p: Plan) -> str:
     header = [
         "device",
@@ -27,21 +40,7 @@ def format_plan(p: Plan) -> str:
         "kernels",
         "step ms",
     ]
-    rows = []
-    for s in p.stages:
-        kernels = f"{s.kernels.get('qlinear', '?')}, kv {s.kv_dtype}"
-        rows.append(
-            [
-                s.device,
-                f"{s.layer_start}-{s.layer_end - 1} ({s.n_layers})",
-                s.weights,
-                f"{s.weight_bytes / GB:.2f}",
-                str(s.num_kv_blocks),
-                f"{s.kv_bytes / GB:.2f}",
-                kernels,
-                f"{s.predicted_step_s * 1e3:.1f}",
-            ]
-        )
+    rows = [_stage_row(s) for s in p.stages]
     lines = [f"plan for {p.model} ({p.n_layers} layers)", *_table(header, rows)]
     lines += [
         f"single stream: {p.single_stream_tok_s:.1f} tok/s",
