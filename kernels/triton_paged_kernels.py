@@ -46,7 +46,10 @@ def fp8_encode(v):
 
 
 @triton.jit
-def _kv_write_one(src, cache, scale_ptr, t, h, slot, stride_t, stride_h, KV, D, BD, FP8):
+def _kv_write_one(
+    src, cache, scale_ptr, t, h, slot, stride_t, stride_h,
+    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
     d = tl.arange(0, BD)
     dm = d < D
     x = tl.load(src + t * stride_t + h * stride_h + d, mask=dm, other=0.0).to(tl.float32)
@@ -76,7 +79,10 @@ def kv_write_kernel(
 
 
 @triton.jit
-def _load_kv(cache, scale_ptr, slot, h, pm, KV, D, BD, FP8):
+def _load_kv(
+    cache, scale_ptr, slot, h, pm,
+    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
     """Rows `slot` [BN] of head h -> [BN, BD] float32 (masked rows and dims are 0)."""
     d = tl.arange(0, BD)
     m = pm[:, None] & (d[None, :] < D)
@@ -88,7 +94,7 @@ def _load_kv(cache, scale_ptr, slot, h, pm, KV, D, BD, FP8):
 
 
 @triton.jit
-def _slots(block_tables, b, stride_bt, pos, pm, BS):
+def _slots(block_tables, b, stride_bt, pos, pm, BS: tl.constexpr):
     blk = tl.load(block_tables + b * stride_bt + pos // BS, mask=pm, other=0).to(tl.int64)
     return blk * BS + pos % BS
 
