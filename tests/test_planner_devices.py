@@ -136,6 +136,15 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     assert [p.replace(memory_free=0) for p in again] == [p.replace(memory_free=0) for p in first]
 
 
+def test_cli_profile_json_reads_the_cache(cache_home):
+    """`hetero profile --json` after the measurement above: the cached profile, at once."""
+    r = run_cli("profile", "--json", env={"XDG_CACHE_HOME": str(cache_home)})
+    assert r.returncode == 0, r.stderr
+    (cpu,) = [d for d in json.loads(r.stdout) if d["id"] == "cpu"]
+    assert cpu["source"] == "measured" and cpu["matmul"]["fp16"]["kernel"] == "fbgemm-fp16"
+    assert "profiling" not in r.stderr  # no progress bar: nothing was measured again
+
+
 def test_a_device_gone_since_profiling_is_refused(tmp_path, monkeypatch):
     from hetero.planner import profile
     from hetero.planner.resolve import resolve_devices

@@ -100,7 +100,7 @@ def _calibrated(prof: DeviceProfile, device: str, kv_dtype: str, bar: tqdm) -> D
 
 
 def measure(devices: list[LiveDevice], progress: bool = True) -> list[DeviceProfile]:
-    steps = sum(4 if d.kind == "cpu" else 6 for d in devices)
+    steps = sum(4 if d.kind == "cpu" else 5 for d in devices)
     with tqdm(total=steps, desc="profiling", unit="step", disable=not progress) as bar:
         out = []
         for d in devices:
