@@ -35,8 +35,8 @@ class PlanConfig:
         reads prompt_len + output_len / 2 tokens of context on average).
     weights: "auto" (per device the fastest mode that fits, CPUs choosing among exact modes),
         or a RuntimeConfig weights mode to force everywhere it applies.
-    kv_dtype: "auto" (fp8 where the device supports it, else fp16) or fp8/fp16/bf16/fp32; fp8
-        asked of a device without FP8 falls back to fp16.
+    kv_dtype: "auto" (fp8 where the device has FP8 hardware, else fp16, as the engine picks) or
+        fp8/fp16/bf16/fp32; fp8 asked of a GPU without FP8 falls back to fp16.
     use_all_devices: give every device at least one layer (to test a split where one device
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
