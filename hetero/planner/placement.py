@@ -185,6 +185,9 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
         kv_room_blocks=room,
         single_step_s=setup.stage_s(i, a, b, 1),
         prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len, 1),
+        base_device=dev.id.split("@")[0],
+        mps_percentage=round(dev.sm_share * 100) if dev.sm_share < 1.0 else None,
+        memory_cap=dev.memory_cap,
     )
 
 
