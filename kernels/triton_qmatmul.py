@@ -4,6 +4,8 @@ Three paths, by the number of tokens T (x is [T, K], W is [N, K]):
 
     T <= GEMV_MAX_T       qgemv   one launch: decode in registers, float32 FMAs, split-K with an
                                   in-kernel fix-up (memory-bound: time ~ weight bytes / bandwidth)
+    T <= GEMV_TOKENS_MAX_T qgemv_tokens  the same, a program decoding each weight once for up to 8
+                                  tokens (batched decode; see triton_qgemv_tokens)
     T <  DENSE_MIN_T      qmm     dequantize tiles straight into the tensor cores (tl.dot), K
                                   split when the tiles are fewer than the SMs
     T >= DENSE_MIN_T      dense   dequantize W (in slabs) to x's dtype, then cuBLAS (at these T
@@ -40,10 +42,14 @@ from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, QSpec, chunk_codes, packable, repack
 
 GEMV_MAX_T = 2
+# 8 tokens: the FMAs a decoded weight feeds still take about the time its bytes take (the
+# reasoning in triton_qgemv_tokens); benchmarks/gpu_qmatmul.py --micro prints both paths per T.
+GEMV_TOKENS_MAX_T = 8
 DENSE_MIN_T = 160
 DENSE_SLAB_ELEMENTS = 1 << 27  # dequantize at most this many weights at a time (256 MB in bf16)
 _GEMV_CTAS_PER_SM = 4  # enough warps in flight to cover DRAM latency (see gemv_config)
 _GEMV_WARPS = 4
+_TOKENS_BLOCK_N = 32
 
 
 def triton_supported(device: torch.device | str) -> bool:
@@ -144,6 +150,38 @@ def qgemv(
         x, y, part, cnt, *args[:6], t_count, n, n_chunks, cfg.chunks_per_split,
         x.stride(0), y.stride(0), *args[6:], **meta,
         BN=cfg.block_n, S=cfg.chunk_step, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return y
+
+
+def tokens_config(
+    spec: QSpec, n: int, n_chunks: int, t: int, sm_count: int, split_k: int | None = None
+) -> tuple[GemvConfig, int]:
+    """(config, TT) for qgemv_tokens: TT tokens a program (4 or 8) and 32 rows (4 warps: a
+    thread holds 2 (row, chunk) pairs of a Q4 type; ptxas for sm_90: 80 registers at TT = 4,
+    128 at TT = 8, none spilled), K split as in gemv_config."""
+    tt = 4 if t <= 4 else 8
+    cfg = gemv_config(spec, n, n_chunks, -(-t // tt), sm_count, split_k, _TOKENS_BLOCK_N)
+    return cfg, tt
+
+
+def qgemv_tokens(x: torch.Tensor, pw: PackedWeight, split_k: int | None = None) -> torch.Tensor:
+    """x [T, K] -> [T, N] by the few-token decode kernel (any T; meant for 3 .. 16)."""
+    from hetero.kernels.triton_qgemv_tokens import _qgemv_tokens_kernel
+
+    t_count, k = x.shape
+    n = pw.shape[0]
+    n_chunks = k // chunk_codes(pw.spec.low_bits)
+    cfg, tt = tokens_config(pw.spec, n, n_chunks, t_count, _sm_count(x.device), split_k)
+    tiles, groups = -(-n // cfg.block_n), -(-t_count // tt)
+    y = torch.empty(t_count, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(cfg.split_k, t_count, n, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, tiles * groups)
+    args, meta = _plane_args(pw)
+    _qgemv_tokens_kernel[(groups, tiles, cfg.split_k)](
+        x, y, part, cnt, *args[:6], t_count, n, n_chunks, cfg.chunks_per_split,
+        x.stride(0), y.stride(0), *args[6:], **meta,
+        BN=cfg.block_n, S=cfg.chunk_step, TT=tt, num_warps=cfg.num_warps,
     )  # fmt: skip
     return y
 
@@ -263,6 +301,8 @@ def qlinear_triton(
         y = x2.new_empty(0, shape[0])
     elif t_count <= GEMV_MAX_T:
         y = qgemv(x2, qweight)
+    elif t_count <= GEMV_TOKENS_MAX_T:
+        y = qgemv_tokens(x2, qweight)
     elif t_count < DENSE_MIN_T:
         y = qmm(x2, qweight)
     else:
