@@ -12,7 +12,8 @@ from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.json_mask import Constraints
-from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, size_pool
+from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
+from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
@@ -63,6 +64,7 @@ class Engine:
         self.runtime = self.model.runtime
         self.model_config = self.gguf.config
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
+        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.runtime.device)
         self.pool_size = self._size_pool()
         cfg = self.config
         self.pool = KVPool(
@@ -70,11 +72,22 @@ class Engine:
             len(self.model.layer_range),
             self.pool_size.num_blocks,
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
         )
+        self.kv_tiers = build_tiers(
+            cfg,
+            self.pool,
+            self.pool_size.block_bytes,
+            self.runtime.device,
+            self.model_path,
+            self.model.layer_range,
+        )
         self.block_manager = BlockManager(
-            self.pool_size.num_blocks, cfg.block_size, cfg.enable_prefix_caching
+            self.pool_size.num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            tiers=None if self.kv_tiers is None else self.kv_tiers.tiers,
         )
         sched = cfg.scheduler
         if sched.max_model_len is None:
@@ -96,7 +109,7 @@ class Engine:
             self.model_config,
             len(self.model.layer_range),
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
             cfg.kv_memory_fraction,
             cfg.num_kv_blocks,
@@ -109,7 +122,18 @@ class Engine:
             f"{d} {block_bytes(self.model_config, n, self.config.block_size, d) / 1024:.1f} KiB"
             for d in ("fp8", "fp16", "bf16")
         )
-        return f"{self.pool_size.describe(self.config.kv_dtype)}; one block costs {costs}"
+        tiers = "" if self.kv_tiers is None else f"; {self.kv_tiers.plan.describe()}"
+        name = self._kv_dtype_name()
+        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}"
+
+    def _kv_dtype_name(self) -> str:
+        if self.config.kv_dtype != "auto":
+            return self.kv_dtype
+        return f"{self.kv_dtype}, auto for {self.runtime.device}"
+
+    def save_kv_cache(self) -> int:
+        """Write the named KV blocks to the disk tier for the next start (0 without one)."""
+        return 0 if self.kv_tiers is None else self.kv_tiers.persist(self.block_manager)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -142,7 +166,12 @@ class Engine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        tiered = self.kv_tiers
+        if tiered is not None:
+            tiered.before_schedule(self.block_manager)
         out = self.scheduler.schedule()
+        if tiered is not None:
+            tiered.after_schedule()  # offloads and restores the schedule queued
         results: dict[str, StepOutput] = {}
         for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
             results[req.request_id] = self._final(req)
@@ -152,11 +181,15 @@ class Engine:
             sampled = self._sample(logits, producing, results)
             finished = self.scheduler.update(out, sampled)
             self.stats.record(out, time.perf_counter() - t0)
+            if tiered is not None:
+                tiered.observe_step(out.num_batched_tokens, time.perf_counter() - t0)
             for req in finished:
                 results[req.request_id].finished = True
                 results[req.request_id].finish_reason = req.finish_reason
                 self.params.pop(req.request_id, None)
                 self.constraints.drop(req.request_id)
+        elif tiered is not None:  # only requests waiting for restores: wait, do not spin
+            tiered.idle(self.block_manager)
         return list(results.values())
 
     def _sample(self, logits, producing, results) -> dict[str, int]:
