@@ -169,9 +169,12 @@ def bench(model, num_requests, concurrency, input_len, output_len, warmup, seed,
     click.echo(engine.describe_kv(), err=True)
     if warmup:
         run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
-    result = run_bench(
-        engine, num_requests or concurrency, concurrency, input_len, output_len, seed=seed
-    )
+    try:
+        result = run_bench(
+            engine, num_requests or concurrency, concurrency, input_len, output_len, seed=seed
+        )
+    finally:
+        engine.close()  # a pipeline's stage processes
     click.echo("\n".join(result.lines()))
 
 

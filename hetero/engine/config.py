@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetero.dist.config import PipelineConfig
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -63,6 +65,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # stages (hetero/dist)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -83,8 +83,14 @@ class ModelRunner:
         self.device = torch.device(model.runtime.device)
         self.scale = model.config.head_dim**-0.5
 
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Logits [N, V] float32 for the N scheduled requests whose step produces a token."""
+    def run(
+        self, out: SchedulerOutput, hidden: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Logits [N, V] float32 for the N scheduled requests whose step produces a token.
+
+        A pipeline stage after the first passes the previous stage's hidden states [T, C]; a
+        stage before the last gets its own hidden states [T, C] back instead of logits.
+        """
         self.pool.copy_blocks(out.copies)
         sched = out.scheduled
         tokens, positions, last_rows, producing = [], [], [], []
@@ -112,5 +118,5 @@ class ModelRunner:
             torch.tensor(last_rows, dtype=torch.long, device=dev),
             attn,
         )
-        logits = self.model(torch.tensor(tokens, device=dev), batch)
+        logits = self.model(torch.tensor(tokens, device=dev), batch, hidden)
         return logits, producing
