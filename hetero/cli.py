@@ -178,6 +178,20 @@ def bench(model, num_requests, concurrency, input_len, output_len, warmup, seed,
     click.echo("\n".join(result.lines()))
 
 
+@main.command()
+@MODEL_ARG
+@click.option("--rank", type=click.IntRange(1), required=True, help="this stage's index (from 0)")
+@engine_options
+def stage(model, rank, **options):
+    """Serve one pipeline stage of an engine on another host (README: pipelines)."""
+    from hetero.dist.remote import run_stage
+
+    try:
+        run_stage(model, rank, options)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(e)
+
+
 def serve_main() -> None:
     """`hetero-serve`: the OpenAI-compatible daemon."""
     from hetero.server.app import serve_cli

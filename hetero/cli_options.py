@@ -59,6 +59,23 @@ def pipeline_options(f):
             show_default=True,
             help="seconds a pipeline step may take before the pipeline counts as stuck",
         ),
+        click.option(
+            "--max-restarts",
+            type=click.IntRange(0),
+            default=3,
+            show_default=True,
+            help="restarts of a failed pipeline before the engine gives up",
+        ),
+        click.option(
+            "--dist-init",
+            default=None,
+            help="the stages' rendezvous tcp://HOST:PORT (for stages on other hosts)",
+        ),
+        click.option(
+            "--remote-stages",
+            default=None,
+            help="stage ranks started elsewhere with `hetero stage`, e.g. 1",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)

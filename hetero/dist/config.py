@@ -18,6 +18,10 @@ class PipelineConfig:
     stage_timeout: seconds a step (or the start of the stages) may take before the pipeline is
         declared stuck: a dead stage is seen at once, this bounds a hung one.
     max_restarts: how often a failed pipeline is restarted before the engine gives up.
+    dist_init: the rendezvous of the stages' process group, tcp://HOST:PORT on this machine
+        (None: a free loopback port; give a reachable address when stages run on other hosts).
+    remote_stages: "1,2": stage ranks this engine does not start, started on other hosts with
+        `hetero stage MODEL --rank R --dist-init tcp://HOST:PORT` and the same split options.
     """
 
     devices: str | None = None
@@ -26,6 +30,8 @@ class PipelineConfig:
     micro_batches: int = 0
     stage_timeout: float = 600.0
     max_restarts: int = 3
+    dist_init: str | None = None
+    remote_stages: str | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batches < 0:
@@ -35,6 +41,16 @@ class PipelineConfig:
             raise ValueError(f"stage_timeout must be > 0 seconds, got {self.stage_timeout}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+
+    def remote_ranks(self) -> set[int]:
+        text = self.remote_stages or ""
+        try:
+            ranks = {int(r) for r in text.split(",") if r.strip()}
+        except ValueError as e:
+            raise ValueError(f"--remote-stages {text!r}: expected stage ranks like 1,2") from e
+        if 0 in ranks:
+            raise ValueError("--remote-stages: stage 0 runs beside the engine; it cannot be remote")
+        return ranks
 
     @property
     def enabled(self) -> bool:

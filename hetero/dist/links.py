@@ -5,7 +5,7 @@ too). A message from stage i to stage i+1 is
 
     header  int64 [4]: payload bytes, T, C, activation dtype code
     payload uint8 [n]: the pickled StepPlan, forwarded as the bytes stage 0 got
-    hidden  [T, C]:    activations, over NCCL when both stages are GPUs, else over gloo (on CPU)
+    hidden  [T, C]:    activations, over NCCL between two GPUs, else over gloo (through the CPU)
 
 Results go from the last stage back to stage 0 over a second gloo group, so stage 0's result
 thread never shares a group with its forward sends. Sends are asynchronous (isend): a stage
@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hetero.dist.stages import StageSpec
+from hetero.dist.stages import StageSpec, device_key
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Idle stages wait for work without limit; liveness is the engine's job (process sentinels and
@@ -42,7 +42,7 @@ class Links:
         self.results = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
         self.nccl: dict[int, dist.ProcessGroup] = {}  # first rank of a GPU pair -> its group
         for i in range(self.world - 1):
-            if stages[i].device.startswith("cuda") and stages[i + 1].device.startswith("cuda"):
+            if _nccl_pair(stages[i].device, stages[i + 1].device):
                 group = dist.new_group([i, i + 1], backend="nccl", timeout=_GROUP_TIMEOUT)
                 if rank in (i, i + 1):
                     self.nccl[i] = group
@@ -85,6 +85,13 @@ class Links:
         """Wait until the last send is delivered (before the process exits)."""
         for w in self._pending:
             w.wait()
+
+
+def _nccl_pair(a: str, b: str) -> bool:
+    """Two different GPUs: NCCL. One GPU shared by two stages cannot be: NCCL refuses two ranks
+    on one device, so those activations go through host memory over gloo like a CPU's."""
+    both = a.startswith("cuda") and b.startswith("cuda")
+    return both and device_key(a) != device_key(b)
 
 
 def _recv(src, device, group, nccl) -> tuple[bytes, torch.Tensor | None]:

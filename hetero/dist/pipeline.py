@@ -62,9 +62,15 @@ class Pipeline:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._errors = ctx.SimpleQueue()
-        init = f"tcp://127.0.0.1:{free_port()}"
-        self.procs = []
-        for rank in range(len(stages)):
+        pc = engine.pipeline
+        init = pc.dist_init or f"tcp://127.0.0.1:{free_port()}"
+        remote = pc.remote_ranks()
+        if remote and not pc.dist_init:
+            raise ValueError("--remote-stages needs --dist-init tcp://HOST:PORT that they reach")
+        if max(remote, default=0) >= len(stages):
+            raise ValueError(f"--remote-stages {pc.remote_stages}: only {len(stages)} stages")
+        self.procs: dict[int, mp.Process] = {}  # rank -> the stages started here
+        for rank in sorted(set(range(len(stages))) - remote):
             args = StageArgs(rank, tuple(stages), init, str(model_path), runtime, engine, progress)
             conn = child if rank == 0 else None
             p = ctx.Process(
@@ -72,7 +78,7 @@ class Pipeline:
             )
             p.daemon = True  # never outlive the engine's process
             p.start()
-            self.procs.append(p)
+            self.procs[rank] = p
         child.close()
         self.closed = False
         t0 = time.monotonic()
@@ -101,7 +107,7 @@ class Pipeline:
 
     def _receive(self, doing: str):
         deadline = time.monotonic() + self.timeout
-        sentinels = {p.sentinel: p for p in self.procs}
+        sentinels = [p.sentinel for p in self.procs.values()]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -118,8 +124,8 @@ class Pipeline:
     def _failure(self, what: str) -> StageFailure:
         time.sleep(0.2)  # let a dying stage's reason reach the queue
         dead = [
-            f"stage {i} ({self.stages[i].describe()}) {_exit_reason(p.exitcode)}"
-            for i, p in enumerate(self.procs)
+            f"stage {r} ({self.stages[r].describe()}) {_exit_reason(p.exitcode)}"
+            for r, p in self.procs.items()
             if not p.is_alive()
         ]
         reasons = []
@@ -140,16 +146,17 @@ class Pipeline:
         if self.closed:
             return
         self.closed = True
-        if graceful and all(p.is_alive() for p in self.procs):
+        if graceful and all(p.is_alive() for p in self.procs.values()):
             try:
                 self._conn.send_bytes(STOP)
             except OSError:
                 pass
         deadline = time.monotonic() + (timeout if graceful else 0.0)
-        for p in self.procs:
+        for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
+        for p in self.procs.values():
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
         self._conn.close()
+        self._errors.close()

@@ -63,6 +63,14 @@ def check_device(device: str, what: str) -> str:
     return device
 
 
+def device_key(device: str) -> str:
+    """One name per physical device: "cuda" and "cuda:0" are the same GPU."""
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        return f"cuda:{index or 0}"
+    return device
+
+
 def validate_stages(stages: list[StageSpec], n_layers: int) -> list[StageSpec]:
     """The stages must cover layers 0 .. n_layers - 1 in order, each exactly once."""
     if not stages:

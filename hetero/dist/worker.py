@@ -20,7 +20,7 @@ import torch
 
 from hetero.config import RuntimeConfig
 from hetero.dist.links import Links
-from hetero.dist.stages import StageSpec
+from hetero.dist.stages import StageSpec, device_key
 from hetero.dist.step import StepPlan, StepResult
 from hetero.engine.config import EngineConfig
 from hetero.engine.kv_cache import KVPool, size_pool
@@ -89,7 +89,7 @@ class Stage:
     def _own_blocks(self) -> int:
         """Blocks this stage's own free memory holds; stages sharing a device share it."""
         a, spec, ecfg = self.args, self.args.spec, self.args.engine
-        sharing = sum(1 for s in a.stages if s.device == spec.device)
+        sharing = sum(1 for s in a.stages if device_key(s.device) == device_key(spec.device))
         cap = spec.num_kv_blocks or ecfg.num_kv_blocks
         if spec.num_kv_blocks and ecfg.num_kv_blocks:
             cap = min(spec.num_kv_blocks, ecfg.num_kv_blocks)
