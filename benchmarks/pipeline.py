@@ -4,7 +4,8 @@
     python benchmarks/pipeline.py llama3-8b.gguf --preset h200 [--cpu-layers 8]
 
 Presets (each row is one engine, built, measured, closed):
-  cpu:  one process on the CPU; --devices cpu,cpu (two stages sharing the cores).
+  cpu:  one process on the CPU (all cores, then one thread); --devices cpu,cpu (two stages,
+        one thread each on a 2-core machine: the pipeline's overlap is the gain over one thread).
   h200: all layers on cuda:0; two stages on cuda:0 (the pipeline's own overhead: activations
         cross processes through host memory, as NCCL cannot join two ranks on one GPU); the
         last --cpu-layers layers on the CPU (GPU+CPU, as when VRAM runs short).
@@ -27,7 +28,11 @@ from hetero.sampling import SamplingParams
 
 def presets(name: str, n_layers: int, cpu_layers: int) -> list[tuple[str, dict]]:
     if name == "cpu":
-        return [("1 stage cpu", {"device": "cpu"}), ("2 stages cpu,cpu", {"devices": "cpu,cpu"})]
+        return [
+            ("1 stage cpu", {"device": "cpu"}),
+            ("1 stage cpu, 1 thread", {"device": "cpu", "threads": 1}),
+            ("2 stages cpu,cpu (a thread each)", {"devices": "cpu,cpu"}),
+        ]
     half, gpu_end = n_layers // 2, n_layers - cpu_layers
     return [
         ("1 stage cuda:0", {"device": "cuda:0"}),

@@ -186,6 +186,43 @@ def test_stage_started_by_hand_joins_over_tcp(tiny_llama):
     check_outputs(loaded, prompts, outs, GREEDY.max_tokens, set())
 
 
+def test_daemon_on_two_stages_serves_the_openai_client(smollm2_path):
+    """hetero-serve --devices cpu,cpu, asked by the real openai client, 4 requests at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from server_fixture import start_daemon
+
+    opts = ["--kv-dtype", "fp32", "--weights", "dense", "--num-kv-blocks", "64"]
+    prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,", "Once upon a time"]
+    d = start_daemon(str(smollm2_path), "--devices", "cpu,cpu", *opts)
+    try:
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+
+        def ask(prompt: str) -> str:
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, prompts))
+    finally:
+        assert d.finish() == 0, d.log()
+    one = LLM(str(smollm2_path), kv_dtype="fp32", weights="dense", num_kv_blocks=64)
+    want = [o.outputs[0].text for o in one.generate(prompts, GREEDY)]
+    assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["cuda:0=0-1,cpu=2-3", "cuda:0=0-1,cuda:0=2-3"])
+def test_gpu_stages_match_the_cpu(tiny_llama, split):
+    """GPU+CPU (a bf16-or-fp32 GPU hands fp32 to the CPU) and two stages on one GPU (gloo)."""
+    prompts = synth_prompts(8, seed=7)
+    outs, _ = run_pipeline(tiny_llama, prompts, split=split, dtype="fp32", num_kv_blocks=64)
+    loaded = load_model(tiny_llama, RuntimeConfig(weights="dense"))
+    check_outputs(loaded, prompts, outs, GREEDY.max_tokens, set())
+
+
 def test_bad_split_is_a_clear_cli_error(tiny_llama):
     from click.testing import CliRunner
 

@@ -57,8 +57,10 @@ class Links:
     def send_next(self, payload: bytes, hidden: torch.Tensor | None) -> None:
         self._send(self.rank + 1, payload, hidden, self.nccl.get(self.rank))
 
-    def recv_prev(self, device: torch.device) -> tuple[bytes, torch.Tensor | None]:
-        return _recv(self.rank - 1, device, None, self.nccl.get(self.rank - 1))
+    def recv_prev(self, device: torch.device, dtype: torch.dtype):
+        """(payload, hidden [T, C] on `device` in `dtype`: a GPU's bf16 becomes a CPU's fp32)."""
+        payload, hidden = _recv(self.rank - 1, device, None, self.nccl.get(self.rank - 1))
+        return payload, None if hidden is None else hidden.to(dtype)
 
     def send_result(self, payload: bytes) -> None:
         self._send(0, payload, None, None, self.results)

@@ -49,6 +49,14 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _reason(conn) -> str | None:
+    """What a failed stage said about itself, if it said anything before its pipe closed."""
+    try:
+        return conn.recv() if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
 class Pipeline:
     def __init__(
         self,
@@ -61,7 +69,6 @@ class Pipeline:
         self.stages, self.timeout = stages, engine.pipeline.stage_timeout
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._errors = ctx.SimpleQueue()
         pc = engine.pipeline
         init = pc.dist_init or f"tcp://127.0.0.1:{free_port()}"
         remote = pc.remote_ranks()
@@ -70,19 +77,25 @@ class Pipeline:
         if max(remote, default=0) >= len(stages):
             raise ValueError(f"--remote-stages {pc.remote_stages}: only {len(stages)} stages")
         self.procs: dict[int, mp.Process] = {}  # rank -> the stages started here
+        self._errors = []  # a pipe per stage for the reason it failed
         for rank in sorted(set(range(len(stages))) - remote):
+            errors, err_child = ctx.Pipe(duplex=False)
+            self._errors.append(errors)
             args = StageArgs(rank, tuple(stages), init, str(model_path), runtime, engine, progress)
             conn = child if rank == 0 else None
             p = ctx.Process(
-                target=stage_main, args=(args, conn, self._errors), name=f"hetero-stage-{rank}"
+                target=stage_main, args=(args, conn, err_child), name=f"hetero-stage-{rank}"
             )
             p.daemon = True  # never outlive the engine's process
             p.start()
             self.procs[rank] = p
+            err_child.close()
         child.close()
         self.closed = False
         t0 = time.monotonic()
         kind, self.capacities = self._receive("starting")
+        if kind != "ready":
+            raise self._failure(f"stage 0 answered {kind!r} instead of ready")
         self.num_blocks = min(self.capacities)
         log.info("pipeline: %d stages ready in %.1f s", len(stages), time.monotonic() - t0)
 
@@ -128,9 +141,7 @@ class Pipeline:
             for r, p in self.procs.items()
             if not p.is_alive()
         ]
-        reasons = []
-        while not self._errors.empty():
-            reasons.append(self._errors.get())
+        reasons = [r for r in map(_reason, self._errors) if r]
         msg = f"pipeline failed: {what}"
         if dead:
             msg += "; " + ", ".join(dead)
@@ -159,4 +170,5 @@ class Pipeline:
                 p.kill()
                 p.join(5.0)
         self._conn.close()
-        self._errors.close()
+        for e in self._errors:
+            e.close()

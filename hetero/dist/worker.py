@@ -53,9 +53,11 @@ def stage_runtime(args: StageArgs) -> RuntimeConfig:
     """
     spec, rt = args.spec, args.runtime
     threads = rt.threads
+    n_cpu = sum(1 for s in args.stages if s.device == "cpu")
     if spec.device == "cpu" and threads == 0:
-        n_cpu = sum(1 for s in args.stages if s.device == "cpu")
         threads = max(1, (os.cpu_count() or 1) // n_cpu)
+    elif threads == 0 and n_cpu:
+        threads = 1  # a GPU stage only launches kernels: leave the cores to the CPU stages
     return replace(rt, device=spec.device, weights=spec.weights or rt.weights, threads=threads)
 
 
@@ -67,6 +69,7 @@ class Stage:
         self.args, spec = args, args.spec
         self.first, self.last = args.rank == 0, args.rank == len(args.stages) - 1
         rt = stage_runtime(args)
+        self.dtype = rt.torch_dtype()
         if rt.threads:
             torch.set_num_threads(rt.threads)
         self.device = torch.device(spec.device)
@@ -138,7 +141,7 @@ class Stage:
             if self.first:
                 payload, hidden = conn.recv_bytes(), None
             else:
-                payload, hidden = self.links.recv_prev(self.device)
+                payload, hidden = self.links.recv_prev(self.device, self.dtype)
             plan = pickle.loads(payload)
             if plan is None:
                 self._pass_on(STOP, None, reply)
@@ -194,7 +197,7 @@ def stage_main(args: StageArgs, conn=None, errors=None) -> None:
         what = f"stage {args.rank} ({args.spec.describe()}): {type(e).__name__}: {e}"
         traceback.print_exc()
         if errors is not None:
-            errors.put(what)
+            errors.send(what)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # skip process-group teardown, which can block on a dead peer
