@@ -6,6 +6,8 @@
 Presets (each row is one engine, built, measured, closed):
   cpu:  one process on the CPU (all cores, then one thread); --devices cpu,cpu (two stages,
         one thread each on a 2-core machine: the pipeline's overlap is the gain over one thread).
+  mps:  two stages on cuda:0 under unequal MPS shares (--mps 60,40, standing in for a 5090 beside
+        a 4090): an even split against a split by share, and one stage on the whole GPU.
   h200: all layers on cuda:0; two stages on cuda:0 (the pipeline's own overhead: activations
         cross processes through host memory, as NCCL cannot join two ranks on one GPU); the
         last --cpu-layers layers on the CPU (GPU+CPU, as when VRAM runs short).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 
 from hetero.bench import run_bench
@@ -26,7 +29,28 @@ from hetero.llm import LLM
 from hetero.sampling import SamplingParams
 
 
-def presets(name: str, n_layers: int, cpu_layers: int) -> list[tuple[str, dict]]:
+def mps_plan(n_layers: int, shares: list[int], uneven: bool) -> str:
+    """A plan file of two stages on cuda:0 under MPS shares; layers even or by share."""
+    first = round(n_layers * shares[0] / sum(shares)) if uneven else n_layers // 2
+    bounds = [(0, first), (first, n_layers)]
+    stages = [
+        {"device": "cuda:0", "layer_start": a, "layer_end": b, "mps_percentage": p}
+        for (a, b), p in zip(bounds, shares)
+    ]
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump({"stages": stages}, f)
+    f.close()
+    return f.name
+
+
+def presets(name: str, n_layers: int, cpu_layers: int, shares) -> list[tuple[str, dict]]:
+    if name == "mps":  # the planner issue's emulated unequal pair (run nvidia-cuda-mps-control -d)
+        even, uneven = mps_plan(n_layers, shares, False), mps_plan(n_layers, shares, True)
+        return [
+            ("1 stage cuda:0", {"device": "cuda:0"}),
+            (f"MPS {shares} even split", {"plan": even}),
+            (f"MPS {shares} split by share", {"plan": uneven}),
+        ]
     if name == "cpu":
         return [
             ("1 stage cpu", {"device": "cpu"}),
@@ -78,7 +102,8 @@ def measure(model: str, label: str, options: dict, args, reference) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("model")
-    ap.add_argument("--preset", choices=["cpu", "h200"], default="cpu")
+    ap.add_argument("--preset", choices=["cpu", "h200", "mps"], default="cpu")
+    ap.add_argument("--mps", type=lambda s: [int(x) for x in s.split(",")], default=[60, 40])
     ap.add_argument("--cpu-layers", type=int, default=8, help="h200: layers on the CPU stage")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--input-len", type=int, default=128)
@@ -93,7 +118,7 @@ def main() -> None:
 
     n_layers = load_gguf(args.model).config.n_layers
     rows, reference = [], None
-    for label, options in presets(args.preset, n_layers, args.cpu_layers):
+    for label, options in presets(args.preset, n_layers, args.cpu_layers, args.mps):
         row, outs = measure(args.model, label, options, args, reference)
         reference = reference or outs
         rows.append(row)

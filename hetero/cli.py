@@ -164,7 +164,7 @@ def bench(model, num_requests, concurrency, input_len, output_len, warmup, seed,
     try:
         engine_cfg, runtime = build_configs(**options)
         engine = Engine(model, engine_cfg, runtime, progress=True)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: a failed stage
         _fail(e)
     click.echo(engine.describe_kv(), err=True)
     if warmup:

@@ -73,19 +73,23 @@ def test_plan_adapter_duck_typed_and_json(tmp_path):
     plan = SimpleNamespace(
         stages=[
             SimpleNamespace(device="cuda:0", layer_start=0, layer_end=20, num_kv_blocks=900,
-                            kv_dtype="fp8", weights="dense", kernels={"qlinear": "triton"}),
+                            kv_dtype="fp8", weights="dense", kernels={"qlinear": "triton"},
+                            mps_percentage=60),
             SimpleNamespace(device="cpu", layer_start=20, layer_end=32, num_kv_blocks=4000,
                             kv_dtype="fp16", weights={"attn": "int8"}, kernels={}),
         ]
     )  # fmt: skip
     got = stages_from_plan(plan, 32)
-    assert got[0] == StageSpec("cuda:0", 0, 20, 900, "fp8", "dense")
+    assert got[0] == StageSpec("cuda:0", 0, 20, 900, "fp8", "dense", 60)
     assert got[1] == StageSpec("cpu", 20, 32, 4000, "fp16", None)  # non-string weights: engine's
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"stages": [{"device": "cpu", "layer_start": 0, "layer_end": 4}]}))
     assert resolve_stages("m.gguf", 4, plan=str(path)) == [StageSpec("cpu", 0, 4)]
     with pytest.raises(ValueError, match="model has 5 layers"):
         resolve_stages("m.gguf", 5, plan=str(path))
+    with pytest.raises(ValueError, match="mps_percentage must be in 1..100"):
+        stages_from_plan({"stages": [{**json.loads(path.read_text())["stages"][0],
+                                      "mps_percentage": 0}]}, 4)  # fmt: skip
     with pytest.raises(ValueError, match="needs device, layer_start and layer_end"):
         stages_from_plan({"stages": [{"device": "cpu"}]}, 4)
 

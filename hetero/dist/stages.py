@@ -31,7 +31,9 @@ class StageSpec:
 
     num_kv_blocks caps the stage's KV pool (None: as its free memory allows); kv_dtype and weights
     override the engine's for this stage only (None: the engine's), e.g. a plan choosing int8
-    CPU weights for the stage that spills off the GPU.
+    CPU weights for the stage that spills off the GPU. mps_percentage: the share of the GPU's
+    SMs this stage's process may use under CUDA MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so two
+    stages on one GPU can stand in for two unequal GPUs.
     """
 
     device: str
@@ -40,9 +42,12 @@ class StageSpec:
     num_kv_blocks: int | None = None
     kv_dtype: str | None = None
     weights: str | None = None
+    mps_percentage: int | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device, "stage device")
+        if self.mps_percentage is not None and not 0 < self.mps_percentage <= 100:
+            raise ValueError(f"stage mps_percentage must be in 1..100, got {self.mps_percentage}")
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(
                 f"stage on {self.device}: layers [{self.layer_start}, {self.layer_end}) are empty "
@@ -133,7 +138,8 @@ def even_split(devices: list[str], n_layers: int) -> list[StageSpec]:
 
 def stages_from_plan(plan: Any, n_layers: int) -> list[StageSpec]:
     """Adapter from the planner's Plan (duck-typed: .stages with .device, .layer_start,
-    .layer_end, and optionally .num_kv_blocks, .kv_dtype, .weights) or its JSON dict."""
+    .layer_end, and optionally .num_kv_blocks, .kv_dtype, .weights, .mps_percentage) or its
+    JSON dict."""
     raw = plan["stages"] if isinstance(plan, dict) else plan.stages
     stages = []
     for i, s in enumerate(raw):
@@ -151,6 +157,7 @@ def stages_from_plan(plan: Any, n_layers: int) -> list[StageSpec]:
                 get("num_kv_blocks"),
                 get("kv_dtype"),
                 weights if isinstance(weights, str) else None,
+                get("mps_percentage"),
             )
         )
     return validate_stages(stages, n_layers)

@@ -191,6 +191,8 @@ def dist_barrier() -> None:
 
 def stage_main(args: StageArgs, conn=None, errors=None) -> None:
     """Process entry point (spawned by the engine, or started by `hetero stage` on a host)."""
+    if args.spec.mps_percentage is not None:  # read when this process first touches CUDA
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.spec.mps_percentage)
     try:
         Stage(args).serve(conn)
     except BaseException as e:  # the engine reads the reason; the exit code marks the death
