@@ -25,6 +25,7 @@ from hetero.dist.step import StepPlan
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig
 from hetero.engine.engine import Engine, EngineStats, StepOutput, token_output
+from hetero.engine.json_mask import Constraints
 from hetero.engine.request import RequestStatus
 from hetero.engine.scheduler import SchedulerOutput
 from hetero.models import resolve_model
@@ -61,6 +62,9 @@ class PipelineEngine(Engine):
         )
         self.num_groups = pc.micro_batches or len(self.stages)
         self.params = {}
+        self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
+        self.kv_dtype = self.config.kv_dtype  # each stage resolves "auto" for its own device
+        self.kv_tiers = None  # lower KV tiers are per device pool: not across stages yet
         self.stats = EngineStats()
         self.restarts = 0
         self._progress = progress
@@ -114,7 +118,9 @@ class PipelineEngine(Engine):
                 results[req.request_id] = self._final(req)
             if not out.scheduled:
                 continue
-            plan = StepPlan.build(self._next_mb, out, self.params, self.config.block_size)
+            plan = StepPlan.build(
+                self._next_mb, out, self.params, self.config.block_size, self.constraints
+            )
             self.pipeline.submit(plan)
             self._inflight.append((g, out, self._next_mb))
             self._next_mb += 1
@@ -131,6 +137,7 @@ class PipelineEngine(Engine):
             if p is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while its step was in flight
             sampled[req.request_id] = res.token_ids[i]
+            req.stop_now = self.constraints.accept(req.request_id, res.token_ids[i])
             results[req.request_id] = token_output(
                 req, p, i, res.token_ids, res.logprobs, res.top
             )
@@ -138,6 +145,7 @@ class PipelineEngine(Engine):
             results[req.request_id].finished = True
             results[req.request_id].finish_reason = req.finish_reason
             self.params.pop(req.request_id, None)
+            self.constraints.drop(req.request_id)
         now = time.perf_counter()
         self.stats.record(out, now - self._last_done)
         self._last_done = now
@@ -158,6 +166,7 @@ class PipelineEngine(Engine):
                 error=str(err),
             )
             self.params.pop(req.request_id, None)
+            self.constraints.drop(req.request_id)
         self.pipeline.close(graceful=False)
         self._finalizer.detach()
         if self.restarts >= self.config.pipeline.max_restarts:

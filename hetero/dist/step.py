@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from hetero.engine.block_manager import cdiv
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.sampling import SamplingParams
@@ -42,12 +44,16 @@ class StepPlan:
     seqs: list[SeqStep] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     rows: list[SampleRow] = field(default_factory=list)
+    allowed: torch.Tensor | None = None  # [rows, V] bool: JSON-mode masks (None: no row has one)
 
     @classmethod
     def build(
-        cls, micro_batch: int, out: SchedulerOutput, params: dict, block_size: int
+        cls, micro_batch: int, out: SchedulerOutput, params: dict, block_size: int, constraints
     ) -> StepPlan:
         plan = cls(micro_batch, copies=list(out.copies))
+        producing = [s.req.request_id for s in out.scheduled if s.produces_token]
+        # A request has one step in flight at most, so its mask now is the one for this token.
+        plan.allowed = constraints.masks(producing) if producing else None
         for s in out.scheduled:
             r, end = s.req, s.start_pos + s.num_new_tokens
             table = r.block_table[: cdiv(end, block_size)]

@@ -23,7 +23,7 @@ from hetero.dist.links import Links
 from hetero.dist.stages import StageSpec, device_key
 from hetero.dist.step import StepPlan, StepResult
 from hetero.engine.config import EngineConfig
-from hetero.engine.kv_cache import KVPool, size_pool
+from hetero.engine.kv_cache import KVPool, resolve_kv_dtype, size_pool
 from hetero.engine.runner import ModelRunner
 from hetero.sampling import Sampler, make_batch
 
@@ -76,13 +76,14 @@ class Stage:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.links = Links(args.rank, args.stages, args.init_method)
+        self.kv_dtype = resolve_kv_dtype(spec.kv_dtype or args.engine.kv_dtype, spec.device)
         gm = load_gguf(args.model_path)
         self.model = LlamaModel(gm, rt, spec.layers, progress=args.progress)
         dist_barrier()  # every stage's weights are in memory before any sizes its pool
         self.capacities = self.links.min_all(self._own_blocks())
         self.num_blocks = min(self.capacities)
         ecfg = args.engine
-        kv_dtype = spec.kv_dtype or ecfg.kv_dtype
+        kv_dtype = self.kv_dtype
         pool = KVPool(
             gm.config, len(spec.layers), self.num_blocks, ecfg.block_size, kv_dtype, spec.device
         )
@@ -100,7 +101,7 @@ class Stage:
             self.model.config,
             len(spec.layers),
             ecfg.block_size,
-            spec.kv_dtype or ecfg.kv_dtype,
+            self.kv_dtype,
             spec.device,
             ecfg.kv_memory_fraction / sharing,
             cap,
@@ -124,6 +125,7 @@ class Stage:
             [r.output_ids for r in rows],
             [r.step for r in rows],
             y.device,
+            plan.allowed,
         )
         ids, lps, tops = sampled_lists(self.sampler(y, state))
         return StepResult(plan.micro_batch, ids, lps, tops)
