@@ -117,13 +117,14 @@ def test_smollm2_pipeline_equals_one_process(smollm2_path, smollm2_refs, devices
             assert gap < 1e-3, f"output differs at token {k} where the top-2 gap is {gap:.2e}"
 
 
-def test_logprobs_and_seeded_sampling_come_back_from_the_last_stage(tiny_llama):
+def test_logprobs_seeded_and_json_sampling_in_the_last_stage(tiny_llama):
     one = LLM(str(tiny_llama), **EXACT, num_kv_blocks=64)
     p = [
         SamplingParams(temperature=0, max_tokens=4, logprobs=3),
         SamplingParams(temperature=0.8, seed=7, max_tokens=6, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=12, json_object=True),  # masks to the last stage
     ]
-    prompts = synth_prompts(2, seed=3)
+    prompts = synth_prompts(3, seed=3)
     want = one.generate(prompts, p)
     got, _ = run_pipeline(tiny_llama, prompts, p, devices="cpu,cpu", num_kv_blocks=64)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
