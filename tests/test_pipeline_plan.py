@@ -87,6 +87,9 @@ def test_plan_adapter_duck_typed_and_json(tmp_path):
     assert resolve_stages("m.gguf", 4, plan=str(path)) == [StageSpec("cpu", 0, 4)]
     with pytest.raises(ValueError, match="model has 5 layers"):
         resolve_stages("m.gguf", 5, plan=str(path))
+    share = stages_from_plan({"stages": [{"device": "cuda:0@70%:32GB", "layer_start": 0,
+                                          "layer_end": 4}]}, 4)  # fmt: skip
+    assert share == [StageSpec("cuda:0", 0, 4, mps_percentage=70)]  # the planner's GPU share
     with pytest.raises(ValueError, match="mps_percentage must be in 1..100"):
         stages_from_plan({"stages": [{**json.loads(path.read_text())["stages"][0],
                                       "mps_percentage": 0}]}, 4)  # fmt: skip

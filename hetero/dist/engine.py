@@ -58,7 +58,12 @@ class PipelineEngine(Engine):
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
         pc = self.config.pipeline
         self.stages = resolve_stages(
-            self.model_path, self.model_config.n_layers, pc.devices, pc.split, pc.plan
+            self.model_path,
+            self.model_config.n_layers,
+            pc.devices,
+            pc.split,
+            pc.plan,
+            self._plan_options(),
         )
         self.num_groups = pc.micro_batches or len(self.stages)
         self.params = {}
@@ -70,6 +75,18 @@ class PipelineEngine(Engine):
         self._progress = progress
         self.pipeline: Pipeline | None = None
         self._start()
+
+    def _plan_options(self) -> dict:
+        """What the planner must plan for: this engine's KV, weights and batch limits."""
+        cfg, sched = self.config, self.config.scheduler
+        return {
+            "kv_dtype": cfg.kv_dtype,
+            "block_size": cfg.block_size,
+            "kv_memory_fraction": cfg.kv_memory_fraction,
+            "weights": self.runtime.weights,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+        }
 
     def _start(self) -> None:
         log.info("pipeline: %s", ", ".join(s.describe() for s in self.stages))

@@ -148,19 +148,32 @@ def stages_from_plan(plan: Any, n_layers: int) -> list[StageSpec]:
             device, start, end = get("device"), int(get("layer_start")), int(get("layer_end"))
         except (TypeError, ValueError) as e:
             raise ValueError(f"plan stage {i}: needs device, layer_start and layer_end") from e
+        device, mps = _plan_device(str(device), get("mps_percentage"))
         weights = get("weights")
         stages.append(
             StageSpec(
-                str(device),
+                device,
                 start,
                 end,
                 get("num_kv_blocks"),
                 get("kv_dtype"),
                 weights if isinstance(weights, str) else None,
-                get("mps_percentage"),
+                mps,
             )
         )
     return validate_stages(stages, n_layers)
+
+
+def _plan_device(device: str, mps: int | None) -> tuple[str, int | None]:
+    """The planner's GPU share "cuda:0@70%:32GB" -> ("cuda:0", 70): the stage runs on cuda:0
+    with 70% of its SMs under MPS (its memory share is already in the plan's block count)."""
+    base, at, share = device.partition("@")
+    if not at:
+        return device, mps
+    pct = share.split("%")[0]
+    if not pct.isdigit():
+        raise ValueError(f"plan stage device {device!r}: expected DEVICE@PERCENT%[:MEMORY]")
+    return base, int(pct)
 
 
 def load_plan(path: str | Path, n_layers: int) -> list[StageSpec]:
@@ -178,18 +191,25 @@ def load_plan(path: str | Path, n_layers: int) -> list[StageSpec]:
     return stages_from_plan(data, n_layers)
 
 
-def planned_split(model_path: str | Path, devices: list[str], n_layers: int) -> list[StageSpec]:
-    """--devices without --split: the planner's split when it offers one, else an even split."""
+def planned_split(
+    model_path: str | Path, devices: list[str], n_layers: int, options: dict | None = None
+) -> list[StageSpec]:
+    """--devices without --split: hetero.planner's split (profiling the devices, cached), or an
+    even split when a device repeats (cpu,cpu: the planner plans one stage per device) or the
+    planner is not installed. `options`: PlanConfig fields (kv_dtype, block_size ...)."""
     try:
-        from hetero.planner.plan import plan_devices
+        from hetero.planner.model_desc import describe
+        from hetero.planner.plan import PlanConfig, plan
+        from hetero.planner.resolve import resolve_devices
     except ImportError:
-        plan_devices = None
-    if plan_devices is not None:
-        stages = stages_from_plan(plan_devices(model_path, devices), n_layers)
-        log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
-        return stages
-    log.info("pipeline: no planner available; %d layers split evenly by count", n_layers)
-    return even_split(devices, n_layers)
+        log.info("pipeline: no planner installed; %d layers split evenly by count", n_layers)
+        return even_split(devices, n_layers)
+    if len(set(map(device_key, devices))) < len(devices):
+        log.info("pipeline: %s repeats a device; %d layers split evenly", ",".join(devices), n_layers)
+        return even_split(devices, n_layers)
+    result = plan(describe(str(model_path)), resolve_devices(devices), PlanConfig(**(options or {})))
+    log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
+    return stages_from_plan(result, n_layers)
 
 
 def resolve_stages(
@@ -198,6 +218,7 @@ def resolve_stages(
     devices: str | None = None,
     split: str | None = None,
     plan: str | None = None,
+    plan_options: dict | None = None,
 ) -> list[StageSpec] | None:
     """The stages the options ask for; None when none of them is given (one process)."""
     given = [n for n, v in (("--devices", devices), ("--split", split), ("--plan", plan)) if v]
@@ -211,5 +232,5 @@ def resolve_stages(
     if plan:
         return load_plan(plan, n_layers)
     if devices:
-        return planned_split(model_path, parse_devices(devices), n_layers)
+        return planned_split(model_path, parse_devices(devices), n_layers, plan_options)
     return None
