@@ -177,17 +177,18 @@ def _plan_device(device: str, mps: int | None) -> tuple[str, int | None]:
 
 
 def load_plan(path: str | Path, n_layers: int) -> list[StageSpec]:
-    """Stages of a saved plan: through hetero.planner's Plan.load when present, else its JSON."""
-    try:
-        from hetero.planner.plan import Plan  # the planner's own reader, when installed
-    except ImportError:
-        Plan = None
-    if Plan is not None and hasattr(Plan, "load"):
-        return stages_from_plan(Plan.load(path), n_layers)
+    """Stages of a saved plan: a `hetero plan -o` file through the planner's own reader (which
+    checks it), or a hand-written {"stages": [{"device", "layer_start", "layer_end"}, ...]}."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--plan {path}: cannot read it as a JSON plan ({e})") from e
+    if isinstance(data, dict) and "version" in data:
+        from hetero.planner.plan import Plan
+
+        return stages_from_plan(Plan.load(path), n_layers)
+    if not isinstance(data, dict) or "stages" not in data:
+        raise ValueError(f"--plan {path}: expected a JSON object with a 'stages' list")
     return stages_from_plan(data, n_layers)
 
 
