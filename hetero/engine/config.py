@@ -67,6 +67,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (cuda_graph.py)
     # lower KV tiers (kv_tiers.py): host RAM in GiB (None: with a GPU half the free RAM, at
     # most 16 GiB, leaving 8 free; 0 on a CPU, whose pool is in RAM already), and an optional
     # disk directory capped at kv_disk_gb GiB (None: half the free space there)
