@@ -102,7 +102,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool)
         if not cfg.enforce_eager and self.runtime.device.startswith("cuda"):
             self.runner.graphs = capture_decode_graphs(
-                self.model, self.pool, sched.max_num_seqs, self.max_model_len
+                self.model, self.pool, self.scheduler.config.max_num_seqs, self.max_model_len
             )
         self.sampler = Sampler(cfg.seed)
         self.params: dict[str, SamplingParams] = {}
