@@ -4,8 +4,8 @@
 every fourth client disconnects after two chunks. The KV pool is small, so the scheduler often
 preempts; whether it does depends on how the requests interleave, so preemption itself is checked
 deterministically in the engine and scheduler tests, not here. Every completed stream must be
-whole (the greedy tokens of its prompt, a finish reason, exact usage), none may be lost, no KV block may leak (read from /metrics), and the daemon must
-answer normally afterwards.
+whole (the greedy tokens of its prompt, a finish reason, exact usage), none may be lost, no KV
+block may leak (read from /metrics), and the daemon must answer normally afterwards.
 """
 
 from __future__ import annotations
