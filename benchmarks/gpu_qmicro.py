@@ -4,7 +4,8 @@
 
 For each K-quant type and Llama-3-8B linear shape (q/o, k/v, gate/up, down), each T: the decode
 kernel (qgemv, T <= 2), the few-token decode kernel (qgemv_tokens, 2 <= T <= 16), the tensor-core
-kernel (qmm, T >= 2) and `auto` (what qlinear dispatches to at that T). GB/s counts the packed
+kernel (qmm, T >= 2; mm_bn128: its 128-row, 8-warp tiles, one program an SM, as it ran at every
+T before) and `auto` (what qlinear dispatches to at that T). GB/s counts the packed
 weight bytes once per call (the activations are tiny next to them), against the device's copy
 bandwidth measured in the same run; calls rotate over copies of the weight (>= 256 MB) from a CUDA
 graph, as in benchmarks/gpu_qmatmul.py. The lowest time per T says where GEMV_MAX_T and
@@ -43,6 +44,7 @@ def paths(t: int) -> dict:
         out["tokens"] = tq.qgemv_tokens
     if t >= 2:
         out["mm"] = tq.qmm
+        out["mm_bn128"] = lambda x, pw: tq.qmm(x, pw, block_n=128)  # the config before T <= 64
     out["auto"] = lambda x, pw: auto.fn(x, pw, int(pw.ggml_type), tuple(pw.shape))
     return out
 

@@ -186,28 +186,36 @@ def qgemv_tokens(x: torch.Tensor, pw: PackedWeight, split_k: int | None = None) 
     return y
 
 
-def mm_config(n: int, t: int, chunk: int) -> tuple[int, int, int, int, int]:
-    """(BN, BT, S, num_warps, num_stages) for the tensor-core path: 128 codes of K a step."""
+def mm_config(
+    n: int, t: int, chunk: int, block_n: int | None = None
+) -> tuple[int, int, int, int, int, int]:
+    """(BN, BT, S, num_warps, num_stages, CTAs an SM holds) for the tensor-core path, 128 codes
+    of K a step.
+
+    A step's scale loads are plain (unpipelined) global loads, so one program waits a memory
+    latency a step unless another program on its SM runs meanwhile. At T <= 64 tiles of 64 rows
+    and 4 warps take (ptxas, sm_90, Q4_K) 121 / 167 / 248 registers a thread at BT = 16 / 32 / 64:
+    4 / 3 / 2 programs fit an SM (registers and shared memory), where one 128-row program of 8
+    warps (248 registers at BT = 64) fills it. K is split to give every SM that many."""
     bt = 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
-    bn = 128 if n > 64 else 64
+    bn = block_n or (128 if n > 64 and t > 64 else 64)
     warps = 8 if bn == 128 else 4
-    return bn, bt, 128 // chunk, warps, 3
+    per_sm = 1 if bn == 128 else {16: 4, 32: 3}.get(bt, 2)
+    return bn, bt, 128 // chunk, warps, 3, per_sm
 
 
 def qmm(
     x: torch.Tensor, pw: PackedWeight, block_n: int | None = None, split_k: int | None = None
 ) -> torch.Tensor:
-    """x [T, K] -> [T, N] by the tensor-core kernel (any T). A program takes 1 SM (its tile
-    and registers), so when the tiles are fewer than the SMs (a 4096-row weight at small T
-    makes 32) K is split to fill them."""
+    """x [T, K] -> [T, N] by the tensor-core kernel (any T). When the tiles are fewer than the
+    programs the SMs hold (a 4096-row weight at small T makes 64), K is split to fill them."""
     t_count, k = x.shape
     n = pw.shape[0]
     e = chunk_codes(pw.spec.low_bits)
-    bn, bt, steps, warps, stages = mm_config(n, t_count, e)
-    bn = block_n or bn
+    bn, bt, steps, warps, stages, per_sm = mm_config(n, t_count, e, block_n)
     tiles = -(-n // bn) * -(-t_count // bt)
     n_steps = -(-(k // e) // steps)
-    split = split_k or max(1, _sm_count(x.device) // tiles)
+    split = split_k or max(1, per_sm * _sm_count(x.device) // tiles)
     per_split = -(-n_steps // max(1, min(split, n_steps)))
     split = -(-n_steps // per_split)
     y = torch.empty(t_count, n, dtype=x.dtype, device=x.device)
