@@ -28,9 +28,9 @@ def resolve_kv_dtype(kv_dtype: str, device: str) -> str:
     """The KV dtype "auto" stands for on `device`; any other choice is kept.
 
     fp8 where the device converts e4m3 in hardware (CUDA compute capability 8.9+: Ada, Hopper,
-    Blackwell), fp16 elsewhere. On a CPU, fp8 costs more than it saves: torch converts e4m3 with
-    scalar code, and decode attention measured ~2.5x slower per layer than over fp16 at one
-    stream and ~6x at 16 streams (BENCHMARKS.md); fp16 halves fp32's memory for ~1.3x its time.
+    Blackwell), fp16 elsewhere. On a CPU, fp8 costs more than it saves: decode attention over it
+    measured 2.3x slower per layer than over fp16 at one stream and 6x at 16 streams, whole steps
+    1.3-1.5x slower; fp32 took the same step time as fp16 at twice the memory (BENCHMARKS.md).
     """
     if kv_dtype != "auto":
         return kv_dtype
