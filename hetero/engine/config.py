@@ -65,6 +65,12 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
+    # lower KV tiers (kv_tiers.py): host RAM in GiB (None: with a GPU half the free RAM, at
+    # most 16 GiB, leaving 8 free; 0 on a CPU, whose pool is in RAM already), and an optional
+    # disk directory capped at kv_disk_gb GiB (None: half the free space there)
+    kv_ram_gb: float | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -77,3 +83,9 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("kv_ram_gb", "kv_disk_gb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.kv_disk_gb is not None and self.kv_disk_dir is None:
+            raise ValueError("kv_disk_gb needs kv_disk_dir (the directory of the disk tier)")

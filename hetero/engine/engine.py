@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
+from hetero.engine.json_mask import Constraints
 from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
+from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
@@ -73,8 +75,19 @@ class Engine:
             self.kv_dtype,
             self.runtime.device,
         )
+        self.kv_tiers = build_tiers(
+            cfg,
+            self.pool,
+            self.pool_size.block_bytes,
+            self.runtime.device,
+            self.model_path,
+            self.model.layer_range,
+        )
         self.block_manager = BlockManager(
-            self.pool_size.num_blocks, cfg.block_size, cfg.enable_prefix_caching
+            self.pool_size.num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            tiers=None if self.kv_tiers is None else self.kv_tiers.tiers,
         )
         sched = cfg.scheduler
         if sched.max_model_len is None:
@@ -83,6 +96,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool)
         self.sampler = Sampler(cfg.seed)
         self.params: dict[str, SamplingParams] = {}
+        self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
 
     @property
@@ -108,12 +122,18 @@ class Engine:
             f"{d} {block_bytes(self.model_config, n, self.config.block_size, d) / 1024:.1f} KiB"
             for d in ("fp8", "fp16", "bf16")
         )
-        return f"{self.pool_size.describe(self._kv_dtype_name())}; one block costs {costs}"
+        tiers = "" if self.kv_tiers is None else f"; {self.kv_tiers.plan.describe()}"
+        name = self._kv_dtype_name()
+        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}"
 
     def _kv_dtype_name(self) -> str:
         if self.config.kv_dtype != "auto":
             return self.kv_dtype
         return f"{self.kv_dtype}, auto for {self.runtime.device}"
+
+    def save_kv_cache(self) -> int:
+        """Write the named KV blocks to the disk tier for the next start (0 without one)."""
+        return 0 if self.kv_tiers is None else self.kv_tiers.persist(self.block_manager)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -131,11 +151,13 @@ class Engine:
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)
         self.params[request_id] = params
+        self.constraints.add(request_id, params)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
         found = self.scheduler.abort(request_id)
         self.params.pop(request_id, None)
+        self.constraints.drop(request_id)
         return found
 
     def has_unfinished(self) -> bool:
@@ -144,7 +166,12 @@ class Engine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        tiered = self.kv_tiers
+        if tiered is not None:
+            tiered.before_schedule(self.block_manager)
         out = self.scheduler.schedule()
+        if tiered is not None:
+            tiered.after_schedule()  # offloads and restores the schedule queued
         results: dict[str, StepOutput] = {}
         for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
             results[req.request_id] = self._final(req)
@@ -154,10 +181,15 @@ class Engine:
             sampled = self._sample(logits, producing, results)
             finished = self.scheduler.update(out, sampled)
             self.stats.record(out, time.perf_counter() - t0)
+            if tiered is not None:
+                tiered.observe_step(out.num_batched_tokens, time.perf_counter() - t0)
             for req in finished:
                 results[req.request_id].finished = True
                 results[req.request_id].finish_reason = req.finish_reason
                 self.params.pop(req.request_id, None)
+                self.constraints.drop(req.request_id)
+        elif tiered is not None:  # only requests waiting for restores: wait, do not spin
+            tiered.idle(self.block_manager)
         return list(results.values())
 
     def _sample(self, logits, producing, results) -> dict[str, int]:
@@ -171,9 +203,12 @@ class Engine:
             [r.output_ids for r in reqs],
             [len(r.output_ids) for r in reqs],
             logits.device,
+            self.constraints.masks([r.request_id for r in reqs]),
         )
         so = self.sampler(logits, state)
         ids = so.token_ids.tolist()
+        for req, token in zip(reqs, ids):  # a completed JSON object ends its request now
+            req.stop_now = self.constraints.accept(req.request_id, token)
         lps = None if so.logprobs is None else so.logprobs.tolist()
         tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
         sampled = {}
@@ -195,6 +230,7 @@ class Engine:
 
     def _final(self, req: Request) -> StepOutput:
         self.params.pop(req.request_id, None)
+        self.constraints.drop(req.request_id)
         return StepOutput(
             req.request_id,
             [],
