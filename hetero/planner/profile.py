@@ -86,10 +86,11 @@ def measure_cpu(live: LiveDevice, bar: tqdm) -> DeviceProfile:
         fl,
         name=f"{live.name} ({torch.get_num_threads()} threads)",
         matmul=rates,
-        fp8_kv=True,  # fp8 KV is stored by torch's software conversion
+        # fp8 KV would be software conversion here, measured slower than fp16 (BENCHMARKS.md)
+        fp8_kv=False,
         kernels={op: select(op, cpu).name for op in ops()},
     )
-    return _calibrated(prof, "cpu", "fp8", bar)
+    return _calibrated(prof, "cpu", "fp16", bar)
 
 
 def _calibrated(prof: DeviceProfile, device: str, kv_dtype: str, bar: tqdm) -> DeviceProfile:
