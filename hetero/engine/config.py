@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetero.dist.config import PipelineConfig
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -65,12 +67,14 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (cuda_graph.py)
     # lower KV tiers (kv_tiers.py): host RAM in GiB (None: with a GPU half the free RAM, at
     # most 16 GiB, leaving 8 free; 0 on a CPU, whose pool is in RAM already), and an optional
     # disk directory capped at kv_disk_gb GiB (None: half the free space there)
     kv_ram_gb: float | None = None
     kv_disk_dir: str | None = None
     kv_disk_gb: float | None = None
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # stages (hetero/dist)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
