@@ -63,8 +63,15 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
+    # speculative decoding (engine/spec/): "ngram" guesses tokens from n-grams of the request
+    # and of earlier requests, "draft" runs draft_model; each request stops speculating while
+    # its guesses are rejected too often (so ngram is on by default: it pays or switches off)
+    speculative: str = "ngram"
+    num_speculative_tokens: int = 8  # the most tokens proposed per request and step
+    draft_model: str | None = None  # a small GGUF with the target's vocabulary
 
     def __post_init__(self) -> None:
+        self._check_speculative()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_dtype not in ("fp8", "fp16", "bf16", "fp32"):
@@ -75,3 +82,18 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in ("ngram", "draft", "off"):
+            raise ValueError(
+                f"speculative must be one of ngram, draft, off, got {self.speculative!r}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "speculative 'draft' needs draft_model (--draft-model small.gguf), and "
+                "draft_model is used only with speculative 'draft'"
+            )

@@ -15,6 +15,8 @@ from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, size_pool
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
+from hetero.engine.spec import make_speculator
+from hetero.engine.spec.verify import accept_sampled, expand_rows
 from hetero.gguf_loader import GGUFModel
 from hetero.model.llama import LlamaModel, load_model
 from hetero.models import resolve_model
@@ -83,6 +85,7 @@ class Engine:
         self.sampler = Sampler(cfg.seed)
         self.params: dict[str, SamplingParams] = {}
         self.stats = EngineStats()
+        self.spec = make_speculator(self)  # None when speculative decoding is off
 
     @property
     def max_model_len(self) -> int:
@@ -130,6 +133,8 @@ class Engine:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
         found = self.scheduler.abort(request_id)
         self.params.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.forget(request_id)
         return found
 
     def has_unfinished(self) -> bool:
@@ -138,7 +143,8 @@ class Engine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule()
+        guesses = None if self.spec is None else self.spec.propose(self.scheduler.decoding())
+        out = self.scheduler.schedule(guesses)
         results: dict[str, StepOutput] = {}
         for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
             results[req.request_id] = self._final(req)
@@ -146,36 +152,44 @@ class Engine:
             t0 = time.perf_counter()
             logits, producing = self.runner.run(out)
             sampled = self._sample(logits, producing, results)
+            before = {s.req.request_id: len(s.req.output_ids) for s in producing}
             finished = self.scheduler.update(out, sampled)
+            for s in producing:
+                if s.spec_ids:  # a stop among accepted guesses drops the tokens after it
+                    o = results[s.req.request_id]
+                    kept = len(s.req.output_ids) - before[s.req.request_id]
+                    del o.new_token_ids[kept:]
+                    if o.logprobs is not None:
+                        del o.logprobs[kept:]
             self.stats.record(out, time.perf_counter() - t0)
+            if self.spec is not None:
+                self.spec.observe(out, sampled, finished)
             for req in finished:
                 results[req.request_id].finished = True
                 results[req.request_id].finish_reason = req.finish_reason
                 self.params.pop(req.request_id, None)
         return list(results.values())
 
-    def _sample(self, logits, producing, results) -> dict[str, int]:
+    def _sample(self, logits, producing, results) -> dict[str, list[int]]:
+        """Sample every logits row (one per request, 1 + k for one that speculated) and keep
+        each request's accepted tokens (spec/verify.py); returns request id -> tokens."""
         if not producing:
             return {}
         reqs = [s.req for s in producing]
         params = [self.params[r.request_id] for r in reqs]
-        state = make_batch(
-            params,
-            [r.prompt_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            [len(r.output_ids) for r in reqs],
-            logits.device,
-        )
+        rows = expand_rows(reqs, [s.spec_ids for s in producing], params)
+        state = make_batch(rows.params, rows.prompts, rows.outputs, rows.steps, logits.device)
         so = self.sampler(logits, state)
         ids = so.token_ids.tolist()
         lps = None if so.logprobs is None else so.logprobs.tolist()
         tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
         sampled = {}
-        for i, (req, p) in enumerate(zip(reqs, params)):
-            sampled[req.request_id] = ids[i]
+        for s, p, (lo, hi) in zip(producing, params, rows.spans):
+            req = s.req
+            tokens = sampled[req.request_id] = accept_sampled(ids[lo:hi], s.spec_ids)
             o = results[req.request_id] = StepOutput(
                 req.request_id,
-                [ids[i]],
+                list(tokens),
                 None,
                 False,
                 None,
@@ -183,8 +197,14 @@ class Engine:
                 req.num_cached_tokens,
             )
             if p.logprobs is not None:
-                top = [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs]
-                o.logprobs = [TokenLogprob(ids[i], lps[i], top)]
+                o.logprobs = [
+                    TokenLogprob(
+                        ids[i],
+                        lps[i],
+                        [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs],
+                    )
+                    for i in range(lo, lo + len(tokens))
+                ]
         return sampled
 
     def _final(self, req: Request) -> StepOutput:

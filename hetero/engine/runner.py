@@ -84,17 +84,21 @@ class ModelRunner:
         self.scale = model.config.head_dim**-0.5
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Logits [N, V] float32 for the N scheduled requests whose step produces a token."""
+        """Logits [N, V] float32 for the scheduled requests whose step produces a token: one
+        row each, or 1 + len(spec_ids) rows (the last token's, then each guess's) when it
+        speculates; `producing` lists those requests in row order."""
         self.pool.copy_blocks(out.copies)
         sched = out.scheduled
         tokens, positions, last_rows, producing = [], [], [], []
         row = 0
         for s in sched:
-            tokens.extend(s.req.tokens(s.start_pos, s.start_pos + s.num_new_tokens))
+            known = s.num_new_tokens - len(s.spec_ids)
+            tokens.extend(s.req.tokens(s.start_pos, s.start_pos + known))
+            tokens.extend(s.spec_ids)
             positions.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
             row += s.num_new_tokens
             if s.produces_token:
-                last_rows.append(row - 1)
+                last_rows.extend(range(row - 1 - len(s.spec_ids), row))
                 producing.append(s)
         slots, meta = build_meta(sched, self.pool.block_size)
         dev = self.device
