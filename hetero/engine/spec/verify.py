@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from hetero.rng import gumbel, mix64_tensor, to_int64, uniform
 from hetero.sampling import SamplingParams
 
 
@@ -71,3 +74,38 @@ def accept_sampled(sampled: Sequence[int], guess: Sequence[int]) -> list[int]:
         if j == len(guess) or token != guess[j]:
             break
     return out
+
+
+_RESIDUAL_SALT = to_int64(0x2545F4914F6CDD1D)  # a second, independent noise stream per key
+
+
+def draft_rule(
+    p: torch.Tensor, q: torch.Tensor, guess: torch.Tensor, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for one guess per row.
+
+    p, q: [R, V] target and draft distributions; guess: [R] int64 drawn from q; keys: [R] int64
+    noise keys. Accept with probability min(1, p(g) / q(g)); otherwise the row's token is drawn
+    from the residual max(0, p - q), normalized (p itself when p <= q everywhere, which happens
+    only when p = q and the guess is accepted anyway). Returns (accepted [R] bool, token [R]:
+    the guess where accepted, else the residual draw).
+    """
+    pg = p.gather(1, guess[:, None]).squeeze(1)
+    qg = q.gather(1, guess[:, None]).squeeze(1)
+    u = uniform(keys, 1)[:, 0].to(p.dtype)
+    accepted = u * qg < pg  # u < p / q without dividing by a q that rounds to 0
+    residual = (p - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    noise = gumbel(mix64_tensor(keys + _RESIDUAL_SALT), p.shape[1])
+    drawn = (residual.log() + noise).argmax(-1)
+    return accepted, torch.where(accepted, guess, drawn)
+
+
+def accept_draft(rule_tokens: Sequence[int], accepted: Sequence[bool], bonus: int) -> list[int]:
+    """A request's tokens from draft_rule's rows (one per guess) and the plain bonus draw."""
+    out = []
+    for token, ok in zip(rule_tokens, accepted, strict=True):
+        out.append(token)
+        if not ok:
+            return out
+    return [*out, bonus]
