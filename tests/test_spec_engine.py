@@ -34,7 +34,7 @@ def smol(smollm2_path):
     return smollm2_path, load_model(smollm2_path, RuntimeConfig())
 
 
-def engine(model, speculative: str, **sched) -> Engine:
+def engine(model, speculative: str, draft_model: str | None = None, **sched) -> Engine:
     path, loaded = model
     sched.setdefault("max_num_seqs", 8)
     cfg = EngineConfig(
@@ -43,6 +43,7 @@ def engine(model, speculative: str, **sched) -> Engine:
         block_size=8,
         speculative=speculative,
         num_speculative_tokens=6,
+        draft_model=draft_model,
         scheduler=SchedulerConfig(**sched),
     )
     return Engine(str(path), cfg, loaded=loaded)
@@ -109,6 +110,43 @@ def test_random_model_seeded_sampling_equals_plain(tiny):
     eng = engine(tiny, "ngram")
     assert run(eng, prompts, params) == want
     assert eng.spec.accepted > 0
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("drafts")
+    # same seed (so the same vocabulary), coarser weights: a draft that is sometimes wrong
+    same = write_synthetic(folder / "coarse.gguf", "tiny-llama", "q4_0", progress=False)
+    other = write_synthetic(folder / "qwen.gguf", "tiny-qwen2", "q8_0", progress=False)
+    return same, other
+
+
+def test_draft_model_greedy_equals_plain_and_sampling_runs(tiny, drafts):
+    """A draft with other weights (so some guesses fail) under a small pool (preemption)."""
+    opts = dict(max_num_batched_tokens=24, num_kv_blocks=24)
+    prompts = repetitive_prompts(6, 200)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = run(engine(tiny, "off", **opts), prompts, params)
+    eng = engine(tiny, "draft", str(drafts[0]), **opts)
+    got = run(eng, prompts, params)
+    assert eng.spec.proposed > 0 and eng.spec.accepted < eng.spec.proposed
+    assert_same_greedy(tiny, prompts, got, want)
+    assert all(not m.block_table for m in eng.spec.mirrors.values())
+    eng.spec.bm.check()
+    assert eng.spec.bm.num_free_blocks == eng.spec.bm.num_blocks, "a draft block leaked"
+    hot = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    out = run(eng, prompts[:3], hot)
+    assert all(len(o) == 20 for o in out)
+    own = engine(tiny, "draft", str(tiny[0]))  # the target as its own draft: all accepted
+    run(own, prompts[:2], params)
+    assert own.spec.accepted == own.spec.proposed > 0
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny, drafts):
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine(tiny, "draft", str(drafts[1]))
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(speculative="draft")
 
 
 def test_smollm2_copy_greedy_equals_plain_with_logprobs_and_stops(smol):

@@ -16,7 +16,7 @@ from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
 from hetero.engine.spec import make_speculator
-from hetero.engine.spec.verify import accept_sampled, expand_rows
+from hetero.engine.spec.verify import accept_rows, expand_rows
 from hetero.gguf_loader import GGUFModel
 from hetero.model.llama import LlamaModel, load_model
 from hetero.models import resolve_model
@@ -64,6 +64,9 @@ class Engine:
         self.runtime = self.model.runtime
         self.model_config = self.gguf.config
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
+        self.params: dict[str, SamplingParams] = {}
+        # before the pool is sized: a draft model's weights and KV come out of the same memory
+        self.spec = make_speculator(self)  # None when speculative decoding is off
         self.pool_size = self._size_pool()
         cfg = self.config
         self.pool = KVPool(
@@ -83,9 +86,7 @@ class Engine:
         self.scheduler = Scheduler(sched, self.block_manager)
         self.runner = ModelRunner(self.model, self.pool)
         self.sampler = Sampler(cfg.seed)
-        self.params: dict[str, SamplingParams] = {}
         self.stats = EngineStats()
-        self.spec = make_speculator(self)  # None when speculative decoding is off
 
     @property
     def max_model_len(self) -> int:
@@ -183,10 +184,14 @@ class Engine:
         ids = so.token_ids.tolist()
         lps = None if so.logprobs is None else so.logprobs.tolist()
         tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
+        if self.spec is None:
+            accepted = accept_rows(producing, rows.spans, ids)
+        else:
+            accepted = self.spec.accept(producing, rows.spans, ids, logits, state, self.sampler)
         sampled = {}
-        for s, p, (lo, hi) in zip(producing, params, rows.spans):
+        for s, p, (lo, hi), tokens in zip(producing, params, rows.spans, accepted):
             req = s.req
-            tokens = sampled[req.request_id] = accept_sampled(ids[lo:hi], s.spec_ids)
+            sampled[req.request_id] = tokens
             o = results[req.request_id] = StepOutput(
                 req.request_id,
                 list(tokens),
@@ -199,11 +204,11 @@ class Engine:
             if p.logprobs is not None:
                 o.logprobs = [
                     TokenLogprob(
-                        ids[i],
-                        lps[i],
+                        t,
+                        lps[i] if t == ids[i] else float(logits[i].log_softmax(-1)[t]),
                         [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs],
                     )
-                    for i in range(lo, lo + len(tokens))
+                    for i, t in zip(range(lo, hi), tokens)
                 ]
         return sampled
 

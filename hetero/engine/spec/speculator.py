@@ -16,17 +16,15 @@ from hetero.engine.request import Request
 from hetero.engine.scheduler import SchedulerOutput
 from hetero.engine.spec.adapt import AdaptConfig, SpecState
 from hetero.engine.spec.ngram import NgramCache, NgramIndex
+from hetero.engine.spec.verify import accept_rows
 
 
-class NgramSpeculator:
-    """Prompt lookup over each request's own tokens, then over the engine's n-gram cache."""
+class Speculator:
+    """Bookkeeping shared by the proposers: per-request control and the counters."""
 
-    def __init__(self, num_speculative_tokens: int, cache_capacity: int = 200_000) -> None:
+    def __init__(self, num_speculative_tokens: int) -> None:
         self.adapt = AdaptConfig(k_max=num_speculative_tokens)
-        a = self.adapt
-        self.cache = NgramCache(a.min_n, a.max_n, a.k_max, cache_capacity)
         self.states: dict[str, SpecState] = {}
-        self.indexes: dict[str, NgramIndex] = {}
         self.proposed = 0  # guessed tokens sent to verification
         self.accepted = 0  # of them, tokens the target accepted
         self.steps = 0  # verification steps (requests x steps that carried guesses)
@@ -35,28 +33,20 @@ class NgramSpeculator:
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
-    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
-        guesses = {}
+    def active(self, requests: list[Request]) -> list[tuple[Request, SpecState]]:
+        """The requests whose controller lets them guess this step."""
+        out = []
         for req in requests:
             state = self.states.get(req.request_id)
             if state is None:
                 state = self.states[req.request_id] = SpecState(self.adapt)
-            if not state.active:
-                continue
-            guess = self._lookup(req, state)
-            if guess:
-                guesses[req.request_id] = guess
-        return guesses
+            if state.active:
+                out.append((req, state))
+        return out
 
-    def _lookup(self, req: Request, state: SpecState) -> list[int]:
-        index = self.indexes.get(req.request_id)
-        if index is None:
-            index = self.indexes[req.request_id] = NgramIndex(self.adapt.min_n, self.adapt.max_n)
-        ids = req.all_ids
-        index.extend(ids)
-        return index.lookup(ids, state.k, state.min_n) or self.cache.lookup(
-            ids, state.k, state.min_n
-        )
+    def accept(self, producing, spans, ids, logits, state, sampler) -> list[list[int]]:
+        """Each request's tokens from its rows' plain samples (point-mass guesses)."""
+        return accept_rows(producing, spans, ids)
 
     def observe(
         self, out: SchedulerOutput, tokens: dict[str, list[int]], finished: list[Request]
@@ -77,11 +67,45 @@ class NgramSpeculator:
             self.finish(req)
 
     def finish(self, req: Request) -> None:
-        """A request ended: its n-grams join the engine-wide cache (not an aborted one's)."""
-        if self.states.pop(req.request_id, None) is not None and req.finish_reason != "abort":
-            self.cache.add(req.all_ids)
-        self.indexes.pop(req.request_id, None)
+        self.forget(req.request_id)
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup over each request's own tokens, then over the engine's n-gram cache."""
+
+    def __init__(self, num_speculative_tokens: int, cache_capacity: int = 200_000) -> None:
+        super().__init__(num_speculative_tokens)
+        a = self.adapt
+        self.cache = NgramCache(a.min_n, a.max_n, a.k_max, cache_capacity)
+        self.indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
+        guesses = {}
+        for req, state in self.active(requests):
+            guess = self._lookup(req, state)
+            if guess:
+                guesses[req.request_id] = guess
+        return guesses
+
+    def _lookup(self, req: Request, state: SpecState) -> list[int]:
+        index = self.indexes.get(req.request_id)
+        if index is None:
+            index = self.indexes[req.request_id] = NgramIndex(self.adapt.min_n, self.adapt.max_n)
+        ids = req.all_ids
+        index.extend(ids)
+        return index.lookup(ids, state.k, state.min_n) or self.cache.lookup(
+            ids, state.k, state.min_n
+        )
+
+    def finish(self, req: Request) -> None:
+        """A request ended: its n-grams join the engine-wide cache (not an aborted one's)."""
+        if req.request_id in self.states and req.finish_reason != "abort":
+            self.cache.add(req.all_ids)
+        self.forget(req.request_id)
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
         self.indexes.pop(request_id, None)

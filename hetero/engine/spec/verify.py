@@ -76,6 +76,11 @@ def accept_sampled(sampled: Sequence[int], guess: Sequence[int]) -> list[int]:
     return out
 
 
+def accept_rows(producing, spans, ids: Sequence[int]) -> list[list[int]]:
+    """accept_sampled for each scheduled request, given its rows [lo, hi) of ids."""
+    return [accept_sampled(ids[lo:hi], s.spec_ids) for s, (lo, hi) in zip(producing, spans)]
+
+
 _RESIDUAL_SALT = to_int64(0x2545F4914F6CDD1D)  # a second, independent noise stream per key
 
 
