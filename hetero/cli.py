@@ -1,4 +1,5 @@
-"""Command line: `hetero generate | tokenize | info | synth | quantize` and `hetero-serve`."""
+"""Command line: `hetero generate | tokenize | info | synth | quantize | bench | profile | plan`
+and `hetero-serve`."""
 
 from __future__ import annotations
 
@@ -189,6 +190,60 @@ def bench(
         workload=workload,
     )
     click.echo("\n".join([*result.lines(), result.spec_line()]))
+
+
+@main.command()
+@click.option("--refresh", is_flag=True, help="measure again even when a cached profile matches")
+@click.option(
+    "--share",
+    "shares",
+    multiple=True,
+    help="also measure a GPU share under CUDA MPS (needs the MPS daemon), e.g. cuda:0@70%:32GB",
+)
+@click.option("--json", "as_json", is_flag=True, help="print the profiles as JSON")
+def profile(refresh, shares, as_json):
+    """Measure this machine's devices (cached per machine; --refresh measures again)."""
+    from hetero.planner.commands import run_profile
+
+    try:
+        run_profile(refresh, shares, as_json)
+    except (ValueError, RuntimeError, OSError) as e:
+        _fail(e)
+
+
+@main.command()
+@MODEL_ARG
+@click.option(
+    "--devices",
+    default=None,
+    help="comma-separated, in pipeline order: cuda:0, cpu, spec names (rtx4090, h200, ...), "
+    "shares (cuda:0@70%:32GB); default: every device here",
+)
+@click.option("--context", type=click.IntRange(2), default=None, help="tokens per sequence")
+@click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--prompt-len", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
+@click.option(
+    "--kv-dtype", type=click.Choice(["auto", "fp8", "fp16", "bf16", "fp32"]), default="auto"
+)
+@click.option(
+    "--weights",
+    type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16"]),
+    default="auto",
+)
+@click.option("--use-all-devices", is_flag=True, help="give every device at least one layer")
+@click.option("--refresh", is_flag=True, help="profile this machine again first")
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")
+def plan(model, devices, refresh, as_json, output, **config):
+    """Plan MODEL over devices without loading it: layers, KV and kernels per device, and the
+    predicted speed. MODEL: a GGUF path, or synth:SHAPE[:QUANT] for a `hetero synth` model."""
+    from hetero.planner.commands import run_plan
+
+    try:
+        run_plan(model, devices, refresh, as_json, output, **config)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        _fail(e)
 
 
 def serve_main() -> None:

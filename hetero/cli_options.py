@@ -34,10 +34,11 @@ def engine_options(f):
     opts = [
         click.option(
             "--kv-dtype",
-            type=click.Choice(["fp8", "fp16", "bf16", "fp32"]),
-            default="fp8",
+            type=click.Choice(["auto", "fp8", "fp16", "bf16", "fp32"]),
+            default="auto",
             show_default=True,
-            help="KV cache storage (fp8: e4m3 with per-token-head scales)",
+            help="KV cache storage (fp8: e4m3 with per-token-head scales; auto: fp8 on GPUs "
+            "with fp8 hardware, fp16 elsewhere)",
         ),
         click.option(
             "--kv-memory-fraction",
@@ -63,6 +64,25 @@ def engine_options(f):
         ),
         click.option(
             "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True
+        ),
+        click.option(
+            "--kv-ram-gb",
+            type=click.FloatRange(0.0),
+            default=None,
+            help="host-RAM tier for evicted KV blocks, GiB (default with a GPU: half the free "
+            "RAM, at most 16, leaving 8 free; 0 on a CPU, whose KV pool is in RAM already)",
+        ),
+        click.option(
+            "--kv-disk-dir",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="disk tier for KV blocks evicted from RAM, kept across restarts",
+        ),
+        click.option(
+            "--kv-disk-gb",
+            type=click.FloatRange(0.0, min_open=True),
+            default=None,
+            help="cap of the disk tier, GiB (default: half the free space there)",
         ),
     ]
     for opt in reversed(opts):

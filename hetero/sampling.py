@@ -65,6 +65,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    json_object: bool = False  # constrain the output to one JSON object (engine/json_mask.py)
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -101,7 +102,8 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", "a list of integers >= 0", t)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        flags = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "json_object")
+        for name in flags:
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
 
     @property
@@ -153,6 +155,8 @@ class SamplingState:
     any_frequency: bool
     any_seeded: bool
     all_seeded: bool
+    # [B, V] bool, the tokens each row may take (constrained decoding); None: all of them
+    allowed: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -186,13 +190,15 @@ def make_batch(
     output_ids_list: Sequence[Sequence[int]],
     steps: Sequence[int],
     device: torch.device | str,
+    allowed: torch.Tensor | None = None,
 ) -> SamplingState:
     """Per-request parameters -> SamplingState, once per step on the host.
 
     `steps[i]` is the index of the token row i is about to sample (its output length so far),
     which with its seed fixes its random numbers. Token ids may be lists or 1-D int64 CPU
     tensors (an engine that keeps each prompt as a tensor skips the list conversion); they are
-    read only for rows that use a penalty.
+    read only for rows that use a penalty. `allowed` ([B, V] bool, CPU) masks each row's
+    choices: the per-request hook of constrained decoding (all True on free rows).
     """
     b = len(params_list)
     if not b == len(prompt_ids_list) == len(output_ids_list) == len(steps):
@@ -260,6 +266,7 @@ def make_batch(
         any_frequency=any(p.frequency_penalty != 0 for p in ps),
         any_seeded=any(p.seed is not None for p in sampled),
         all_seeded=all(p.seed is not None for p in sampled),
+        allowed=None if allowed is None else _to_device(allowed, device),
     )
 
 
@@ -326,16 +333,21 @@ class Sampler:
 
 
 def _penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    if not (state.any_repetition or state.any_presence or state.any_frequency):
-        return logits
-    return apply_penalties(
-        logits,
-        state.prompt_ids,
-        state.output_ids,
-        state.repetition if state.any_repetition else None,
-        state.presence if state.any_presence else None,
-        state.frequency if state.any_frequency else None,
-    )
+    """Penalties, then the allowed-token masks (before temperature and top-k/p: they see
+    allowed tokens only)."""
+    x = logits
+    if state.any_repetition or state.any_presence or state.any_frequency:
+        x = apply_penalties(
+            x,
+            state.prompt_ids,
+            state.output_ids,
+            state.repetition if state.any_repetition else None,
+            state.presence if state.any_presence else None,
+            state.frequency if state.any_frequency else None,
+        )
+    if state.allowed is not None:
+        x = x.masked_fill(~state.allowed, -math.inf)
+    return x
 
 
 def _filtered(x: torch.Tensor, state: SamplingState) -> torch.Tensor:

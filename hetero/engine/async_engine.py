@@ -126,6 +126,9 @@ class AsyncEngine:
             self._sinks.pop(cmd[1], None)
 
     def _deliver(self, outs: list[StepOutput]) -> None:
+        """Hand one step's outputs to their callers: one wake-up per event loop, not per output
+        (each call_soon_threadsafe writes the loop's self-pipe and takes its lock)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
         for out in outs:
             target = self._sinks.get(out.request_id)
             if target is None:
@@ -133,11 +136,14 @@ class AsyncEngine:
             if out.finished:
                 del self._sinks[out.request_id]
             loop, sink = target
-            _put(loop, sink, out)
+            batches.setdefault(loop, []).append((sink, out))
+        for loop, items in batches.items():
+            _put(loop, _put_all, items)
 
     def _fail_all(self, reason: str) -> None:
         for rid, (loop, sink) in list(self._sinks.items()):
-            _put(loop, sink, StepOutput(rid, finished=True, finish_reason="abort", error=reason))
+            out = StepOutput(rid, finished=True, finish_reason="abort", error=reason)
+            _put(loop, sink.put_nowait, out)
         self._sinks.clear()
         while True:  # requests that arrived after the end
             try:
@@ -148,8 +154,13 @@ class AsyncEngine:
                 cmd.done.set_exception(EngineDeadError(reason))
 
 
-def _put(loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, out: StepOutput) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for sink, out in items:
+        sink.put_nowait(out)
+
+
+def _put(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
     try:
-        loop.call_soon_threadsafe(sink.put_nowait, out)
+        loop.call_soon_threadsafe(fn, arg)
     except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
         pass

@@ -16,22 +16,37 @@ Each block is in exactly one of three states:
 Blocks are taken per step (for the tokens being scheduled), not for the whole prompt at once:
 with chunked prefill an 8k-token prompt computed 512 tokens a step would otherwise hold blocks
 it fills only many steps later, blocks that running decodes need now.
+
+With lower KV tiers (kv_tiers.py: host RAM, disk), an evicted parked block keeps its data a tier
+down, and a prefix hit there takes fresh blocks that fill asynchronously (block_tiers.py: such
+blocks are *loading*, or in *limbo* once nobody holds them, until their restore finishes).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
+from hetero.engine.block_tiers import TieredBlocks
 from hetero.engine.prefix_cache import PrefixCache, block_hash
 from hetero.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from hetero.engine.kv_tiers import KVTiers
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+class BlockManager(TieredBlocks):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tiers: KVTiers | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -46,6 +61,7 @@ class BlockManager:
         # names of each live request's leading full blocks (the chain commit() extends)
         self._hashes: dict[str, list[bytes]] = {}
         self._copies: list[tuple[int, int]] = []
+        self._init_tiers(tiers if enable_prefix_caching else None)
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -76,8 +92,12 @@ class BlockManager:
         """Tokens of req that a prefix hit would give it now (no side effects)."""
         return len(self._match(req)) * self.block_size
 
-    def _match(self, req: Request) -> list[tuple[bytes, int]]:
+    def _match(self, req: Request) -> list[tuple[bytes, int | None]]:
         """(name, block) of the longest run of req's leading full blocks that the cache holds.
+
+        block is None for a block a lower tier holds (restored if allocate takes the hit); the
+        run stops before the first of those when the tiers' cost model says recomputing their
+        tokens is faster than restoring them.
 
         At most (num_tokens - 1) // B blocks: at least one token must be computed to get the
         logits that choose the next token, so a prompt that is all hits (its length a multiple of
@@ -88,13 +108,21 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs, hits, prev = self.block_size, [], None
+        tiers, lower = self.tiers, {"ram": 0, "disk": 0}
         for i in range((req.num_tokens - 1) // bs):
             h = block_hash(prev, req.tokens(i * bs, (i + 1) * bs))
             block = self._cache.lookup(h)
-            if block is None:
+            tier = None if block is not None or tiers is None else tiers.where(h)
+            if block is None and tier is None:
                 break
+            if tier is not None:
+                lower[tier] += 1
             hits.append((h, block))
             prev = h
+        if (lower["ram"] or lower["disk"]) and not tiers.worth_restoring(  # type: ignore[union-attr]
+            lower["ram"], lower["disk"], bs
+        ):
+            hits = hits[: next(i for i, (_, b) in enumerate(hits) if b is None)]
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int | None = None) -> bool:
@@ -117,15 +145,24 @@ class BlockManager:
                 f"request {req.request_id!r}: num_new_tokens must be in 1..{remaining} "
                 f"(after a prefix hit of {hit_tokens} tokens), got {n}"
             )
+        lower = sum(1 for _, b in hits if b is None)
         num_new_blocks = self.blocks_for(hit_tokens + n) - len(hits)
-        revived = sum(1 for _, b in hits if self._ref[b] == 0)  # parked now, live after
-        if num_new_blocks + revived > self.num_free_blocks:
+        # parked now, live after (a block in limbo is not counted free, so it costs nothing)
+        revived = sum(1 for _, b in hits if b is not None and self._cache.is_parked(b))
+        if num_new_blocks + lower + revived > self.num_free_blocks:
             return False
+        claimed = []
+        if lower:  # pin RAM sources and read disk ones before _take can evict anything
+            hits, claimed = self._claim(hits)
+            hit_tokens = len(hits) * self.block_size
+            num_new_blocks = self.blocks_for(hit_tokens + n) - len(hits)
         for _, b in hits:
-            if self._ref[b] == 0:
-                self._cache.unpark(b)
-            self._ref[b] += 1
-        req.block_table = [b for _, b in hits] + [self._take() for _ in range(num_new_blocks)]
+            if b is not None:
+                self._revive(b)
+        table = [self._take() if b is None else b for _, b in hits]
+        if claimed:
+            self._restore(hits, table, claimed)
+        req.block_table = table + [self._take() for _ in range(num_new_blocks)]
         req.num_computed_tokens = hit_tokens
         if req.status is not RequestStatus.PREEMPTED:
             req.num_cached_tokens = hit_tokens
@@ -134,10 +171,29 @@ class BlockManager:
         return True
 
     def _take(self) -> int:
-        """A block for new KV, refcount 1: a free one, else the least recently parked one."""
-        block = self._free.popleft() if self._free else self._cache.evict()
+        """A block for new KV, refcount 1: a free one, else the least recently parked one.
+
+        An evicted block's data moves a tier down when there are lower tiers (queued op: the mover
+        copies it out before the step writes into the block).
+        """
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, name = self._cache.evict_named()
+            if self.tiers is not None:
+                self.tiers.evicted(block, name)
         self._ref[block] = 1
         return block
+
+    def _revive(self, block: int) -> None:
+        if self._ref[block] == 0:
+            if block in self._limbo:
+                self._limbo.remove(block)
+            else:
+                self._cache.unpark(block)
+        self._ref[block] += 1
+        if self.tiers is not None:
+            self.tiers.stats.hits["device"] += 1
 
     # -- growth ----------------------------------------------------------------------------------
 
@@ -254,7 +310,9 @@ class BlockManager:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 released.add(b)
-                if self._cache.hash_of(b) is not None:
+                if b in self._loading:  # a restore still writes into it
+                    self._limbo.add(b)
+                elif self._cache.hash_of(b) is not None:
                     self._cache.park(b)
                 else:
                     self._free.append(b)
@@ -304,14 +362,18 @@ class BlockManager:
                 counts[b] += 1
         if counts != self._ref:
             raise AssertionError("reference counts differ from the block tables")
-        free, parked = set(self._free), set(self._cache.parked_blocks())
-        if len(free) != len(self._free) or free & parked:
-            raise AssertionError("a block is listed twice among free and parked blocks")
-        if any(self._ref[b] for b in free | parked):
-            raise AssertionError("a referenced block is also free or parked")
+        free, parked, limbo = set(self._free), set(self._cache.parked_blocks()), self._limbo
+        if len(free) != len(self._free) or free & parked or limbo & (free | parked):
+            raise AssertionError("a block is listed twice among free, parked and limbo blocks")
+        if any(self._ref[b] for b in free | parked | limbo):
+            raise AssertionError("a referenced block is also free, parked or in limbo")
         used = sum(1 for r in self._ref if r > 0)
-        if used + len(free) + len(parked) != self.num_blocks:
-            raise AssertionError("free + parked + used blocks != total")
+        if used + len(free) + len(parked) + len(limbo) != self.num_blocks:
+            raise AssertionError("free + parked + limbo + used blocks != total")
+        if not limbo <= set(self._loading) or set(self._loading) & (free | parked):
+            raise AssertionError("a loading block is free or parked, or limbo is not loading")
+        if self.tiers is not None:
+            self.tiers.check()
         self._cache.check()
         if any(self._cache.hash_of(b) is not None for b in free):
             raise AssertionError("a free block still has a name")

@@ -59,7 +59,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_dtype: str = "fp8"  # fp8 (e4m3 with per-token-head scales) | fp16 | bf16 | fp32 (tests)
+    # auto (fp8 on GPUs with e4m3 hardware, else fp16: engine/kv_cache.py) | fp8 (e4m3 with
+    # per-token-head scales) | fp16 | bf16 | fp32 (exact, for tests)
+    kv_dtype: str = "auto"
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
@@ -69,19 +71,31 @@ class EngineConfig:
     speculative: str = "ngram"
     num_speculative_tokens: int = 8  # the most tokens proposed per request and step
     draft_model: str | None = None  # a small GGUF with the target's vocabulary
+    # lower KV tiers (kv_tiers.py): host RAM in GiB (None: with a GPU half the free RAM, at
+    # most 16 GiB, leaving 8 free; 0 on a CPU, whose pool is in RAM already), and an optional
+    # disk directory capped at kv_disk_gb GiB (None: half the free space there)
+    kv_ram_gb: float | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float | None = None
 
     def __post_init__(self) -> None:
         self._check_speculative()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_dtype not in ("fp8", "fp16", "bf16", "fp32"):
+        if self.kv_dtype not in ("auto", "fp8", "fp16", "bf16", "fp32"):
             raise ValueError(
-                f"kv_dtype must be one of fp8, fp16, bf16, fp32, got {self.kv_dtype!r}"
+                f"kv_dtype must be one of auto, fp8, fp16, bf16, fp32, got {self.kv_dtype!r}"
             )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("kv_ram_gb", "kv_disk_gb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.kv_disk_gb is not None and self.kv_disk_dir is None:
+            raise ValueError("kv_disk_gb needs kv_disk_dir (the directory of the disk tier)")
 
     def _check_speculative(self) -> None:
         if self.speculative not in ("ngram", "draft", "off"):

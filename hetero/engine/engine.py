@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
-from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, size_pool
+from hetero.engine.json_mask import Constraints
+from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
+from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
@@ -64,6 +66,7 @@ class Engine:
         self.runtime = self.model.runtime
         self.model_config = self.gguf.config
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
+        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.runtime.device)
         self.params: dict[str, SamplingParams] = {}
         # before the pool is sized: a draft model's weights and KV come out of the same memory
         self.spec = make_speculator(self)  # None when speculative decoding is off
@@ -74,11 +77,22 @@ class Engine:
             len(self.model.layer_range),
             self.pool_size.num_blocks,
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
         )
+        self.kv_tiers = build_tiers(
+            cfg,
+            self.pool,
+            self.pool_size.block_bytes,
+            self.runtime.device,
+            self.model_path,
+            self.model.layer_range,
+        )
         self.block_manager = BlockManager(
-            self.pool_size.num_blocks, cfg.block_size, cfg.enable_prefix_caching
+            self.pool_size.num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            tiers=None if self.kv_tiers is None else self.kv_tiers.tiers,
         )
         sched = cfg.scheduler
         if sched.max_model_len is None:
@@ -86,6 +100,8 @@ class Engine:
         self.scheduler = Scheduler(sched, self.block_manager)
         self.runner = ModelRunner(self.model, self.pool)
         self.sampler = Sampler(cfg.seed)
+        self.params: dict[str, SamplingParams] = {}
+        self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
 
     @property
@@ -98,7 +114,7 @@ class Engine:
             self.model_config,
             len(self.model.layer_range),
             cfg.block_size,
-            cfg.kv_dtype,
+            self.kv_dtype,
             self.runtime.device,
             cfg.kv_memory_fraction,
             cfg.num_kv_blocks,
@@ -111,7 +127,18 @@ class Engine:
             f"{d} {block_bytes(self.model_config, n, self.config.block_size, d) / 1024:.1f} KiB"
             for d in ("fp8", "fp16", "bf16")
         )
-        return f"{self.pool_size.describe(self.config.kv_dtype)}; one block costs {costs}"
+        tiers = "" if self.kv_tiers is None else f"; {self.kv_tiers.plan.describe()}"
+        name = self._kv_dtype_name()
+        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}"
+
+    def _kv_dtype_name(self) -> str:
+        if self.config.kv_dtype != "auto":
+            return self.kv_dtype
+        return f"{self.kv_dtype}, auto for {self.runtime.device}"
+
+    def save_kv_cache(self) -> int:
+        """Write the named KV blocks to the disk tier for the next start (0 without one)."""
+        return 0 if self.kv_tiers is None else self.kv_tiers.persist(self.block_manager)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -129,6 +156,7 @@ class Engine:
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)
         self.params[request_id] = params
+        self.constraints.add(request_id, params)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
@@ -136,6 +164,7 @@ class Engine:
         self.params.pop(request_id, None)
         if self.spec is not None:
             self.spec.forget(request_id)
+        self.constraints.drop(request_id)
         return found
 
     def has_unfinished(self) -> bool:
@@ -144,8 +173,13 @@ class Engine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        guesses = None if self.spec is None else self.spec.propose(self.scheduler.decoding())
+        guesses = self._guesses()
+        tiered = self.kv_tiers
+        if tiered is not None:
+            tiered.before_schedule(self.block_manager)
         out = self.scheduler.schedule(guesses)
+        if tiered is not None:
+            tiered.after_schedule()  # offloads and restores the schedule queued
         results: dict[str, StepOutput] = {}
         for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
             results[req.request_id] = self._final(req)
@@ -165,10 +199,15 @@ class Engine:
             self.stats.record(out, time.perf_counter() - t0)
             if self.spec is not None:
                 self.spec.observe(out, sampled, finished)
+            if tiered is not None:
+                tiered.observe_step(out.num_batched_tokens, time.perf_counter() - t0)
             for req in finished:
                 results[req.request_id].finished = True
                 results[req.request_id].finish_reason = req.finish_reason
                 self.params.pop(req.request_id, None)
+                self.constraints.drop(req.request_id)
+        elif tiered is not None:  # only requests waiting for restores: wait, do not spin
+            tiered.idle(self.block_manager)
         return list(results.values())
 
     def _sample(self, logits, producing, results) -> dict[str, list[int]]:
@@ -179,7 +218,15 @@ class Engine:
         reqs = [s.req for s in producing]
         params = [self.params[r.request_id] for r in reqs]
         rows = expand_rows(reqs, [s.spec_ids for s in producing], params)
-        state = make_batch(rows.params, rows.prompts, rows.outputs, rows.steps, logits.device)
+        row_ids = [r.request_id for r, (lo, hi) in zip(reqs, rows.spans) for _ in range(lo, hi)]
+        state = make_batch(
+            rows.params,
+            rows.prompts,
+            rows.outputs,
+            rows.steps,
+            logits.device,
+            self.constraints.masks(row_ids),  # constrained requests never guess: one row each
+        )
         so = self.sampler(logits, state)
         ids = so.token_ids.tolist()
         lps = None if so.logprobs is None else so.logprobs.tolist()
@@ -192,6 +239,8 @@ class Engine:
         for s, p, (lo, hi), tokens in zip(producing, params, rows.spans, accepted):
             req = s.req
             sampled[req.request_id] = tokens
+            for token in tokens:  # a completed JSON object ends its request now
+                req.stop_now = self.constraints.accept(req.request_id, token)
             o = results[req.request_id] = StepOutput(
                 req.request_id,
                 list(tokens),
@@ -212,8 +261,17 @@ class Engine:
                 ]
         return sampled
 
+    def _guesses(self) -> dict[str, list[int]] | None:
+        """Speculative tokens of the decoding requests (none for JSON-constrained ones, whose
+        mask follows the grammar one accepted token at a time)."""
+        if self.spec is None:
+            return None
+        free = [r for r in self.scheduler.decoding() if not self.constraints.has(r.request_id)]
+        return self.spec.propose(free)
+
     def _final(self, req: Request) -> StepOutput:
         self.params.pop(req.request_id, None)
+        self.constraints.drop(req.request_id)
         return StepOutput(
             req.request_id,
             [],

@@ -24,6 +24,22 @@ KV_DTYPES = {
 }
 
 
+def resolve_kv_dtype(kv_dtype: str, device: str) -> str:
+    """The KV dtype "auto" stands for on `device`; any other choice is kept.
+
+    fp8 where the device converts e4m3 in hardware (CUDA compute capability 8.9+: Ada, Hopper,
+    Blackwell), fp16 elsewhere. On a CPU, fp8 costs more than it saves: torch converts e4m3 with
+    scalar code, and decode attention measured ~2.5x slower per layer than over fp16 at one
+    stream and ~6x at 16 streams (BENCHMARKS.md); fp16 halves fp32's memory for ~1.3x its time.
+    """
+    if kv_dtype != "auto":
+        return kv_dtype
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9):
+        return "fp8"
+    return "fp16"
+
+
 def block_bytes(cfg: ModelConfig, n_layers: int, block_size: int, kv_dtype: str) -> int:
     """Bytes one block costs across `n_layers` layers: k and v, plus fp8 scales."""
     if kv_dtype not in KV_DTYPES:

@@ -96,9 +96,14 @@ class PrefixCache:
 
     def evict(self) -> int:
         """Take the least recently parked block for reuse, forgetting its name."""
+        return self.evict_named()[0]
+
+    def evict_named(self) -> tuple[int, bytes]:
+        """evict(), also returning the name the block had (a lower KV tier keeps it by name)."""
         block, _ = self._parked.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block)]
-        return block
+        h = self._hash_of.pop(block)
+        del self._block_of[h]
+        return block, h
 
     def evict_all(self) -> list[int]:
         """Forget every parked block (for benchmarks that must start cold); returns them."""

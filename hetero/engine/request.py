@@ -64,6 +64,7 @@ class Request:
         "num_preemptions",
         "block_table",
         "arrival",
+        "stop_now",
         "_seq",
     )
 
@@ -102,6 +103,7 @@ class Request:
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.arrival = time.monotonic() if arrival is None else arrival
+        self.stop_now = False  # set by the engine when a constraint completes (JSON mode)
         self._seq = next(_ARRIVAL_SEQ)
 
     @property
@@ -141,6 +143,8 @@ class Request:
 
     def stops_at(self, token: int) -> RequestStatus | None:
         """The finished status that appending `token` (already appended) leads to, if any."""
+        if self.stop_now:
+            return RequestStatus.FINISHED_STOPPED
         if token in self.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in self.eos_token_id and not self.ignore_eos:

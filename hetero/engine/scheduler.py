@@ -15,6 +15,11 @@ freed and it goes back to the front of the waiting queue, keeping its generated 
 recomputed with the prompt when it is admitted again (its named blocks stay parked in the prefix
 cache, so often little is recomputed). The oldest request can always proceed, since add() refuses
 any request that could not fit in the pool alone.
+
+With lower KV tiers, a request whose prefix hit is in RAM or on disk is admitted with its blocks
+but not scheduled until the restore fills them (BlockManager.is_loading); the others keep running.
+Its parked blocks evicted under pressure move to RAM, so a preempted request usually comes back by
+restore rather than recompute (the block manager's cost model picks the faster).
 """
 
 from __future__ import annotations
@@ -179,6 +184,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
+            if self.block_manager.is_loading(req):  # its prefix is still being restored
+                continue
             n = self._chunk(req, req.num_computed_tokens)
             if self._reserve(req, n, out):
                 self._put(req, req.num_computed_tokens, n)
@@ -266,6 +273,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if bm.fetching(req):  # its prefix is being read from disk: the head waits for it
+                break
             hit = bm.cached_prefix_len(req)
             n = self._chunk(req, hit)
             if not bm.allocate(req, n):
@@ -278,7 +287,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self._insert_running(req)
-            self._put(req, req.num_computed_tokens, n)
+            if not bm.is_loading(req):  # else it runs once its restored prefix is in place
+                self._put(req, req.num_computed_tokens, n)
 
     # -- after the step --------------------------------------------------------------------------
 

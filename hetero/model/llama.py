@@ -45,13 +45,17 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, rotary: Rotary, cos, sin, batch: ForwardBatch):
         t, cfg = h.shape[0], self.cfg
-        q, k, v = self.wqkv.split(self.wqkv(h))
-        q = q.reshape(t, cfg.n_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        qkv = self.wqkv(h)  # [T, (H + 2 KV) * D]
+        if self.q_norm is None:  # q and k rotate in one call: [T, H + KV, D]
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
+            q, k = rotary(qk, cos, sin).split([cfg.n_heads, cfg.n_kv_heads], dim=1)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.n_kv_heads, cfg.head_dim)
+        else:
+            q, k, v = self.wqkv.split(qkv)
+            q = self.q_norm(q.reshape(t, cfg.n_heads, cfg.head_dim))
+            k = self.k_norm(k.reshape(t, cfg.n_kv_heads, cfg.head_dim))
+            v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         o = batch.attention(self.layer, q, k, v)  # [T, H, D]
         return self.wo(o.reshape(t, cfg.q_size))
 

@@ -137,6 +137,8 @@ def _engine_gauges(add: _Writer, engine: Engine) -> None:
         "share of the pool held by requests",
         [(tier, (total - free) / total)],
     )
+    if engine.kv_tiers is not None:
+        _tier_gauges(add, engine)
     stats = engine.stats
     add.counter("hetero_engine_steps_total", "engine steps", [("", stats.steps)])
     add.counter("hetero_engine_tokens_total", "tokens computed by steps", [("", stats.tokens)])
@@ -154,6 +156,44 @@ def _speculation(add: _Writer, engine: Engine) -> None:
     )
     rate = accepted / proposed if proposed else 0.0
     add.gauge("hetero_spec_acceptance_rate", "accepted / proposed since start", [("", rate)])
+
+
+def _tier_gauges(add: _Writer, engine: Engine) -> None:
+    """The RAM and disk tiers of the KV cache (kv_tiers.py): size, hits, moves, restore time."""
+    tiers, plan = engine.kv_tiers.tiers, engine.kv_tiers.plan
+    st = tiers.stats
+    rows = [('tier="ram"', len(tiers.ram))]
+    totals = [('tier="ram"', plan.ram_slots)]
+    if tiers.disk is not None:
+        rows.append(('tier="disk"', len(tiers.disk)))
+        totals.append(('tier="disk"', tiers.disk.cap_files))
+    add.gauge("hetero_kv_tier_blocks_total", "KV blocks a lower tier can hold", totals)
+    add.gauge("hetero_kv_tier_blocks_cached", "KV blocks a lower tier holds", rows)
+    add.counter(
+        "hetero_kv_tier_hits_total",
+        "prefix-hit blocks served, by the tier they were in",
+        [(f'tier="{t}"', n) for t, n in sorted(st.hits.items())],
+    )
+    moves = sorted(st.bytes_moved.items())
+    add.counter(
+        "hetero_kv_tier_bytes_moved_total",
+        "KV bytes copied between tiers",
+        [(f'direction="{d}"', n) for d, n in moves],
+    )
+    add.counter(
+        "hetero_kv_tier_blocks_moved_total",
+        "KV blocks copied between tiers",
+        [(f'direction="{d}"', st.blocks_moved[d]) for d, _ in moves],
+    )
+    add.counter(
+        "hetero_kv_tier_dropped_blocks_total",
+        "evicted KV blocks no lower tier could take",
+        [("", st.dropped)],
+    )
+    add.counter("hetero_kv_restores_total", "prefix restores finished", [("", st.restores)])
+    add.counter(
+        "hetero_kv_restore_seconds_total", "time restores took, summed", [("", st.restore_s)]
+    )
 
 
 class _Writer:

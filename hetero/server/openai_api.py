@@ -63,29 +63,46 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return top or 0
 
 
-def _check_response_format(body: dict[str, Any]) -> None:
-    """`text`, or `json_object` under OpenAI's rules.
-
-    The output is not grammar-constrained yet: the engine's sampler has no per-request hook to
-    mask logits, so JSON mode relies on the prompt asking for JSON (which OpenAI requires too).
+def _json_mode(body: dict[str, Any]) -> bool:
+    """Whether `response_format` asks for JSON: `text`; `json_object` under OpenAI's rules; or
+    `json_schema`, of which the output's being one JSON object is enforced, not the schema's
+    properties. JSON output is grammar-constrained (engine/json_mask.py) and ends with its object.
     """
     fmt = body.get("response_format")
     if fmt is None:
-        return
+        return False
     kind = fmt.get("type")
     if kind == "text":
-        return
+        return False
+    if kind == "json_schema":
+        _check_json_schema(fmt.get("json_schema"))
+        return True
     if kind != "json_object":
         raise bad(
-            f"response_format type {kind!r} is not supported; use 'text' or 'json_object'",
+            f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
+            "'json_schema'",
             param="response_format",
         )
-    # OpenAI's rule: the model must be told to answer in JSON, or it may never stop.
+    # OpenAI's rule: the model must be told to answer in JSON (or it writes poor JSON).
     if not any("json" in str(m.get("content", "")).lower() for m in body["messages"]):
         raise bad(
             "'messages' must contain the word 'json' in some form, to use 'response_format' "
             "of type 'json_object'.",
             param="messages",
+        )
+    return True
+
+
+def _check_json_schema(spec: Any) -> None:
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad(f"'{param}' must be an object with a string 'name'", param=param)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise bad(
+            f"'{param}.schema' must describe an object (type 'object'): the output is "
+            "constrained to one JSON object",
+            param=param,
         )
 
 
@@ -110,7 +127,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = body["messages"]
     if not messages:
         raise bad("'messages' must hold at least one message", param="messages")
-    _check_response_format(body)
+    if _json_mode(body):
+        kw["json_object"] = True
     add_prompt = body.get("add_generation_prompt")
     add_prompt = True if add_prompt is None else add_prompt
     ids = await state.off_loop(_chat_prompt, engine.tokenizer, messages, add_prompt)

@@ -72,6 +72,7 @@ class ServerState:
             try:
                 s = self.settings
                 engine = Engine(s.model_path, s.engine_config, s.runtime, progress=True)
+                engine.constraints.prepare()  # JSON mode's token tries, off the engine thread
                 result: Any = engine
             except BaseException as e:  # reported to the loop, which fails the daemon
                 result = e
@@ -132,6 +133,11 @@ class ServerState:
         """Stop the engine thread (its requests get an abort saying why) and the tokenizer pool."""
         if self.ae is not None:
             self.ae.shutdown(timeout)
+        stopped = self.ae is None or not self.ae._thread.is_alive()
+        if self.engine is not None and stopped:  # save prefixes for the next start
+            saved = self.engine.save_kv_cache()
+            if saved:
+                log.info("saved %d KV blocks to the disk tier", saved)
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -58,9 +58,9 @@ class DraftSpeculator(Speculator):
         check_same_vocab(engine.tokenizer, Tokenizer.from_gguf(gguf.reader), cfg.draft_model)
         n_layers, dev = len(self.model.layer_range), engine.runtime.device
         size = size_pool(
-            gguf.config, n_layers, cfg.block_size, cfg.kv_dtype, dev, DRAFT_KV_FRACTION
+            gguf.config, n_layers, cfg.block_size, engine.kv_dtype, dev, DRAFT_KV_FRACTION
         )
-        pool = KVPool(gguf.config, n_layers, size.num_blocks, cfg.block_size, cfg.kv_dtype, dev)
+        pool = KVPool(gguf.config, n_layers, size.num_blocks, cfg.block_size, engine.kv_dtype, dev)
         self.bm = BlockManager(size.num_blocks, cfg.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, pool)
         self.params = engine.params  # request id -> SamplingParams (the engine's live map)

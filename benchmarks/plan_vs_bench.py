@@ -1,0 +1,153 @@
+"""`hetero plan`'s prediction against `hetero bench`'s measurement, for the same configuration.
+
+    python benchmarks/plan_vs_bench.py [MODEL] --devices cpu -c 1 -c 16 [--input-len 64]
+        [--output-len 64] [--refresh] [--json OUT.json]
+
+For each concurrency C: profile the devices (cached), plan MODEL over them, run the engine with
+the plan's weights mode, KV dtype and KV blocks on C requests arriving together (prompts of
+--input-len random tokens, --output-len tokens each), and print predicted against measured:
+
+    decode tok/s per stream   plan: single_stream_tok_s (C = 1) or 1 / the slowest stage's
+                              step x micro-batches; bench: 1 / median inter-token latency
+    aggregate decode tok/s    plan: aggregate_tok_s; bench: C / median inter-token latency
+                              (C sequences in lock step gain C tokens a step)
+    TTFT                      plan: ttft_burst_s (C prompts at once); bench: mean TTFT
+
+A device may be a GPU share (`cuda:0@70%:32GB`): the bench then runs in a child process started
+with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and the memory cap (an MPS daemon must be running). Plans
+of more than one stage need the pipeline engine; until `hetero.engine` can run a Plan, their
+rows show the prediction only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from hetero.planner.commands import plan_config
+from hetero.planner.model_desc import describe
+from hetero.planner.plan import Plan, plan
+from hetero.planner.resolve import resolve_devices
+from hetero.planner.shares import is_share, parse_share, share_env
+
+
+def bench_stage(model: str, p: Plan, input_len: int, output_len: int) -> dict:
+    """Run the engine as the one-stage plan `p` says; decode and TTFT numbers."""
+    import torch
+
+    from hetero.bench import run_bench
+    from hetero.config import RuntimeConfig
+    from hetero.engine.config import EngineConfig, SchedulerConfig
+    from hetero.engine.engine import Engine
+
+    (stage,) = p.stages
+    device = stage.device.split("@")[0]
+    if "@" in stage.device and parse_share(stage.device).memory_cap:
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        torch.cuda.set_per_process_memory_fraction(parse_share(stage.device).memory_cap / total)
+    cfg = EngineConfig(
+        kv_dtype=stage.kv_dtype,
+        num_kv_blocks=stage.num_kv_blocks,
+        enable_prefix_caching=False,
+        scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
+    )
+    engine = Engine(model, cfg, RuntimeConfig(device=device, weights=stage.weights))
+    run_bench(engine, 1, 1, min(input_len, 16), 4, seed=1)  # warm-up
+    r = run_bench(engine, p.concurrency, p.concurrency, input_len, output_len, seed=0)
+    itl = statistics.median(r.itl_s)
+    return {
+        "per_stream_tok_s": 1 / itl,
+        "aggregate_tok_s": p.concurrency / itl,
+        "ttft_s": statistics.fmean(r.ttft_s),
+        "output_tok_s_wall": r.output_tok_s,
+    }
+
+
+def bench_in_child(model: str, p: Plan, input_len: int, output_len: int) -> dict:
+    """The bench in a process started with the share's MPS environment."""
+    env = {**os.environ, **share_env(parse_share(p.stages[0].device))}
+    args = [sys.executable, __file__, "--child", model, str(input_len), str(output_len)]
+    done = subprocess.run(args, input=p.to_json(), env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def predicted(p: Plan) -> dict:
+    slowest = max(s.predicted_step_s for s in p.stages)
+    per_stream = p.single_stream_tok_s if p.concurrency == 1 else 1 / (slowest * p.microbatches)
+    return {
+        "per_stream_tok_s": per_stream,
+        "aggregate_tok_s": p.aggregate_tok_s,
+        "ttft_s": p.ttft_burst_s,
+    }
+
+
+def row(c: int, pred: dict, meas: dict | None) -> str:
+    cells = [f"c={c:<3}"]
+    for key, unit in (("per_stream_tok_s", "tok/s"), ("aggregate_tok_s", "tok/s"), ("ttft_s", "s")):
+        if meas is None:
+            cells.append(f"{key} pred {pred[key]:.3g} {unit}")
+        else:
+            ratio = pred[key] / meas[key]
+            cells.append(f"{key} pred {pred[key]:.3g} meas {meas[key]:.3g} {unit} ({ratio:.2f}x)")
+    return "  ".join(cells)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("--devices", default="cpu")
+    ap.add_argument("-c", "--concurrency", type=int, action="append")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--use-all-devices", action="store_true")
+    ap.add_argument("--weights", default="auto", help="force a weights mode (default: planned)")
+    ap.add_argument("--refresh", action="store_true")
+    ap.add_argument("--json", default=None, help="write every row here")
+    return ap.parse_args()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        model, input_len, output_len = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        print(
+            json.dumps(bench_stage(model, Plan.from_json(sys.stdin.read()), input_len, output_len))
+        )
+        return
+    args = parse_args()
+    from hetero.models import resolve_model
+
+    model = str(resolve_model(args.model))
+    desc = describe(model)
+    devices = resolve_devices(args.devices.split(","), refresh=args.refresh)
+    rows = []
+    for c in args.concurrency or [1, 16]:
+        cfg = plan_config(
+            concurrency=c,
+            prompt_len=args.input_len,
+            output_len=args.output_len,
+            context=args.context or args.input_len + args.output_len + 16,
+            use_all_devices=args.use_all_devices,
+            weights=args.weights,
+        )
+        p = plan(desc, devices, cfg)
+        meas = None
+        if len(p.stages) == 1:
+            run = bench_in_child if is_share(p.stages[0].device) else bench_stage
+            meas = run(model, p, args.input_len, args.output_len)
+        print(row(c, predicted(p), meas), flush=True)
+        rows.append({"concurrency": c, "predicted": predicted(p), "measured": meas,
+                     "plan": json.loads(p.to_json())})  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

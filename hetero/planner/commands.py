@@ -1,0 +1,71 @@
+"""What `hetero profile` and `hetero plan` do (cli.py only declares their options)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from hetero.planner.plan import Plan, PlanConfig, PlanError
+
+
+def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
+    from hetero.planner.gpu_profile import measure_share_subprocess
+    from hetero.planner.profile import (
+        cached_shares,
+        fingerprint,
+        live_devices,
+        load_cached,
+        machine_profiles,
+        save,
+    )
+    from hetero.planner.report import format_profiles
+
+    profiles = machine_profiles(refresh=refresh, progress=not as_json)
+    measured = dict(cached_shares())
+    for spec in shares:
+        prof = measure_share_subprocess(spec)
+        measured[prof.id] = prof
+    if shares:
+        fp = fingerprint(live_devices())
+        doc = load_cached(fp)
+        save(fp, doc["devices"] if doc else profiles, measured)
+    everything = profiles + list(measured.values())
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in everything], indent=1))
+    else:
+        click.echo(format_profiles(everything))
+
+
+def plan_config(**opts) -> PlanConfig:
+    return PlanConfig(**{k: v for k, v in opts.items() if v is not None})
+
+
+def run_plan(
+    model: str | None,
+    devices: str | None,
+    refresh: bool,
+    as_json: bool,
+    output: str | None,
+    **config_opts,
+) -> Plan:
+    from hetero.models import resolve_model
+    from hetero.planner.model_desc import describe
+    from hetero.planner.plan import plan
+    from hetero.planner.report import format_plan
+    from hetero.planner.resolve import resolve_devices
+
+    config = plan_config(**config_opts)
+    target = model if model and model.startswith("synth:") else str(resolve_model(model))
+    desc = describe(target)
+    names = [n for n in devices.split(",")] if devices else None
+    profiles = resolve_devices(names, refresh=refresh, progress=not as_json)
+    result = plan(desc, profiles, config)
+    if output:
+        Path(output).write_text(result.to_json() + "\n")
+    click.echo(result.to_json() if as_json else format_plan(result))
+    return result
+
+
+__all__ = ["PlanError", "run_plan", "run_profile"]

@@ -1,0 +1,118 @@
+"""The cost model: seconds and bytes of a range of layers on one device, from its profile.
+
+A decode step over m sequences on a stage holding layers [a, b) costs
+
+    step_overhead + sum over layers of (layer_overhead + m * seq_overhead     host, launches
+                                        + sum over its matrices of max(bytes / decode_gbs,
+                                              2 m params / prefill_tflops)          matmuls
+                                        + m * ctx * kv_bytes_per_token / attn_gbs)  KV reads
+    + (last stage) the output projection and m * V float32 logits read twice
+    + (not last) m * d_model * 2 bytes sent to the next stage / link GB/s + latency
+
+Every rate and overhead comes from the device's profile (measured, or datasheet for dry runs);
+there is no other constant. Prefill swaps the KV reads for attention flops,
+4 n (c + n/2) H D per layer for n new tokens after c cached ones, at the dense matmul rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from hetero.engine.kv_cache import block_bytes
+from hetero.planner.device import DeviceProfile
+from hetero.planner.model_desc import ModelDesc, TensorInfo, weight_bytes
+
+ACT_BYTES_WIRE = 2  # activations cross stages in bf16/fp16
+
+
+def kv_token_bytes(desc: ModelDesc, kv_dtype: str) -> int:
+    """KV bytes of one token in one layer (k and v, fp8 scales included)."""
+    return block_bytes(desc.config, 1, 1, kv_dtype)
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    """Costs of `desc` on `dev` in one weights mode and KV dtype (arrays over layers)."""
+
+    desc: ModelDesc
+    dev: DeviceProfile
+    weights: str
+    kv_dtype: str
+
+    def _bytes(self, t: TensorInfo) -> float:
+        return weight_bytes(t, self.weights, self.dev.is_cpu)
+
+    @cached_property
+    def layer_bytes(self) -> list[float]:
+        return [sum(self._bytes(t) for t in layer) for layer in self.desc.layers]
+
+    @cached_property
+    def _layer_prefix(self) -> list[float]:
+        out = [0.0]
+        for b in self.layer_bytes:
+            out.append(out[-1] + b)
+        return out
+
+    def weights_bytes(self, a: int, b: int, first: bool, last: bool) -> float:
+        total = self._layer_prefix[b] - self._layer_prefix[a]
+        if first:
+            total += self._embed_bytes()
+        if last:
+            total += sum(self._bytes(t) for t in self.desc.globals_)
+            if self.desc.output is not None:
+                total += self._bytes(self.desc.output)
+            elif not first:  # a tied head on a stage without the embedding holds its own copy
+                total += self._bytes(self.desc.embed)
+        return total
+
+    def _embed_bytes(self) -> float:
+        # Only "quant" keeps the table in GGUF blocks; other modes look rows up from a dense
+        # table in the activation dtype (fp32 on a CPU, bf16 on a GPU).
+        e = self.desc.embed
+        if self.weights == "quant":
+            return float(e.nbytes)
+        return (4.0 if self.dev.is_cpu else 2.0) * e.params
+
+    def linear_seconds(self, t: TensorInfo, tokens: int) -> float:
+        rate = self.dev.matmul_rate(self.weights, t.ggml_type)
+        return rate.seconds(self._bytes(t), t.params, tokens)
+
+    def _layer_matmuls(self, i: int, tokens: int) -> float:
+        return sum(self.linear_seconds(t, tokens) for t in self.desc.layers[i] if t.is_matrix)
+
+    def decode_layer_seconds(self, m: int, ctx: float) -> list[float]:
+        """Seconds of each layer in a decode step of m sequences with ctx tokens of context."""
+        d = self.dev
+        kv = m * ctx * kv_token_bytes(self.desc, self.kv_dtype) / (d.attn_gbs * 1e9)
+        fixed = d.layer_overhead_s + m * d.seq_overhead_s + kv
+        return [fixed + self._layer_matmuls(i, m) for i in range(self.desc.n_layers)]
+
+    def prefill_layer_seconds(self, n: int, cached: int, seqs: int = 1) -> list[float]:
+        """Seconds of each layer for n new tokens (of `seqs` prompts) after `cached` tokens."""
+        cfg, d = self.desc.config, self.dev
+        flops = 4.0 * n * (cached + n / 2) * cfg.n_heads * cfg.head_dim / max(seqs, 1)
+        attn = flops / (d.bf16_tflops * 1e12)
+        fixed = d.layer_overhead_s + seqs * d.seq_overhead_s + attn
+        return [fixed + self._layer_matmuls(i, n) for i in range(self.desc.n_layers)]
+
+    def head_seconds(self, tokens: int) -> float:
+        """The output projection and its float32 logits (written, then read by the sampler)."""
+        logits = 2 * tokens * self.desc.config.vocab_size * 4 / (self.dev.mem_bw_gbs * 1e9)
+        return self.linear_seconds(self.desc.head, tokens) + logits
+
+    def activation_bytes(self, tokens: int, seqs: int, last: bool) -> float:
+        """Peak scratch of one step of `tokens` tokens over `seqs` sequences: the residual,
+        q|k|v, gate|up and their products live at once ([T, 4C + 2F + q + 2kv] in the
+        activation dtype), plus float32 logits [seqs, V] on the last stage (only the rows that
+        produce a token reach the output projection)."""
+        cfg = self.desc.config
+        per_token = 4 * cfg.d_model + 2 * cfg.d_ff + cfg.q_size + 2 * cfg.kv_size
+        act = tokens * per_token * (4 if self.dev.is_cpu else 2)
+        return act + (min(seqs, tokens) * cfg.vocab_size * 4 if last else 0)
+
+
+def transfer_seconds(src: DeviceProfile, dst: DeviceProfile, tokens: int, d_model: int) -> float:
+    """Activations [tokens, d_model] from one stage to the next."""
+    nbytes = tokens * d_model * ACT_BYTES_WIRE
+    return nbytes / (src.link_gbs(dst) * 1e9) + max(src.link_latency_s, dst.link_latency_s)

@@ -1,0 +1,164 @@
+"""What the planner knows of one device: its memory, its measured rates, its overheads.
+
+A DeviceProfile comes from a measurement on this machine (planner/profile.py), from a datasheet
+(planner/specs.py, configs/devices/*.toml) for dry runs, or from scaling either for a share of a
+GPU run through CUDA MPS (planner/shares.py). The plan is a pure function of these numbers.
+
+Units: bytes, seconds, GB/s (1e9 bytes/s), TFLOP/s (1e12 flop/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+CPU_KINDS = ("cpu",)
+
+
+@dataclass(frozen=True)
+class MatmulRate:
+    """How fast one weights mode (and GGUF type, for the quantized kernels) runs y = x @ W^T.
+
+    decode_gbs: weight bytes streamed per second at T = 1 (decode is memory-bound);
+    prefill_tflops: flop/s at a prefill-sized T (compute-bound). A linear of B weight bytes and
+    P parameters at T tokens costs max(B / decode, 2 T P / prefill): a roofline whose two ceilings
+    were measured with the kernel the registry picks, not taken from a datasheet.
+    """
+
+    kernel: str
+    decode_gbs: float
+    prefill_tflops: float
+
+    def seconds(self, weight_bytes: float, params: float, tokens: int) -> float:
+        memory = weight_bytes / (self.decode_gbs * 1e9)
+        compute = 2.0 * tokens * params / (self.prefill_tflops * 1e12)
+        return max(memory, compute)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device as the planner sees it.
+
+    id: how plans and flags name it ("cuda:0", "cpu", "cuda:0@70%:32GB", or a spec name such as
+        "rtx4090" in a dry run). bus_id: the PCI bus id of a GPU (what tells a 4090 from the
+        5090 beside it, whatever order CUDA enumerates them in).
+    matmul: rates by key "<weights mode>" or "<weights mode>:<GGUF type>" (e.g. "quant:Q4_K",
+        "dense", "fp16"); see `matmul_rate`.
+    attn_gbs: KV bytes per second the decode attention reads (its dequantization included).
+    step_overhead_s / layer_overhead_s / seq_overhead_s: what an engine step costs besides the
+        matmuls and attention reads: per step, per layer, and per layer and sequence (host work,
+        launches, small ops), measured by running the engine on a tiny model.
+    """
+
+    id: str
+    kind: str  # "cuda" | "cpu"
+    name: str
+    memory_total: int
+    memory_free: int
+    mem_bw_gbs: float
+    bf16_tflops: float  # dense matmul rate at the device's activation dtype
+    matmul: dict[str, MatmulRate]
+    attn_gbs: float
+    h2d_gbs: float = 0.0
+    d2h_gbs: float = 0.0
+    link_latency_s: float = 0.0
+    p2p_gbs: dict[str, float] = field(default_factory=dict)  # other device id -> GB/s
+    step_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    bus_id: str = ""
+    compute_capability: str = ""  # "8.9"; "" for a CPU
+    fp8_kv: bool = False
+    kernels: dict[str, str] = field(default_factory=dict)  # op -> kernel the registry picks
+    sm_share: float = 1.0  # share of the GPU's SMs (CUDA MPS); 1.0 for a whole device
+    memory_cap: int = 0  # bytes this device may use (MPS share); 0: no cap
+    source: str = "measured"  # "measured" | "datasheet" | "derived"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.kind in CPU_KINDS
+
+    @property
+    def usable_memory(self) -> int:
+        """Free memory, within the cap of a share."""
+        return min(self.memory_free, self.memory_cap) if self.memory_cap else self.memory_free
+
+    @property
+    def cc(self) -> tuple[int, int]:
+        if not self.compute_capability:
+            return (0, 0)
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+    def matmul_rate(self, weights: str, ggml_type: str) -> MatmulRate:
+        """The measured rate of `weights` mode for a tensor of `ggml_type`.
+
+        Falls back from "quant:<type>" to "quant", then to the device's "dense" rate scaled to
+        its copy bandwidth (a roofline, not a measurement) so an unmeasured type still plans.
+        """
+        for key in (f"{weights}:{ggml_type}", weights):
+            if key in self.matmul:
+                return self.matmul[key]
+        if "dense" in self.matmul:
+            return self.matmul["dense"]
+        return MatmulRate("roofline", self.mem_bw_gbs / 2, self.bf16_tflops)
+
+    def link_gbs(self, other: DeviceProfile) -> float:
+        """Bandwidth of an activation copy from this device to `other`."""
+        if other.id in self.p2p_gbs:
+            return self.p2p_gbs[other.id]
+        if self.is_cpu and not other.is_cpu:
+            return other.h2d_gbs or 10.0
+        if other.is_cpu and not self.is_cpu:
+            return self.d2h_gbs or 10.0
+        if self.is_cpu and other.is_cpu:
+            return self.mem_bw_gbs
+        # two GPUs without a measured peer path go through host memory
+        return min(self.d2h_gbs or 10.0, other.h2d_gbs or 10.0) / 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceProfile:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"device profile has unknown fields: {', '.join(sorted(unknown))}")
+        d = dict(d)
+        d["matmul"] = {k: MatmulRate(**v) for k, v in d.get("matmul", {}).items()}
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> DeviceProfile:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class LiveDevice:
+    """A device present now, as enumeration finds it (before any measurement)."""
+
+    id: str  # "cuda:<torch index>" | "cpu"
+    kind: str
+    name: str
+    bus_id: str
+    compute_capability: str
+    memory_total: int
+    memory_free: int
+
+    def profile(self, mem_bw_gbs: float, tflops: float, **measured: Any) -> DeviceProfile:
+        """Its profile from measured rates (attention defaults to the copy bandwidth until the
+        engine calibration replaces it)."""
+        fields: dict[str, Any] = dict(
+            id=self.id,
+            kind=self.kind,
+            name=self.name,
+            memory_total=self.memory_total,
+            memory_free=self.memory_free,
+            mem_bw_gbs=mem_bw_gbs,
+            bf16_tflops=tflops,
+            attn_gbs=mem_bw_gbs,
+            bus_id=self.bus_id,
+            compute_capability=self.compute_capability,
+        )
+        return DeviceProfile(**{**fields, **measured})

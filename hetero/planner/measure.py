@@ -1,0 +1,149 @@
+"""Micro-benchmarks of one device: copy bandwidth, matmul rates per weights mode, links.
+
+Timings are medians of repeated calls after a warm-up; weights rotate over copies larger than
+the caches (as a model's layers stream), so a decode rate is a DRAM/HBM rate, not an L2 one.
+On a CPU the shapes are small so that the whole profile takes seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hetero.planner.device import MatmulRate
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, budget_s: float = 0.2) -> float:
+    """Median seconds of one call of `fn` (after one warm-up call), over ~budget_s."""
+    fn()
+    sync(device)
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_gbs(device: torch.device, nbytes: int) -> float:
+    """Read + write GB/s of a copy of `nbytes` (larger than the caches)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    sec = time_call(lambda: dst.copy_(src), device)
+    return 2 * src.nbytes / sec / 1e9
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sec = time_call(lambda: a @ b, device)
+    return 2 * n**3 / sec / 1e12
+
+
+def _rotation(make: Callable[[], object], nbytes: Callable[[object], int], rotate: int) -> list:
+    """Copies of one weight, enough that they hold `rotate` bytes together."""
+    first = make()
+    return [first] + [make() for _ in range(math.ceil(rotate / nbytes(first)) - 1)]
+
+
+def linear_rate(
+    kernel: str,
+    weights: list,
+    call: Callable[[torch.Tensor, object], object],
+    shape: tuple[int, int],
+    weight_bytes: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    prefill_t: int,
+) -> MatmulRate:
+    """Decode GB/s (T = 1, over the rotated copies) and prefill TFLOP/s (T = prefill_t)."""
+    n, k = shape
+    x1 = torch.randn(1, k, device=device, dtype=dtype)
+    t1 = time_call(lambda: [call(x1, w) for w in weights], device) / len(weights)
+    xp = torch.randn(prefill_t, k, device=device, dtype=dtype)
+    tp = time_call(lambda: call(xp, weights[0]), device)
+    return MatmulRate(kernel, weight_bytes / t1 / 1e9, 2 * prefill_t * n * k / tp / 1e12)
+
+
+def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
+    """fp16 (fbgemm repack) and dense fp32 on the CPU, the modes a CPU stage runs."""
+    from gguf import GGMLQuantizationType
+
+    from hetero.kernels.cpu_linear import available_schemes, pack_linear, packed_linear
+
+    cpu, f32 = torch.device("cpu"), int(GGMLQuantizationType.F32)
+    w = torch.randn(shape) * 0.02
+    rates = {}
+    for mode, scheme, kernel in (("fp16", "fp16", "fbgemm-fp16"), ("dense", "fp32", "torch")):
+        if scheme not in available_schemes():
+            continue
+        packs = _rotation(
+            lambda s=scheme: pack_linear(w, f32, shape, s), lambda p: p.nbytes, rotate_bytes
+        )
+        rates[mode] = linear_rate(
+            kernel, packs, packed_linear, shape, packs[0].nbytes, cpu, torch.float32, prefill_t
+        )
+    return rates
+
+
+def gpu_matmul_rates(
+    device: torch.device, types: list[str], shape=(14336, 4096), rotate_bytes=512 << 20
+) -> dict:
+    """The registry's qlinear kernel per GGUF type ("quant:<type>") and bf16 dense."""
+    from hetero.kernels import select
+    from hetero.kernels.registry import prepare_weight
+    from hetero.quant import get_quant, random_blocks
+
+    impl = select("qlinear", device)
+    n, k = shape
+    rates = {}
+    for name in types:
+        qt = get_quant(name)
+        blocks = random_blocks(name, n * k // qt.block_size, np.random.default_rng(0))
+        raw = torch.from_numpy(blocks).reshape(n, -1).to(device)
+        ws = _rotation(
+            lambda raw=raw, t=int(qt.ggml_type): prepare_weight(impl, raw.clone(), t, shape),
+            lambda _, size=raw.nbytes: size,
+            rotate_bytes,
+        )
+
+        def call(x, w, t=int(qt.ggml_type)):
+            return impl.fn(x, w, t, shape)
+
+        rates[f"quant:{name}"] = linear_rate(
+            impl.name, ws, call, shape, raw.nbytes, device, torch.bfloat16, 512
+        )
+        del ws, raw
+    dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    ws = _rotation(dense.clone, lambda w: w.nbytes, rotate_bytes)
+    rates["dense"] = linear_rate(
+        "torch", ws, lambda x, w: x @ w.t(), shape, dense.nbytes, device, torch.bfloat16, 512
+    )
+    return rates
+
+
+def link_gbs(src: torch.device, dst: torch.device, nbytes: int = 256 << 20) -> float:
+    """GB/s of one copy from src to dst (pinned host memory on the CPU side)."""
+    pin = torch.cuda.is_available()
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src, pin_memory=pin and src.type == "cpu")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst, pin_memory=pin and dst.type == "cpu")
+    gpu = src if src.type == "cuda" else dst
+    return nbytes / time_call(lambda: b.copy_(a, non_blocking=True), gpu) / 1e9
+
+
+def link_latency_s(gpu: torch.device) -> float:
+    """Seconds of a small (one hidden vector) host -> device -> host round trip, halved."""
+    a = torch.zeros(4096, dtype=torch.bfloat16)
+    return time_call(lambda: a.to(gpu).to("cpu"), gpu) / 2

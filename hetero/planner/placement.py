@@ -1,0 +1,240 @@
+"""plan(): devices in pipeline order, a weights mode and KV dtype each, the split, the numbers.
+
+GPUs come first in the order given, CPUs last: the CPU takes layers only when the GPUs cannot hold
+the model with the asked KV (the last layers spill, as llama.cpp's -ngl does). Each device first
+gets its fastest weights mode; when nothing fits, the most compact one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetero.planner.cost import DeviceCost, kv_token_bytes, transfer_seconds
+from hetero.planner.device import DeviceProfile
+from hetero.planner.model_desc import ModelDesc
+from hetero.planner.plan import DEFAULT_CONTEXT_CAP, Plan, PlanConfig, PlanError, StagePlan
+from hetero.planner.search import Split, search
+
+GPU_MODES = ("quant", "dense")
+CPU_MODES = ("fp16", "dense")  # exact or nearly so (fp16: logits within 0.03); int4/int8 opt-in
+
+
+def kv_dtype_for(dev: DeviceProfile, asked: str) -> str:
+    if asked in ("auto", "fp8"):
+        return "fp8" if dev.fp8_kv else "fp16"
+    return asked
+
+
+def _modes(dev: DeviceProfile, asked: str) -> tuple[str, ...]:
+    if asked != "auto":
+        return (asked,) if dev.is_cpu or asked in GPU_MODES else ("dense",)
+    return CPU_MODES if dev.is_cpu else GPU_MODES
+
+
+@dataclass
+class _Setup:
+    """One attempt: the devices taking part and their costs."""
+
+    desc: ModelDesc
+    config: PlanConfig
+    context: int
+    costs: list[DeviceCost]
+    budgets: list[float]
+    _prefix: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    @property
+    def ctx(self) -> float:  # average context a decode reads
+        return self.config.prompt_len + self.config.output_len / 2
+
+    def kv_need(self, i: int, n_layers: int) -> float:
+        bs, c = self.config.block_size, self.config
+        tokens = -(-self.context // bs) * bs * c.concurrency
+        per = kv_token_bytes(self.desc, self.costs[i].kv_dtype) * n_layers
+        return tokens * per / c.kv_memory_fraction
+
+    def base_bytes(self, i: int, a: int, b: int) -> float:
+        """Weights and activations of layers [a, b) on device i."""
+        last, c = b == self.desc.n_layers, self.costs[i]
+        act = c.activation_bytes(self.config.max_num_batched_tokens, self.config.max_num_seqs, last)
+        return c.weights_bytes(a, b, a == 0, last) + act
+
+    def fits(self, i: int, a: int, b: int) -> bool:
+        return self.base_bytes(i, a, b) + self.kv_need(i, b - a) <= self.budgets[i]
+
+    def _decode_prefix(self, i: int, m: int) -> list[float]:
+        """Running sums of device i's decode layer times at m sequences (cached)."""
+        if (i, m) not in self._prefix:
+            out = [0.0]
+            for t in self.costs[i].decode_layer_seconds(m, self.ctx):
+                out.append(out[-1] + t)
+            self._prefix[i, m] = out
+        return self._prefix[i, m]
+
+    def stage_s(self, i: int, a: int, b: int, m: int) -> float:
+        c, n = self.costs[i], self.desc.n_layers
+        prefix = self._decode_prefix(i, m)
+        t = c.dev.step_overhead_s + prefix[b] - prefix[a]
+        if b == n:
+            t += c.head_seconds(m)
+        elif i + 1 < len(self.costs):
+            t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
+        return t
+
+    def prefill_s(self, i: int, a: int, b: int, tokens: int, seqs: int) -> float:
+        """Stage i's time for `tokens` prompt tokens of `seqs` prompts, in budget-sized chunks."""
+        c, budget, total, done = self.costs[i], self.config.max_num_batched_tokens, 0.0, 0
+        while done < tokens:
+            n = min(budget, tokens - done)
+            cached = done if seqs == 1 else 0
+            per_layer = c.prefill_layer_seconds(n, cached, max(1, round(seqs * n / tokens)))
+            total += c.dev.step_overhead_s + sum(per_layer[a:b])
+            if b == self.desc.n_layers:
+                total += c.head_seconds(max(1, round(seqs * n / tokens)))
+            elif i + 1 < len(self.costs):
+                total += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
+            done += n
+        return total
+
+
+def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
+    margin = cfg.cpu_margin_bytes if dev.is_cpu else cfg.gpu_margin_bytes
+    return dev.usable_memory * (1.0 - cfg.margin) - margin
+
+
+def _pick_mode(desc: ModelDesc, dev: DeviceProfile, cfg: PlanConfig, kv: str, compact: bool):
+    costs = [DeviceCost(desc, dev, m, kv) for m in _modes(dev, cfg.weights)]
+    if compact:
+        return min(costs, key=lambda c: c.weights_bytes(0, desc.n_layers, True, True))
+    return min(costs, key=lambda c: sum(c.decode_layer_seconds(1, cfg.prompt_len)))
+
+
+def _attempts(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig, context: int):
+    gpus = [d for d in devices if not d.is_cpu]
+    cpus = [d for d in devices if d.is_cpu]
+    groups = [gpus, gpus + cpus] if gpus and cpus and not cfg.use_all_devices else [gpus + cpus]
+    for group in groups:
+        for compact in (False, True):
+            costs = [
+                _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.kv_dtype), compact) for d in group
+            ]
+            yield _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in group])
+
+
+def _context(desc: ModelDesc, cfg: PlanConfig) -> int:
+    model_ctx = desc.config.context_length
+    if cfg.context is None:
+        return min(model_ctx, DEFAULT_CONTEXT_CAP)
+    if cfg.context > model_ctx:
+        raise PlanError(f"context {cfg.context} is longer than the model's {model_ctx} tokens")
+    return cfg.context
+
+
+def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Plan:
+    if not devices:
+        raise PlanError("no devices to plan for")
+    ids = [d.id for d in devices]
+    if len(set(ids)) != len(ids):
+        raise PlanError(f"a device is listed twice: {', '.join(ids)}")
+    context = _context(desc, cfg)
+    last: _Setup | None = None
+    for setup in _attempts(desc, devices, cfg, context):
+        last = setup
+        n_dev, n = len(setup.costs), desc.n_layers
+        split = search(n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices)
+        if split is not None:
+            return _build(setup, split, devices)
+    from hetero.planner.refusal import explain
+
+    raise PlanError(explain(last))
+
+
+def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
+    c, cfg = setup.costs[i], setup.config
+    dev, last = c.dev, b == setup.desc.n_layers
+    per_block = kv_token_bytes(setup.desc, c.kv_dtype) * (b - a) * cfg.block_size
+    left = setup.budgets[i] - setup.base_bytes(i, a, b)
+    room = int(max(left, 0) * cfg.kv_memory_fraction // per_block)
+    dominant = max(
+        (t for layer in setup.desc.layers[a:b] for t in layer if t.is_matrix),
+        key=lambda t: t.nbytes,
+    )
+    kernels = {"qlinear": dev.matmul_rate(c.weights, dominant.ggml_type).kernel}
+    for op in ("paged_attention", "kv_write"):
+        kernels[op] = dev.kernels.get(op, "torch")
+    return StagePlan(
+        device=dev.id,
+        layer_start=a,
+        layer_end=b,
+        num_kv_blocks=room,
+        kv_dtype=c.kv_dtype,
+        weights=c.weights,
+        kernels=kernels,
+        predicted_step_s=setup.stage_s(i, a, b, m),
+        name=dev.name,
+        bus_id=dev.bus_id,
+        has_embedding=a == 0,
+        has_head=last,
+        weight_bytes=int(c.weights_bytes(a, b, a == 0, last)),
+        activation_bytes=int(
+            c.activation_bytes(cfg.max_num_batched_tokens, cfg.max_num_seqs, last)
+        ),
+        memory_budget=int(setup.budgets[i]),
+        kv_room_blocks=room,
+        single_step_s=setup.stage_s(i, a, b, 1),
+        prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len, 1),
+    )
+
+
+def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
+    cfg, desc = setup.config, setup.desc
+    used = [(i, a, b) for i, (a, b) in enumerate(split.ranges) if b > a]
+    stages = [_stage(setup, i, a, b, split.m) for i, a, b in used]
+    blocks = min(s.kv_room_blocks for s in stages)
+    stages = [_with_blocks(s, blocks, desc, cfg) for s in stages]
+    burst_tokens = cfg.prompt_len * cfg.concurrency
+    burst = sum(setup.prefill_s(i, a, b, burst_tokens, cfg.concurrency) for i, a, b in used)
+    per_seq = -(-setup.context // cfg.block_size)
+    used_ids = {s.device for s in stages}
+    return Plan(
+        model=desc.name,
+        n_layers=desc.n_layers,
+        stages=tuple(stages),
+        concurrency=cfg.concurrency,
+        context=setup.context,
+        prompt_len=cfg.prompt_len,
+        output_len=cfg.output_len,
+        block_size=cfg.block_size,
+        microbatches=split.micro,
+        single_stream_tok_s=1.0 / sum(s.single_step_s for s in stages),
+        aggregate_tok_s=cfg.concurrency / split.cycle_s,
+        ttft_s=sum(s.prefill_s for s in stages),
+        ttft_burst_s=burst,
+        max_context=min(desc.config.context_length, blocks // cfg.concurrency * cfg.block_size),
+        max_concurrency=blocks // per_seq,
+        model_path=desc.source,
+        unused_devices=tuple(d.id for d in devices if d.id not in used_ids),
+        notes=_notes(stages, devices, cfg),
+    )
+
+
+def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) -> StagePlan:
+    from dataclasses import replace
+
+    per_block = kv_token_bytes(desc, s.kv_dtype) * s.n_layers * cfg.block_size
+    return replace(s, num_kv_blocks=blocks, kv_bytes=blocks * per_block)
+
+
+def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfig) -> tuple:
+    notes = []
+    if any(s.device == d.id and d.is_cpu for s in stages for d in devices) and len(stages) > 1:
+        notes.append("the GPUs cannot hold the model with its KV: the last layers run on the CPU")
+    unused = [d.id for d in devices if d.id not in {s.device for s in stages}]
+    if unused and cfg.concurrency == 1:
+        notes.append(
+            f"{', '.join(unused)} unused: one stream is fastest on the fewest devices that hold "
+            "it (a pipeline only adds hand-offs); a higher --concurrency may use them"
+        )
+    asked = {s.kv_dtype for s in stages}
+    if cfg.kv_dtype in ("auto", "fp8") and "fp16" in asked:
+        notes.append("fp16 KV where the device lacks FP8 (compute capability < 8.9)")
+    return tuple(notes)

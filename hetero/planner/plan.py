@@ -1,0 +1,174 @@
+"""The Plan: which layers run where, with which kernels and KV, and what speed to expect.
+
+`plan(model, profiles, config)` is a pure function of a model description (shapes and tensor
+types, no weights), device profiles and a PlanConfig. The Plan it returns is what a server starts
+from (`hetero-serve --plan plan.json`): stages in pipeline order, each a device and a contiguous
+layer range [layer_start, layer_end), its KV pool, weights mode and kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetero.planner.device import DeviceProfile
+from hetero.planner.model_desc import ModelDesc
+
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """No plan: the reason, with the numbers."""
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What the plan is for.
+
+    concurrency: sequences decoding at once; the split maximizes tok/s for it.
+    context: tokens per sequence the KV must hold for all `concurrency` sequences at once
+        (None: the model's context length, at most DEFAULT_CONTEXT_CAP).
+    prompt_len / output_len: the workload whose TTFT and decode speed are predicted (decode
+        reads prompt_len + output_len / 2 tokens of context on average).
+    weights: "auto" (per device the fastest mode that fits, CPUs choosing among exact modes),
+        or a RuntimeConfig weights mode to force everywhere it applies.
+    kv_dtype: "auto" (fp8 where the device supports it, else fp16) or fp8/fp16/bf16/fp32; fp8
+        asked of a device without FP8 falls back to fp16.
+    use_all_devices: give every device at least one layer (to test a split where one device
+        would be fastest, e.g. two MPS shares of one GPU).
+    margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
+        plus fixed bytes for the runtime: CUDA context, allocator slack, the process itself).
+    """
+
+    concurrency: int = 1
+    context: int | None = None
+    prompt_len: int = 128
+    output_len: int = 128
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    weights: str = "auto"
+    kv_dtype: str = "auto"
+    kv_memory_fraction: float = 0.9
+    use_all_devices: bool = False
+    margin: float = 0.05
+    gpu_margin_bytes: int = 768 << 20
+    cpu_margin_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "prompt_len", "output_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.context is not None and self.context < 2:
+            raise ValueError(f"context must be >= 2, got {self.context}")
+        if self.kv_dtype not in ("auto", "fp8", "fp16", "bf16", "fp32"):
+            raise ValueError(f"kv_dtype must be auto, fp8, fp16, bf16 or fp32: {self.kv_dtype!r}")
+        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16")
+        if self.weights not in modes:
+            raise ValueError(f"weights must be one of {', '.join(modes)}: {self.weights!r}")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+
+
+DEFAULT_CONTEXT_CAP = 8192
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    device: str  # "cuda:0", "cpu", "cuda:0@70%:32GB", or a spec name in a dry run
+    layer_start: int
+    layer_end: int  # exclusive
+    num_kv_blocks: int
+    kv_dtype: str  # "fp8" | "fp16" | "bf16" | "fp32"
+    weights: str  # a RuntimeConfig weights mode
+    kernels: dict[str, str]  # op -> kernel name
+    predicted_step_s: float  # one decode step of a micro-batch at the asked concurrency
+    name: str = ""
+    bus_id: str = ""
+    has_embedding: bool = False
+    has_head: bool = False
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    activation_bytes: int = 0
+    memory_budget: int = 0  # usable bytes after the safety margin
+    kv_room_blocks: int = 0  # blocks this device alone could hold (the pool is the stages' min)
+    single_step_s: float = 0.0  # one decode step of one sequence
+    prefill_s: float = 0.0  # this stage's share of one prompt's prefill
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    n_layers: int
+    stages: tuple[StagePlan, ...]
+    concurrency: int
+    context: int
+    prompt_len: int
+    output_len: int
+    block_size: int
+    microbatches: int  # micro-batches in flight through the pipeline at the asked concurrency
+    single_stream_tok_s: float
+    aggregate_tok_s: float
+    ttft_s: float  # one prompt of prompt_len tokens alone
+    ttft_burst_s: float  # `concurrency` prompts arriving together: the last first token
+    max_context: int  # longest context every one of `concurrency` sequences can have
+    max_concurrency: int  # sequences of `context` tokens that fit at once
+    model_path: str = ""  # the GGUF file planned (or "synth:SHAPE:QUANT" for a dry run)
+    unused_devices: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    version: int = PLAN_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return min(s.num_kv_blocks for s in self.stages)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
+            raise ValueError(f"not a version-{PLAN_VERSION} hetero plan")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"plan has unknown fields: {', '.join(sorted(unknown))}")
+        stages = tuple(StagePlan(**s) for s in d.pop("stages"))
+        tuples = ("unused_devices", "notes")
+        return cls(stages=stages, **{k: tuple(v) if k in tuples else v for k, v in d.items()})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"plan file not found: {path}")
+        try:
+            return cls.from_json(path.read_text())
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def check_devices(self, present: list[str]) -> None:
+        """Refuse a plan whose devices are not all present now (by id)."""
+        missing = [s.device for s in self.stages if s.device.split("@")[0] not in present]
+        if missing:
+            raise PlanError(
+                f"the plan places layers on {', '.join(missing)}, not present now "
+                f"(present: {', '.join(present) or 'none'}); make a new plan"
+            )
+
+
+def plan(model: ModelDesc, profiles: list[DeviceProfile], config: PlanConfig) -> Plan:
+    """The split of `model` over `profiles` (pipeline order) that decodes fastest at the asked
+    concurrency and fits; raises PlanError with the numbers when none does."""
+    from hetero.planner.placement import place
+
+    return place(model, profiles, config)

@@ -1,0 +1,177 @@
+"""`hetero profile`: find this machine's devices, measure them once, cache the result.
+
+GPUs are found through NVML (name, PCI bus id, memory, compute capability) and matched to torch's
+device indices by bus id, so a profile of the 4090 is never given to the 5090 beside it whatever
+order CUDA enumerates them in. The CPU is found through psutil. Measurements (planner/measure.py,
+planner/calibrate.py) are cached per machine under the user's cache folder, keyed by a
+fingerprint of the driver, the devices (names, bus ids, memory), the CPU and torch's version;
+free memory is read live at every use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from hetero.planner.device import DeviceProfile, LiveDevice
+from hetero.planner.gpu_profile import measure_gpu, nvml_gpus
+from hetero.planner.measure import copy_gbs, cpu_matmul_rates, matmul_tflops
+
+CACHE_VERSION = 1
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def live_devices() -> list[LiveDevice]:
+    """GPUs in PCI bus order, then the CPU."""
+    vm = psutil.virtual_memory()
+    cpu = LiveDevice("cpu", "cpu", cpu_name(), "", "", int(vm.total), int(vm.available))
+    return [LiveDevice(**g) for g in nvml_gpus()] + [cpu]
+
+
+def driver_version() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # no NVIDIA driver: a CPU-only machine
+        return ""
+
+
+def fingerprint(devices: list[LiveDevice]) -> str:
+    key = {
+        "driver": driver_version(),
+        "devices": [(d.id, d.name, d.bus_id, d.memory_total) for d in devices],
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "version": CACHE_VERSION,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "hetero" / "profiles"
+
+
+def measure_cpu(live: LiveDevice, bar: tqdm) -> DeviceProfile:
+    from hetero.kernels import ops, select
+
+    cpu = torch.device("cpu")
+    bar.set_postfix_str("cpu: copy, matmul")
+    bw, fl = copy_gbs(cpu, 128 << 20), matmul_tflops(cpu, torch.float32, 512)
+    bar.update(1)
+    bar.set_postfix_str("cpu: linear kernels")
+    rates = cpu_matmul_rates()
+    bar.update(1)
+    prof = live.profile(
+        bw,
+        fl,
+        name=f"{live.name} ({torch.get_num_threads()} threads)",
+        matmul=rates,
+        fp8_kv=True,  # fp8 KV is stored by torch's software conversion
+        kernels={op: select(op, cpu).name for op in ops()},
+    )
+    return _calibrated(prof, "cpu", "fp8", bar)
+
+
+def _calibrated(prof: DeviceProfile, device: str, kv_dtype: str, bar: tqdm) -> DeviceProfile:
+    from hetero.planner.calibrate import calibrate
+
+    bar.set_postfix_str(f"{device}: engine overheads")
+    return prof.replace(**calibrate(prof, device, kv_dtype, bar))
+
+
+def measure(devices: list[LiveDevice], progress: bool = True) -> list[DeviceProfile]:
+    steps = sum(4 if d.kind == "cpu" else 6 for d in devices)
+    with tqdm(total=steps, desc="profiling", unit="step", disable=not progress) as bar:
+        out = []
+        for d in devices:
+            if d.kind == "cpu":
+                out.append(measure_cpu(d, bar))
+            else:
+                prof = measure_gpu(d, [g for g in devices if g.kind == "cuda"], bar)
+                out.append(_calibrated(prof, d.id, "fp8" if prof.fp8_kv else "fp16", bar))
+    return out
+
+
+def load_cached(fp: str) -> dict | None:
+    path = cache_dir() / f"{fp}.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        doc["devices"] = [DeviceProfile.from_dict(d) for d in doc["devices"]]
+        doc["shares"] = {k: DeviceProfile.from_dict(v) for k, v in doc.get("shares", {}).items()}
+        return doc
+    except (ValueError, KeyError, TypeError):
+        return None  # a cache from another version: measure again
+
+
+def save(fp: str, devices: list[DeviceProfile], shares: dict[str, DeviceProfile]) -> Path:
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "fingerprint": fp,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "devices": [d.to_dict() for d in devices],
+        "shares": {k: v.to_dict() for k, v in shares.items()},
+    }
+    path = folder / f"{fp}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def machine_profiles(refresh: bool = False, progress: bool = True) -> list[DeviceProfile]:
+    """Profiles of the devices present now: cached when the fingerprint matches, else measured.
+    Free memory is always the live value."""
+    live = live_devices()
+    fp = fingerprint(live)
+    old = load_cached(fp)
+    cached = None if refresh else old
+    if cached is None:
+        profiles = measure(live, progress)
+        save(fp, profiles, old["shares"] if old else {})
+    else:
+        profiles = cached["devices"]
+    free = {d.id: d.memory_free for d in live}
+    return [p.replace(memory_free=free.get(p.id, p.memory_free)) for p in profiles]
+
+
+def cached_shares() -> dict[str, DeviceProfile]:
+    doc = load_cached(fingerprint(live_devices()))
+    return {} if doc is None else doc["shares"]
+
+
+def profiled_elsewhere(dev_id: str) -> DeviceProfile | None:
+    """A device of that id in a cached profile of another configuration of this machine: a
+    device that was here when that profile was made and is gone now."""
+    folder = cache_dir()
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError:
+            continue
+        for d in doc.get("devices", []):
+            if d.get("id") == dev_id:
+                return DeviceProfile.from_dict(d)
+    return None

@@ -1,0 +1,88 @@
+"""Plans and profiles as text tables for the terminal."""
+
+from __future__ import annotations
+
+from hetero.planner.device import DeviceProfile
+from hetero.planner.plan import Plan
+
+GB = 1e9
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*r) for r in rows
+    ]
+
+
+def _stage_row(s) -> list[str]:
+    return [
+        s.device,
+        f"{s.layer_start}-{s.layer_end - 1} ({s.n_layers})",
+        s.weights,
+        f"{s.weight_bytes / GB:.2f}",
+        str(s.num_kv_blocks),
+        f"{s.kv_bytes / GB:.2f}",
+        f"{s.kernels.get('qlinear', '?')}, kv {s.kv_dtype}",
+        f"{s.predicted_step_s * 1e3:.1f}",
+    ]
+
+
+def format_plan(p: Plan) -> str:
+    header = [
+        "device",
+        "layers",
+        "weights",
+        "weight GB",
+        "KV blocks",
+        "KV GB",
+        "kernels",
+        "step ms",
+    ]
+    rows = [_stage_row(s) for s in p.stages]
+    lines = [f"plan for {p.model} ({p.n_layers} layers)", *_table(header, rows)]
+    lines += [
+        f"single stream: {p.single_stream_tok_s:.1f} tok/s",
+        f"concurrency {p.concurrency}: {p.aggregate_tok_s:.1f} tok/s aggregate "
+        f"({p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''} in flight)",
+        f"TTFT for {p.prompt_len} prompt tokens: {p.ttft_s * 1e3:.0f} ms alone, "
+        f"{p.ttft_burst_s * 1e3:.0f} ms for {p.concurrency} arriving together",
+        f"KV: {p.num_kv_blocks * p.block_size} tokens; max context at concurrency "
+        f"{p.concurrency}: {p.max_context}; max concurrency at context {p.context}: "
+        f"{p.max_concurrency}",
+    ]
+    if p.unused_devices:
+        lines.append(f"unused: {', '.join(p.unused_devices)}")
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def format_profiles(profiles: list[DeviceProfile]) -> str:
+    header = ["device", "name", "bus", "cc", "mem GB (free)", "copy GB/s", "TFLOP/s", "decode GB/s"]
+    rows = []
+    for d in profiles:
+        decode = ", ".join(
+            f"{k} {r.decode_gbs:.0f}" for k, r in sorted(d.matmul.items()) if k.count(":") < 2
+        )
+        rows.append(
+            [
+                d.id,
+                d.name,
+                d.bus_id or "-",
+                d.compute_capability or "-",
+                f"{d.memory_total / GB:.1f} ({d.usable_memory / GB:.1f})",
+                f"{d.mem_bw_gbs:.0f}",
+                f"{d.bf16_tflops:.2f}",
+                decode,
+            ]
+        )
+    lines = _table(header, rows)
+    for d in profiles:
+        lines.append(
+            f"{d.id}: step overhead {d.step_overhead_s * 1e3:.2f} ms, per layer "
+            f"{d.layer_overhead_s * 1e3:.3f} ms (+{d.seq_overhead_s * 1e6:.1f} us a sequence), "
+            f"attention {d.attn_gbs:.3g} GB/s of KV, host links {d.h2d_gbs:.1f}/{d.d2h_gbs:.1f} "
+            f"GB/s, fp8 KV {'yes' if d.fp8_kv else 'no'} [{d.source}]"
+        )
+    return "\n".join(lines)

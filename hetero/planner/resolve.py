@@ -1,0 +1,116 @@
+"""`--devices` names -> DeviceProfiles: devices of this machine, datasheet specs, GPU shares.
+
+    cuda:0, cpu                  measured here (profiled once, cached)
+    rtx4090, h200, desktop-ddr5  configs/devices/<name>.toml (a dry run)
+    cuda:0@70%:32GB, h200@30%    a share of a GPU (measured with `hetero profile --share`, or
+                                 derived from the whole device's profile)
+
+The machine is measured only when a name refers to it, so a dry run over specs measures nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hetero.planner.device import DeviceProfile
+from hetero.planner.plan import PlanError
+from hetero.planner.shares import derive_share, is_share, parse_share
+
+
+class _Machine:
+    """This machine's profiles, measured (or read from the cache) on first use."""
+
+    def __init__(self, refresh: bool, progress: bool):
+        self.refresh, self.progress = refresh, progress
+        self._profiles: list[DeviceProfile] | None = None
+
+    @property
+    def profiles(self) -> list[DeviceProfile]:
+        if self._profiles is None:
+            from hetero.planner.profile import machine_profiles
+
+            self._profiles = machine_profiles(self.refresh, self.progress)
+        return self._profiles
+
+    @property
+    def present(self) -> list[str]:
+        """Ids of the devices here now (enumerated, not measured)."""
+        from hetero.planner.profile import live_devices
+
+        return [d.id for d in live_devices()]
+
+    def get(self, dev_id: str) -> DeviceProfile | None:
+        if dev_id not in self.present:
+            return None
+        return next((p for p in self.profiles if p.id == dev_id), None)
+
+
+def _is_machine_name(name: str) -> bool:
+    return name == "cpu" or name.startswith("cuda")
+
+
+def _machine_device(machine: _Machine, name: str) -> DeviceProfile:
+    from hetero.planner.profile import profiled_elsewhere
+
+    name = "cuda:0" if name == "cuda" else name
+    found = machine.get(name)
+    if found is not None:
+        return found
+    gone = profiled_elsewhere(name)
+    present = ", ".join(machine.present)
+    if gone is not None:
+        raise PlanError(
+            f"{name} ({gone.name}, bus {gone.bus_id or '-'}) was profiled on this machine but is "
+            f"not present now (present: {present}); check the card, or plan without it"
+        )
+    raise PlanError(f"no device {name} on this machine (present: {present})")
+
+
+def _base(machine: _Machine, name: str) -> DeviceProfile:
+    if _is_machine_name(name):
+        return _machine_device(machine, name)
+    from hetero.planner.specs import load_spec
+
+    return load_spec(name)
+
+
+def _share(machine: _Machine, name: str) -> DeviceProfile:
+    share = parse_share(name)
+    if _is_machine_name(share.base):
+        from hetero.planner.profile import cached_shares
+
+        measured = cached_shares().get(share.id)
+        if measured is not None:
+            free = _machine_device(machine, share.base).memory_free
+            return measured.replace(memory_free=free)
+    return derive_share(_base(machine, share.base), share)
+
+
+def resolve_devices(
+    names: list[str] | None, refresh: bool = False, progress: bool = True
+) -> list[DeviceProfile]:
+    """Profiles for `names` in the order given (None: every device of this machine)."""
+    machine = _Machine(refresh, progress)
+    if not names:
+        return machine.profiles
+    out = []
+    for name in names:
+        name = name.strip()
+        if not name:
+            raise PlanError("--devices has an empty entry")
+        out.append(_share(machine, name) if is_share(name) else _base(machine, name))
+    return _unique(out)
+
+
+def _unique(profiles: list[DeviceProfile]) -> list[DeviceProfile]:
+    """Two cards of one spec ("rtx3090,rtx3090") become rtx3090 and rtx3090#2."""
+    seen: Counter[str] = Counter()
+    out = []
+    for p in profiles:
+        seen[p.id] += 1
+        if seen[p.id] > 1:
+            if p.source != "datasheet":
+                raise PlanError(f"device {p.id} is listed twice")
+            p = p.replace(id=f"{p.id}#{seen[p.id]}")
+        out.append(p)
+    return out
