@@ -70,13 +70,9 @@ def _chat(tokenizer, content: str) -> list[int]:
 
 def code_edit_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list[int]]:
     """Ask for a file back with one function renamed (the file takes ~input_len tokens)."""
-    files = _source_files()
     rng = random.Random(seed)
     out = []
-    for i in range(n):
-        path = files[(seed + i) % len(files)]
-        source = _cut(tokenizer, path.read_text(), input_len)
-        names = re.findall(r"^\s*def (\w+)\(", source, flags=re.M) or ["main"]
+    for path, source, names in _files_with_functions(tokenizer, input_len, seed, n):
         name = rng.choice(names)
         task = (
             f"Here is the file {path.name}:\n\n```python\n{source}```\n\n"
@@ -85,6 +81,23 @@ def code_edit_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list
         )
         out.append(_chat(tokenizer, task))
     return out
+
+
+def _files_with_functions(tokenizer, input_len: int, seed: int, n: int):
+    """n (path, source cut to input_len tokens, function names in it), cycling over the files
+    whose cut defines a function (a rename needs one)."""
+    files = _source_files()
+    found, i = [], 0
+    while len(found) < n and i < len(files) * (n // len(files) + 1):
+        path = files[(seed + i) % len(files)]
+        i += 1
+        source = _cut(tokenizer, path.read_text(), input_len)
+        names = re.findall(r"^\s*def (\w+)\(", source, flags=re.M)
+        if names:
+            found.append((path, source, names))
+    if not found:
+        raise ValueError(f"no source file defines a function within {input_len} tokens")
+    return [found[j % len(found)] for j in range(n)]
 
 
 def chat_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
