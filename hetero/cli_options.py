@@ -66,6 +66,11 @@ def engine_options(f):
             "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True
         ),
         click.option(
+            "--enforce-eager",
+            is_flag=True,
+            help="no CUDA graphs: decode steps run eagerly (graphs are captured at start on GPU)",
+        ),
+        click.option(
             "--kv-ram-gb",
             type=click.FloatRange(0.0),
             default=None,

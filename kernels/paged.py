@@ -35,7 +35,14 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 @register("kv_write", "torch")
 def kv_write_ref(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
-    """Store k, v [T, KV, D] at `slots` [T] (int64), quantizing to the cache's dtype."""
+    """Store k, v [T, KV, D] at `slots` [T] (int64), quantizing to the cache's dtype.
+
+    A slot < 0 is a padding row (a CUDA-graph batch padded to its captured size): not stored.
+    Checking for them costs a device sync, which the Triton kernel (it skips them in-kernel)
+    does not pay."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
     if k_cache.dtype == FP8:
         kq, ks = quantize_fp8(k)
         vq, vs = quantize_fp8(v)

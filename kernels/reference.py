@@ -19,6 +19,16 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (y * weight.float()).to(x.dtype)
 
 
+@register("add_rms_norm", "torch")
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add before a norm: (rms_norm(x + residual), x + residual), [..., C] each;
+    the sum is rounded to x's dtype before it is normalized (what the unfused model does)."""
+    total = x + residual
+    return rms_norm_ref(total, weight, eps), total
+
+
 @register("rope", "torch")
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """Rotate the first 2*R dims of each head.

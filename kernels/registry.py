@@ -8,7 +8,8 @@ new kernel is tested by being registered.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ class KernelImpl:
 
 
 _REGISTRY: dict[str, list[KernelImpl]] = {}
+_FORCED: dict[str, str] = {}  # op -> implementation name, while `forcing` is active
 
 
 def register(op: str, name: str, priority: int = 0, supports=any_device, prepare=None):
@@ -69,12 +71,37 @@ def reference(op: str) -> KernelImpl:
 
 
 def select(op: str, device: torch.device | str) -> KernelImpl:
-    """The highest-priority implementation of `op` that `device` supports."""
+    """The highest-priority implementation of `op` that `device` supports (or the one
+    `forcing` names)."""
+    if op in _FORCED:
+        return next(i for i in implementations(op) if i.name == _FORCED[op])
     device = torch.device(device)
     for impl in implementations(op):
         if impl.supports(device):
             return impl
     return reference(op)
+
+
+@contextmanager
+def forcing(choices: dict[str, str]) -> Iterator[None]:
+    """Within the block, select(op) returns the implementation named choices[op] whatever the
+    device: to run the Triton kernels under Triton's interpreter on a CPU (tests), or to pin
+    one implementation when comparing them."""
+    for op, name in choices.items():
+        if not any(i.name == name for i in implementations(op)):
+            raise KeyError(f"op {op!r} has no implementation {name!r}")
+    saved = dict(_FORCED)
+    _FORCED.update(choices)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
+def chosen(device: torch.device | str) -> dict[str, str]:
+    """op -> the implementation select() gives on `device` (logged at start)."""
+    return {op: select(op, device).name for op in ops()}
 
 
 def prepare_weight(impl: KernelImpl, weight, *args):

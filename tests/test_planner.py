@@ -53,7 +53,7 @@ def cpu(mem_gib: float = 64) -> DeviceProfile:
         attn_gbs=10.0,
         step_overhead_s=1e-3,
         layer_overhead_s=1e-4,
-        fp8_kv=True,
+        fp8_kv=False,
     )
 
 
@@ -145,6 +145,11 @@ def test_fp8_kv_only_where_the_device_has_fp8(llama8b):
     assert p.stages[1].kernels["qlinear"] == "triton"
     forced = plan(llama8b, [gpu("cuda:0", 1000, 24)], dataclasses.replace(cfg, kv_dtype="bf16"))
     assert forced.stages[0].kv_dtype == "bf16"
+    # a CPU keeps fp16 unless fp8 is asked for (stored in software there)
+    one_cpu = dataclasses.replace(cfg, use_all_devices=False)
+    assert plan(llama8b, [cpu()], one_cpu).stages[0].kv_dtype == "fp16"
+    asked = dataclasses.replace(one_cpu, kv_dtype="fp8")
+    assert plan(llama8b, [cpu()], asked).stages[0].kv_dtype == "fp8"
 
 
 def test_plans_are_deterministic_and_round_trip_json(llama8b, tmp_path):

@@ -72,6 +72,10 @@ def test_two_shares_of_one_gpu_get_an_uneven_split():
     p = plan(describe("synth:llama3-8b:q4_k_m"), devs, cfg)
     big, small = p.stages
     assert big.device == "h200@70%:32GB" and big.n_layers > small.n_layers
+    # what a pipeline stage process starts with: the device, its SM share and memory cap
+    assert (big.base_device, big.mps_percentage, big.memory_cap) == ("h200", 70, 32 * 10**9)
+    assert (small.mps_percentage, small.memory_cap) == (30, 24 * 10**9)
+    assert Plan.from_json(p.to_json()).stages == p.stages
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -134,6 +138,27 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     again = profile.machine_profiles(progress=False)  # the cache, not a second measurement
     assert files[0].stat().st_mtime_ns == mtime
     assert [p.replace(memory_free=0) for p in again] == [p.replace(memory_free=0) for p in first]
+
+
+def test_cli_profile_json_reads_the_cache(cache_home):
+    """`hetero profile --json` after the measurement above: the cached profile, at once."""
+    r = run_cli("profile", "--json", env={"XDG_CACHE_HOME": str(cache_home)})
+    assert r.returncode == 0, r.stderr
+    (cpu,) = [d for d in json.loads(r.stdout) if d["id"] == "cpu"]
+    assert cpu["source"] == "measured" and cpu["matmul"]["fp16"]["kernel"] == "fbgemm-fp16"
+    assert "profiling" not in r.stderr  # no progress bar: nothing was measured again
+
+
+def test_plan_devices_for_a_pipeline(cache_home, monkeypatch, smollm2_path):
+    """The pipeline's entry point: a GGUF path and device names of this machine."""
+    from hetero.planner.plan import plan_devices
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))  # the CPU profile measured above
+    p = plan_devices(smollm2_path, ["cpu"])
+    (stage,) = p.stages
+    assert (stage.device, stage.layer_start, stage.layer_end) == ("cpu", 0, 30)
+    assert stage.kv_dtype == "fp16" and stage.weights in ("fp16", "dense")
+    assert stage.mps_percentage is None and p.model_path == str(smollm2_path)
 
 
 def test_a_device_gone_since_profiling_is_refused(tmp_path, monkeypatch):

@@ -1,76 +1,37 @@
 """Triton quantized matmul (hetero.kernels.triton_qmatmul) against the torch reference.
 
 Every packable GGUF type, fresh random blocks, odd N, K tails, T in {1, 3, 17, 64}. Without CUDA
-the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before triton is first
-imported), on small shapes; the `gpu` tests run the compiled kernels on the device. The registry
-walk compares every qlinear implementation a device supports with the reference.
+the kernels run under Triton's interpreter (tests/triton_interp.py sets TRITON_INTERPRET=1 before
+triton is first imported), on small shapes; the `gpu` tests run the compiled kernels on the
+device. The registry walk compares every qlinear implementation a device supports with the
+reference.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from triton_interp import (  # noqa: F401  (kernels_runnable: an autouse fixture)
+    CUDA,
+    DEVICE,
+    INTERPRETED,
+    kernels_runnable,
+    rerun_test,
+)
 
-CUDA = torch.cuda.is_available()
-if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from hetero.kernels import implementations, reference  # noqa: E402
-from hetero.kernels import triton_qmatmul as tq  # noqa: E402
-from hetero.kernels.reference import qlinear_ref  # noqa: E402
-from hetero.kernels.registry import prepare_weight  # noqa: E402
-from hetero.kernels.repack import SPECS, PackedWeight, dequantize_packed, repack  # noqa: E402
-from hetero.quant import dequantize, get_quant, random_blocks  # noqa: E402
+from hetero.kernels import implementations, reference
+from hetero.kernels import triton_qmatmul as tq
+from hetero.kernels.reference import qlinear_ref
+from hetero.kernels.registry import prepare_weight
+from hetero.kernels.repack import SPECS, PackedWeight, dequantize_packed, repack
+from hetero.quant import dequantize, get_quant, random_blocks
 
 triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Without CUDA the kernels need the interpreter, which triton fixes at its first import: if
-# something imported triton earlier in this process, one test reruns this file in a fresh one.
-RERUN = not CUDA and not INTERPRETED
-
 TYPES = [t.name for t in SPECS]
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
-def _fix_interpreter_index() -> None:
-    """Triton <= 3.6's interpreter turns 1-element arrays into Python ints with int(array),
-    which numpy >= 2.4 refuses; upstream fixed it in triton-lang/triton#9172. Scalars in
-    dynamic loop bounds need it."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "_hetero_index_fix", False):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._hetero_index_fix = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRETED:
-    _fix_interpreter_index()
-
-
-@pytest.fixture(autouse=True)
-def _kernels_runnable(request: pytest.FixtureRequest) -> None:
-    if RERUN and request.node.name != "test_in_a_fresh_interpreter_process":
-        pytest.skip("triton was imported without the interpreter: see the rerun test")
-
-
-@pytest.mark.skipif(not RERUN, reason="the kernels run in this process")
-def test_in_a_fresh_interpreter_process() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+test_in_a_fresh_interpreter_process = rerun_test(__file__)
 
 
 def make_weight(ggml_type: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, PackedWeight]:

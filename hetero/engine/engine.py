@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
+from hetero.engine.cuda_graph import capture_decode_graphs
 from hetero.engine.json_mask import Constraints
 from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
 from hetero.engine.kv_tiered import build_tiers
@@ -99,6 +100,10 @@ class Engine:
             sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": self.max_model_len})
         self.scheduler = Scheduler(sched, self.block_manager)
         self.runner = ModelRunner(self.model, self.pool)
+        if not cfg.enforce_eager and self.runtime.device.startswith("cuda"):
+            self.runner.graphs = capture_decode_graphs(
+                self.model, self.pool, sched.max_num_seqs, self.max_model_len
+            )
         self.sampler = Sampler(cfg.seed)
         self.params: dict[str, SamplingParams] = {}
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.engine.kv_cache import KVPool
+from hetero.engine.paged_meta import TensorMeta, tensor_meta
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.kernels import select
 from hetero.model.forward_batch import ForwardBatch
@@ -25,6 +26,7 @@ class PagedMeta:
     ctx_slots: list[torch.Tensor]  # [ctx_len] slots of positions 0 .. ctx_len - 1, per sequence
     decode_slots: torch.Tensor | None = None  # [B, Lmax] when every sequence has one query
     decode_mask: torch.Tensor | None = None  # [B, Lmax] True where a slot is real
+    tensors: TensorMeta | None = None  # block tables etc. for the Triton kernels (paged_meta.py)
 
 
 class PagedAttention:
@@ -54,9 +56,10 @@ def _context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Ten
 
 
 def build_meta(
-    scheduled: list[ScheduledRequest], block_size: int
+    scheduled: list[ScheduledRequest], block_size: int, tensors: bool = True
 ) -> tuple[torch.Tensor, PagedMeta]:
-    """Slots of the new tokens [T] and the per-sequence attention metadata."""
+    """Slots of the new tokens [T] and the per-sequence attention metadata (with `tensors`, the
+    block-table form the Triton kernels read, too)."""
     meta = PagedMeta([], [], [])
     new_slots, row = [], 0
     for s in scheduled:
@@ -74,6 +77,10 @@ def build_meta(
             slots[b, : c.shape[0]] = c
             mask[b, : c.shape[0]] = True
         meta.decode_slots, meta.decode_mask = slots, mask
+    if tensors:
+        ctx_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
+        tables = [s.req.block_table for s in scheduled]
+        meta.tensors = tensor_meta(tables, ctx_lens, meta.q_lens, block_size)
     return torch.cat(new_slots), meta
 
 
@@ -82,12 +89,17 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.device = torch.device(model.runtime.device)
         self.scale = model.config.head_dim**-0.5
+        self.graphs = None  # DecodeGraphs (cuda_graph.py): replays decode-only steps
+        # only the Triton attention reads the block-table tensors: skip building them elsewhere
+        self.tensor_meta = select("paged_attention", self.device).name == "triton"
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Logits [N, V] float32 for the scheduled requests whose step produces a token: one
         row each, or 1 + len(spec_ids) rows (the last token's, then each guess's) when it
         speculates; `producing` lists those requests in row order."""
         self.pool.copy_blocks(out.copies)
+        if self.graphs is not None and self.graphs.fits(out):
+            return self.graphs.run(out.scheduled), list(out.scheduled)
         sched = out.scheduled
         tokens, positions, last_rows, producing = [], [], [], []
         row = 0
@@ -100,7 +112,7 @@ class ModelRunner:
             if s.produces_token:
                 last_rows.extend(range(row - 1 - len(s.spec_ids), row))
                 producing.append(s)
-        slots, meta = build_meta(sched, self.pool.block_size)
+        slots, meta = build_meta(sched, self.pool.block_size, self.tensor_meta)
         dev = self.device
         meta.ctx_slots = [c.to(dev) for c in meta.ctx_slots]
         if meta.decode_slots is not None:
@@ -108,6 +120,8 @@ class ModelRunner:
                 meta.decode_slots.to(dev),
                 meta.decode_mask.to(dev),
             )
+        if meta.tensors is not None:
+            meta.tensors = meta.tensors.to(dev)
         attn = PagedAttention(
             self.pool, self.model.layer_range.start, slots.to(dev), meta, self.scale
         )

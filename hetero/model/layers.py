@@ -16,6 +16,7 @@ from hetero.config import ModelConfig, RopeScaling, RuntimeConfig
 from hetero.gguf_loader import GGUFTensor
 from hetero.kernels import select
 from hetero.kernels.cpu_linear import pack_linear, packed_linear
+from hetero.kernels.registry import prepare_weight
 from hetero.quant import dequantize
 
 
@@ -64,14 +65,23 @@ class QuantLinear(nn.Module):
     def _init_quant(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
         # Rows of a GGUF tensor are independent runs of blocks, so tensors of one type fuse by
         # concatenating their bytes; mixed types (Q4_K_M's q/k beside a Q6_K v) stay apart.
-        self._qlinear = select("qlinear", torch.device(rt.device)).fn
+        # The implementation's prepare hook runs here, once per device (Triton: repack the blocks
+        # into its planes), so calls never repack.
+        impl = select("qlinear", torch.device(rt.device))
+        self._qlinear = impl.fn
         same = all(int(w.ggml_type) == self.ggml_type for w in weights)
         if len(weights) == 1 or same:
             raw = [w.torch() for w in weights]
-            self.qweight = (torch.cat(raw) if len(raw) > 1 else raw[0]).to(rt.device)
+            raw = (torch.cat(raw) if len(raw) > 1 else raw[0]).to(rt.device)
+            shape = (self.out_features, self.in_features)
+            self.qweight = prepare_weight(impl, raw, self.ggml_type, shape)
             self.parts = None
         else:
-            self.parts = [(w.torch().to(rt.device), int(w.ggml_type), w.shape) for w in weights]
+
+            def prepared(w: GGUFTensor):
+                return prepare_weight(impl, w.torch().to(rt.device), int(w.ggml_type), w.shape)
+
+            self.parts = [(prepared(w), int(w.ggml_type), w.shape) for w in weights]
 
     def _init_packed(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
         # CPU repacking (kernels/cpu_linear.py): same-type tensors pack from their GGUF bytes
@@ -98,8 +108,13 @@ class QuantLinear(nn.Module):
             f32 = int(GGMLQuantizationType.F32)
             self.packed = pack_linear(embedding.weight.float(), f32, embedding.shape, self.mode)
         else:
-            self.qweight = embedding.qweight
-            self._qlinear = select("qlinear", embedding.qweight.device).fn
+            impl = select("qlinear", embedding.qweight.device)
+            # the embedding keeps the GGUF rows it looks up; the head gets its own prepared copy
+            # where the implementation repacks (the reference shares the bytes)
+            self.qweight = prepare_weight(
+                impl, embedding.qweight, embedding.ggml_type, embedding.shape
+            )
+            self._qlinear = impl.fn
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
@@ -147,9 +162,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(_dense(weight, rt, torch.float32), requires_grad=False)
         self.eps = eps
         self._fn = select("rms_norm", torch.device(rt.device)).fn
+        fused = select("add_rms_norm", torch.device(rt.device))
+        self._add = None if fused.is_reference else fused.fn  # unfused: the add, then _fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
         return self._fn(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add fused with the norm that follows it: (x + delta, norm(x + delta))."""
+        if self._add is None:
+            total = x + delta
+            return total, self(total)
+        normed, total = self._add(x, delta, self.weight, self.eps)
+        return total, normed
 
 
 class Rotary(nn.Module):

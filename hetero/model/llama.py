@@ -85,8 +85,8 @@ class Block(nn.Module):
         self.ffn = FeedForward(gm, i, rt)
 
     def forward(self, x, rotary, cos, sin, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotary, cos, sin, batch)
-        return x + self.ffn(self.ffn_norm(x))
+        x, h = self.ffn_norm.add(x, self.attn(self.attn_norm(x), rotary, cos, sin, batch))
+        return x + self.ffn(h)
 
 
 class LlamaModel(nn.Module):

@@ -20,7 +20,10 @@ CPU_MODES = ("fp16", "dense")  # exact or nearly so (fp16: logits within 0.03); 
 
 
 def kv_dtype_for(dev: DeviceProfile, asked: str) -> str:
-    if asked in ("auto", "fp8"):
+    """As the engine resolves "auto" (engine/kv_cache.py): fp8 where the device has e4m3
+    hardware, else fp16. fp8 asked of a GPU without it falls back to fp16; a CPU stores fp8 in
+    software when asked (slower, half the memory)."""
+    if asked == "auto" or (asked == "fp8" and not dev.is_cpu):
         return "fp8" if dev.fp8_kv else "fp16"
     return asked
 
@@ -182,6 +185,9 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
         kv_room_blocks=room,
         single_step_s=setup.stage_s(i, a, b, 1),
         prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len, 1),
+        base_device=dev.id.split("@")[0],
+        mps_percentage=round(dev.sm_share * 100) if dev.sm_share < 1.0 else None,
+        memory_cap=dev.memory_cap,
     )
 
 
@@ -236,5 +242,5 @@ def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfi
         )
     asked = {s.kv_dtype for s in stages}
     if cfg.kv_dtype in ("auto", "fp8") and "fp16" in asked:
-        notes.append("fp16 KV where the device lacks FP8 (compute capability < 8.9)")
+        notes.append("fp16 KV where the device has no FP8 hardware (CPU, CUDA below 8.9)")
     return tuple(notes)

@@ -35,8 +35,8 @@ class PlanConfig:
         reads prompt_len + output_len / 2 tokens of context on average).
     weights: "auto" (per device the fastest mode that fits, CPUs choosing among exact modes),
         or a RuntimeConfig weights mode to force everywhere it applies.
-    kv_dtype: "auto" (fp8 where the device supports it, else fp16) or fp8/fp16/bf16/fp32; fp8
-        asked of a device without FP8 falls back to fp16.
+    kv_dtype: "auto" (fp8 where the device has FP8 hardware, else fp16, as the engine picks) or
+        fp8/fp16/bf16/fp32; fp8 asked of a GPU without FP8 falls back to fp16.
     use_all_devices: give every device at least one layer (to test a split where one device
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
@@ -97,6 +97,11 @@ class StagePlan:
     kv_room_blocks: int = 0  # blocks this device alone could hold (the pool is the stages' min)
     single_step_s: float = 0.0  # one decode step of one sequence
     prefill_s: float = 0.0  # this stage's share of one prompt's prefill
+    # A share of a GPU ("cuda:0@70%:32GB"): the torch device to run on, the SM percentage its
+    # process starts with (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and its memory cap in bytes.
+    base_device: str = ""
+    mps_percentage: int | None = None
+    memory_cap: int = 0
 
     @property
     def n_layers(self) -> int:
@@ -164,6 +169,15 @@ class Plan:
                 f"the plan places layers on {', '.join(missing)}, not present now "
                 f"(present: {', '.join(present) or 'none'}); make a new plan"
             )
+
+
+def plan_devices(model_path: str | Path, devices: list[str], config: PlanConfig | None = None):
+    """The plan of a GGUF file over named devices of this machine (profiled on first use, then
+    cached): what a pipeline given --devices without a split starts from."""
+    from hetero.planner.model_desc import describe
+    from hetero.planner.resolve import resolve_devices
+
+    return plan(describe(str(model_path)), resolve_devices(devices), config or PlanConfig())
 
 
 def plan(model: ModelDesc, profiles: list[DeviceProfile], config: PlanConfig) -> Plan:

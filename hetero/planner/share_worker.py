@@ -29,7 +29,7 @@ def main(spec: str) -> None:
     if share.memory_cap:
         frac = min(share.memory_cap / live.memory_total, 1.0)
         torch.cuda.set_per_process_memory_fraction(frac, torch.device(live.id))
-    with tqdm(total=6, desc=f"profiling {share.id}", file=sys.stderr) as bar:
+    with tqdm(total=5, desc=f"profiling {share.id}", file=sys.stderr) as bar:
         prof = measure_gpu(live, gpus, bar)
         prof = prof.replace(**calibrate(prof, live.id, "fp8" if prof.fp8_kv else "fp16", bar))
     prof = prof.replace(

@@ -1,0 +1,149 @@
+"""The engine on one GPU against its rooflines: decode at several batch sizes, prefill lengths.
+
+    python benchmarks/gpu_engine.py MODEL.gguf [--batches 1,8,32,64] [--prefill 512,4096]
+        [--weights quant] [--kv-dtype fp8] [--enforce-eager] [--json OUT.json]
+
+Loads the model once (weights kept in GGUF blocks: the Triton kernels), then measures in the
+same run as the ceilings:
+
+- copy bandwidth (device-to-device, read + written bytes) and the bf16 matmul rate (torch.mm
+  8192^3), as benchmarks/gpu_qmatmul.py measures them;
+- decode at batch B: B requests of 512 prompt + 128 output tokens started together; a stream's
+  speed is 1 / median inter-token latency, the aggregate B times that. Roofline: one decode step
+  reads every weight once (the token embedding only its rows) plus the batch's KV, so steps/s <=
+  bandwidth / bytes a step;
+- prefill of P tokens: one request of P prompt tokens and 1 output; tok/s = P / TTFT. Roofline:
+  2 * (linear parameters) * P + the causal attention's 2 * 2 * P^2 / 2 * H * D * layers FLOPs
+  over the matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_qmatmul import copy_bandwidth, matmul_rate  # noqa: E402
+
+from hetero.bench import run_bench  # noqa: E402
+from hetero.config import RuntimeConfig  # noqa: E402
+from hetero.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
+from hetero.engine.engine import Engine  # noqa: E402
+from hetero.engine.kv_cache import block_bytes  # noqa: E402
+from hetero.kernels.registry import chosen  # noqa: E402
+
+DECODE_IN, DECODE_OUT = 512, 128  # the issue's aggregate target: 64 sequences of 512 + 128
+
+
+def weight_bytes(engine: Engine) -> tuple[int, int]:
+    """(bytes a decode step reads: every tensor but the embedding table, linear parameters)."""
+    read, params = 0, 0
+    for name, t in engine.gguf.tensors.items():
+        if name == "token_embd.weight" and not engine.model_config.tied_embeddings:
+            continue
+        read += t.nbytes
+        if len(t.shape) == 2:
+            params += t.shape[0] * t.shape[1]
+    return read, params
+
+
+def decode_row(engine: Engine, batch: int, copy_gbs: float, step_bytes: int) -> dict:
+    r = run_bench(engine, batch, batch, DECODE_IN, DECODE_OUT)
+    itl = statistics.median(r.itl_s)
+    cfg = engine.model_config
+    n_layers = len(engine.model.layer_range)
+    kv = batch * (DECODE_IN + DECODE_OUT / 2) / engine.config.block_size
+    kv_bytes = kv * block_bytes(cfg, n_layers, engine.config.block_size, engine.config.kv_dtype)
+    roof_steps = copy_gbs * 1e9 / (step_bytes + kv_bytes)
+    return {
+        "batch": batch,
+        "stream_tok_s": 1 / itl,
+        "aggregate_tok_s": batch / itl,
+        "wall_output_tok_s": r.output_tok_s,
+        "roofline_tok_s": roof_steps * batch,
+        "fraction": (1 / itl) / roof_steps,
+    }
+
+
+def prefill_row(engine: Engine, length: int, tflops: float, params: int) -> dict:
+    r = run_bench(engine, 1, 1, length, 1)
+    cfg = engine.model_config
+    attn = 2 * length * length * cfg.n_heads * cfg.head_dim * len(engine.model.layer_range)
+    flops = 2 * params * length + attn
+    ttft = r.ttft_s[0]
+    return {
+        "tokens": length,
+        "tok_s": length / ttft,
+        "tflops": flops / ttft / 1e12,
+        "fraction": flops / ttft / (tflops * 1e12),
+    }
+
+
+def build_engine(args) -> Engine:
+    longest = max([DECODE_IN + DECODE_OUT] + args.prefill) + 16
+    sched = SchedulerConfig(
+        max_num_seqs=max(args.batches),
+        max_num_batched_tokens=max(args.prefill + [2048]),
+        max_model_len=longest,
+    )
+    cfg = EngineConfig(
+        kv_dtype=args.kv_dtype, scheduler=sched, enforce_eager=args.enforce_eager,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    rt = RuntimeConfig(device=args.device, weights=args.weights)
+    t0 = time.perf_counter()
+    engine = Engine(args.model, cfg, rt, progress=True)
+    print(f"loaded + captured in {time.perf_counter() - t0:.1f} s; {engine.describe_kv()}")
+    return engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--prefill", default="512,4096")
+    ap.add_argument("--weights", default="quant", choices=["quant", "dense"])
+    ap.add_argument("--kv-dtype", default="fp8", choices=["fp8", "fp16", "bf16"])
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
+    args = ap.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    on_gpu = args.device.startswith("cuda")
+    copy_gbs, tflops = (copy_bandwidth(), matmul_rate()) if on_gpu else (float("nan"),) * 2
+    print(f"ceilings: copy {copy_gbs:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+    engine = build_engine(args)
+    print("kernels:", ", ".join(f"{k}={v}" for k, v in chosen(torch.device(args.device)).items()))
+    step_bytes, params = weight_bytes(engine)
+    print(f"a decode step reads {step_bytes / 1e9:.2f} GB of weights; {params / 1e9:.2f} G params")
+    run_bench(engine, 2, 2, 64, 8)  # warm-up: Triton compiles the prefill variants
+    rows = {"decode": [], "prefill": []}
+    for b in args.batches:
+        d = decode_row(engine, b, copy_gbs, step_bytes)
+        rows["decode"].append(d)
+        print(
+            f"decode  B={b:3d}: {d['stream_tok_s']:7.1f} tok/s a stream, "
+            f"{d['aggregate_tok_s']:8.1f} aggregate ({d['wall_output_tok_s']:.1f} over the wall "
+            f"with prefill); roofline {d['roofline_tok_s']:.0f} -> {d['fraction']:.0%}"
+        )
+    for p in args.prefill:
+        r = prefill_row(engine, p, tflops, params)
+        rows["prefill"].append(r)
+        print(
+            f"prefill P={p:5d}: {r['tok_s']:8.0f} tok/s, {r['tflops']:.0f} TFLOP/s "
+            f"-> {r['fraction']:.0%} of the bf16 matmul rate"
+        )
+    if args.json:
+        meta = {"copy_gbs": copy_gbs, "tflops": tflops, "model": args.model, **vars(args)}
+        Path(args.json).write_text(json.dumps({"meta": meta, **rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Triton paged decode attention and KV write on the GPU: time per call against copy bandwidth.
+
+    python benchmarks/gpu_paged.py [--batches 1,8,64] [--contexts 512,4096] [--kv fp8,fp16]
+
+Llama-3-8B attention (32 query heads over 8 KV heads, D = 128, blocks of 16), one layer. Decode
+reads each sequence's K and V once (plus fp8 scales): GB/s = those bytes / time, as a fraction of
+the device-to-device copy bandwidth measured in the same run. Calls replay from a CUDA graph
+(device time, not launch overhead). The fused KV write of the step's new tokens is timed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_qmatmul import copy_bandwidth, graph_time  # noqa: E402
+
+from hetero.engine.paged_meta import TensorMeta  # noqa: E402
+from hetero.kernels import triton_paged as tp  # noqa: E402
+from hetero.kernels.paged import FP8  # noqa: E402
+
+H, KV, D, BS = 32, 8, 128, 16
+
+
+def setup(batch: int, ctx: int, kv_dtype: str):
+    """A pool holding `batch` contexts of `ctx` tokens in shuffled blocks, and a decode step."""
+    nb = -(-ctx // BS)
+    slots = batch * nb * BS
+    dtype = FP8 if kv_dtype == "fp8" else torch.float16
+    k = torch.randn(slots, KV, D, device="cuda").to(dtype)
+    v = torch.randn(slots, KV, D, device="cuda").to(dtype)
+    ks = vs = None
+    if dtype == FP8:
+        ks = torch.rand(slots, KV, device="cuda")
+        vs = torch.rand(slots, KV, device="cuda")
+    tables = torch.randperm(batch * nb, device="cuda").view(batch, nb).int()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    meta = TensorMeta(tables, lens, starts, 1, ctx, BS)
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    return q, (k, v, ks, vs), meta
+
+
+def kv_bytes(batch: int, ctx: int, kv_dtype: str) -> int:
+    per = D * (1 if kv_dtype == "fp8" else 2) + (4 if kv_dtype == "fp8" else 0)
+    return 2 * batch * ctx * KV * per
+
+
+def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float) -> str:
+    q, caches, meta = setup(batch, ctx, kv_dtype)
+    scale = D**-0.5
+    sec = graph_time([lambda: tp.paged_decode(q, *caches, meta, scale)], 50)
+    gbs = kv_bytes(batch, ctx, kv_dtype) / sec / 1e9
+    k_new = torch.randn(batch, KV, D, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(batch, device="cuda") * BS
+    wsec = graph_time([lambda: tp.kv_write_triton(*caches, slots, k_new, k_new)], 50)
+    return (
+        f"{kv_dtype:4s} B={batch:3d} ctx={ctx:5d}: decode {sec * 1e6:8.1f} us, {gbs:7.0f} GB/s "
+        f"({gbs / copy_gbs:4.0%} of copy); kv write {wsec * 1e6:6.1f} us"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--contexts", default="512,4096")
+    ap.add_argument("--kv", default="fp8,fp16")
+    args = ap.parse_args()
+    copy_gbs = copy_bandwidth()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; {H} heads over {KV}, D {D}, blocks of {BS}")
+    for kv_dtype in args.kv.split(","):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            for b in (int(x) for x in args.batches.split(",")):
+                print(row(b, ctx, kv_dtype, copy_gbs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""CUDA graphs for decode steps: captured once per batch size at start, replayed per step.
+
+A decode step of a small batch launches a few hundred kernels whose work is microseconds each;
+the host, not the GPU, would bound it. Captured, the step is one graph launch.
+
+A graph replays fixed shapes from fixed addresses, so the step's inputs live in static buffers
+sized for the largest captured batch:
+
+    tokens, positions, slots [Bmax] int64; block_tables [Bmax, max_blocks] int32;
+    seq_lens [Bmax] int32; q_start_loc [Bmax + 1] int32 (0, 1, 2, ...: one query a sequence)
+
+A step of n sequences runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
+scheduler's max_num_seqs); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and
+seq_len 0 (attention gives 0), their logits dropped. Steps with prefill tokens, more sequences
+than the largest bucket or a context past max_blocks run eagerly.
+
+Without capture (a CPU, or graphs turned off) `run` takes the same static-buffer path eagerly:
+that is how the padding and bucketing are tested on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hetero.engine.kv_cache import KVPool
+from hetero.engine.paged_meta import TensorMeta, decode_slots_from_tables
+from hetero.engine.runner import PagedAttention, PagedMeta
+from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hetero.kernels import select
+from hetero.kernels.registry import chosen as chosen_kernels
+from hetero.model.forward_batch import ForwardBatch
+from hetero.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself: [1, 2, 4, ..., max_batch]."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds n sequences (None: more than the largest)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def _check_kernels(device: torch.device) -> bool:
+    """Whether attention is the reference (which reads per-position slots, derived here from the
+    tables). Other kernels must read the tensor metadata and skip slot -1 (the Triton ones do);
+    a kernel that reads the host lists would see none and attend to nothing."""
+    for op in ("paged_attention", "kv_write"):
+        impl = select(op, device)
+        if not (impl.is_reference or impl.name == "triton"):
+            raise ValueError(
+                f"{op} kernel {impl.name!r} reads host lists: the static decode buffers need "
+                "the Triton kernels or the references"
+            )
+    return select("paged_attention", device).is_reference
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, pool: KVPool, max_batch: int, max_model_len: int):
+        self.model, self.pool = model, pool
+        self.device = pool.k.device
+        self.buckets = batch_buckets(max_batch)
+        self.block_size = pool.block_size
+        self.max_blocks = -(-max_model_len // pool.block_size)
+        bmax, dev = self.buckets[-1], self.device
+        self.tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.slots = torch.full((bmax,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(bmax, self.max_blocks, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
+        self.q_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(bmax, dtype=torch.long, device=dev)
+        self.scale = model.config.head_dim**-0.5
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._ref_attention = _check_kernels(self.device)
+        self.steps = 0  # decode steps run through the static buffers (replayed or not)
+
+    def fits(self, out: SchedulerOutput) -> bool:
+        """A decode-only step these buffers hold."""
+        sched = out.scheduled
+        return (
+            0 < len(sched) <= self.buckets[-1]
+            and all(s.num_new_tokens == 1 and s.produces_token for s in sched)
+            and all(s.start_pos < self.max_blocks * self.block_size for s in sched)
+        )
+
+    def run(self, sched: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits [n, V] float32 of a decode step of n = len(sched) sequences."""
+        n = len(sched)
+        b = bucket_for(n, self.buckets)
+        self._fill(sched, b)
+        self.steps += 1
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:n].clone()  # the graph's buffer is rewritten next replay
+        return self._forward(b)[:n]
+
+    def _fill(self, sched: list[ScheduledRequest], b: int) -> None:
+        """Host values of the step into the static buffers, rows n .. b - 1 as padding."""
+        bs = self.block_size
+        tokens = torch.zeros(b, dtype=torch.long)
+        positions = torch.zeros(b, dtype=torch.long)
+        slots = torch.full((b,), -1, dtype=torch.long)
+        lens = torch.zeros(b, dtype=torch.int32)
+        tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
+        for i, s in enumerate(sched):
+            pos = s.start_pos
+            tokens[i] = s.req.tokens(pos, pos + 1)[0]
+            positions[i], lens[i] = pos, pos + 1
+            table = s.req.block_table[: pos // bs + 1]
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            slots[i] = table[pos // bs] * bs + pos % bs
+        for host, static in (
+            (tokens, self.tokens),
+            (positions, self.positions),
+            (slots, self.slots),
+            (lens, self.seq_lens),
+            (tables, self.block_tables),
+        ):
+            static[:b].copy_(host, non_blocking=True)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The model over the first b rows of the static buffers: [b, V] float32."""
+        bs = self.block_size
+        meta = PagedMeta(list(range(b)), [1] * b, [])
+        meta.tensors = TensorMeta(
+            self.block_tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1,
+            self.max_blocks * bs, bs,
+        )  # fmt: skip
+        if self._ref_attention:  # the reference reads per-position slots; padding rows mask out
+            tables, lens = self.block_tables[:b], self.seq_lens[:b]
+            meta.decode_slots, meta.decode_mask = decode_slots_from_tables(tables, lens, bs)
+        first = self.model.layer_range.start
+        attn = PagedAttention(self.pool, first, self.slots[:b], meta, self.scale)
+        batch = ForwardBatch(self.positions[:b], self.rows[:b], attn)
+        return self.model(self.tokens[:b], batch)
+
+    def capture(self) -> DecodeGraphs:
+        """Record one graph per bucket, largest first (the smaller ones reuse its memory pool).
+        Each is run once eagerly first: Triton compiles, lazily made buffers exist outside."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for b in reversed(self.buckets):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self.outputs[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        return self
+
+
+def capture_decode_graphs(
+    model: LlamaModel, pool: KVPool, max_batch: int, max_model_len: int
+) -> DecodeGraphs | None:
+    """Graphs for the scheduler's batch sizes, or None (logged) where capture fails: the engine
+    then runs every step eagerly, as with --enforce-eager."""
+    log.info("kernels on %s: %s", pool.k.device, chosen_kernels(pool.k.device))
+    try:
+        return DecodeGraphs(model, pool, max_batch, max_model_len).capture()
+    except (RuntimeError, ValueError) as e:
+        log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+        return None

@@ -1,0 +1,90 @@
+"""Small fused ops on CUDA through Triton: RMSNorm (+ residual add), rotary embedding, SiLU-mul.
+
+Same signatures as the references in kernels/reference.py, which they are tested against. Each
+is one launch where torch takes several (RMSNorm: pow, mean, rsqrt, two muls, casts; with the
+residual add one more read and write of [T, C]); at decode sizes the launches, not the bytes,
+are the cost, and inside a CUDA graph fewer nodes replay faster too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hetero.kernels.registry import register
+from hetero.kernels.triton_qmatmul import triton_supported
+
+
+def _kernels() -> Any:
+    from hetero.kernels import triton_fused_kernels  # imports triton: first use only
+
+    return triton_fused_kernels
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] as [rows, C] with unit stride along C (a view where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _norm(x, residual, weight, eps: float):
+    x2 = _rows(x)
+    rows, c = x2.shape
+    out = torch.empty(rows, c, dtype=x.dtype, device=x.device)
+    res2 = _rows(residual) if residual is not None else x2
+    res_out = torch.empty_like(out) if residual is not None else out
+    if rows:
+        _kernels().rms_norm_kernel[(rows,)](
+            x2, res2, weight, out, res_out, eps, c,
+            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
+            BC=_pow2(c), ADD=residual is not None, num_warps=4 if c <= 4096 else 8,
+        )  # fmt: skip
+    return out.reshape(x.shape), res_out.reshape(x.shape)
+
+
+@register("rms_norm", "triton", priority=10, supports=triton_supported)
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps)[0]
+
+
+@register("add_rms_norm", "triton", priority=10, supports=triton_supported)
+def add_rms_norm_triton(x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm(x, residual, weight, eps)
+
+
+@register("rope", "triton", priority=10, supports=triton_supported)
+def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str):
+    """x [T, H, D] (any row and head strides, unit stride along D) -> a new [T, H, D]."""
+    if style not in ("normal", "neox"):
+        raise ValueError(f"rope style {style!r} is not one of normal, neox")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, h, d = x.shape
+    r = cos.shape[-1]
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
+    if t:
+        _kernels().rope_kernel[(t, h)](
+            x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
+            out.stride(1), r, d, BR=_pow2(r), BD=_pow2(d), NEOX=style == "neox", num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+@register("silu_mul", "triton", priority=10, supports=triton_supported)
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [T, F] (e.g. the halves of one fused [T, 2F] matmul output) -> [T, F]."""
+    g, u = _rows(gate), _rows(up)
+    t, f = g.shape
+    out = torch.empty(t, f, dtype=gate.dtype, device=gate.device)
+    if t:
+        bf = min(1024, _pow2(f))
+        _kernels().silu_mul_kernel[(t, -(-f // bf))](
+            g, u, out, f, g.stride(0), u.stride(0), out.stride(0), BF=bf, num_warps=4
+        )
+    return out.reshape(gate.shape)

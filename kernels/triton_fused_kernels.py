@@ -1,0 +1,74 @@
+"""Triton kernels of the small fused ops: RMSNorm (+ residual add), rotary embedding, SiLU-and-mul.
+
+Imported on first use only (it imports triton); wrappers and registrations are in
+kernels/triton_fused.py. Each computes in float32 and rounds once, as the references do.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(
+    x, res, w, out, res_out, eps, C, sx, sr, so, sro,
+    BC: tl.constexpr, ADD: tl.constexpr,
+):  # fmt: skip
+    """Grid (rows,): out = rms_norm(x [+ res]) * w. With ADD the sum, rounded to x's dtype, is
+    stored to res_out and normalized (the reference rounds x + res first as well)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BC)
+    cm = c < C
+    v = tl.load(x + r * sx + c, mask=cm, other=0.0)
+    if ADD:
+        v = v + tl.load(res + r * sr + c, mask=cm, other=0.0)
+        tl.store(res_out + r * sro + c, v, mask=cm)
+    v = v.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(v * v, axis=0) / C + eps)
+    g = tl.load(w + c, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out + r * so + c, (v * inv * g).to(out.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def rope_kernel(
+    x, cos, sin, out, sx_t, sx_h, sc, so_t, so_h, R, D,
+    BR: tl.constexpr, BD: tl.constexpr, NEOX: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, H): rotate the first 2R dims of x[t, h]; dims 2R .. D are copied.
+
+    normal (GGML): pairs (x[2i], x[2i+1]); neox: pairs (x[i], x[i + R]); cos/sin [T, R]."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.arange(0, BR)
+    im = i < R
+    if NEOX:
+        ia, ib = i, i + R
+    else:
+        ia, ib = 2 * i, 2 * i + 1
+    src = x + t * sx_t + h * sx_h
+    dst = out + t * so_t + h * so_h
+    a = tl.load(src + ia, mask=im, other=0.0).to(tl.float32)
+    b = tl.load(src + ib, mask=im, other=0.0).to(tl.float32)
+    c = tl.load(cos + t * sc + i, mask=im, other=0.0)
+    s = tl.load(sin + t * sc + i, mask=im, other=0.0)
+    ty = out.dtype.element_ty
+    tl.store(dst + ia, (a * c - b * s).to(ty), mask=im)
+    tl.store(dst + ib, (a * s + b * c).to(ty), mask=im)
+    d = tl.arange(0, BD)
+    rest = (d >= 2 * R) & (d < D)
+    tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+
+
+@triton.jit
+def silu_mul_kernel(gate, up, out, F, sg, su, so, BF: tl.constexpr):
+    """Grid (T, F tiles): out = silu(gate) * up, silu rounded to the dtype first (as torch's
+    F.silu(gate) * up rounds twice)."""
+    t = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
+    fm = f < F
+    g = tl.load(gate + t * sg + f, mask=fm, other=0.0)
+    u = tl.load(up + t * su + f, mask=fm, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(out + t * so + f, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=fm)

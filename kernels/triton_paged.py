@@ -1,0 +1,143 @@
+"""Paged KV ops on CUDA through Triton: the fused KV write and paged attention.
+
+Same signatures as the references in kernels/paged.py (the truth they are tested against). The
+attention kernels read the step's tensor metadata (PagedMeta.tensors, a TensorMeta built once
+per step by the runner):
+
+    block_tables [B, max_blocks] int32   the blocks of each sequence, in order
+    seq_lens     [B] int32               context length, new tokens included (written first)
+    q_start_loc  [B + 1] int32           first row of each sequence's queries in q [T, H, D]
+    max_q_len, max_seq_len               host ints: the grid and the split-K sizing
+
+so a decode step launches without host lists (CUDA-graph friendly: a captured step replays with
+new values in the same tensors). A meta without block_tables goes to the reference.
+
+Decode (every sequence one query) is flash-decoding: the context is cut into splits, one program
+per (sequence, KV head, split) over all G = H / KV query heads of that KV head (GQA: each K/V tile
+is read once for the group), then a reduce kernel merges the splits. Prefill is one program per
+(query tile, sequence, head) walking the sequence's pages causally.
+
+FP8 caches are read and written as uint8 with integer e4m3 conversion (triton_paged_kernels), so
+the kernels need no fp8 hardware: any device of compute capability >= 8.0 runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hetero.kernels.paged import FP8, paged_attention_ref
+from hetero.kernels.registry import register
+from hetero.kernels.triton_qmatmul import _sm_count, triton_supported
+
+DECODE_BN = 32  # keys a decode loop step
+MIN_SPLIT = 128  # shortest context a decode split takes: shorter splits cost more to merge
+_CTAS_PER_SM = 2
+PREFILL_BM, PREFILL_BN = 64, 32
+
+
+def _kernels() -> Any:
+    from hetero.kernels import triton_paged_kernels  # imports triton: first use only
+
+    return triton_paged_kernels
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    """fp8 caches as uint8 (the kernels convert e4m3 themselves); others as they are."""
+    if cache.stride(-1) != 1 or cache.stride(-2) != cache.shape[-1]:
+        raise ValueError("KV cache rows must be contiguous [slots, KV, D]")
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
+
+
+@register("kv_write", "triton", priority=10, supports=triton_supported)
+def kv_write_triton(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
+    """Quantize k, v [T, KV, D] and scatter them to `slots` [T] in one launch (slot < 0: skip)."""
+    t, kv, d = k.shape
+    if t == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    kc, vc = _bits(k_cache), _bits(v_cache)
+    fp8 = k_cache.dtype == FP8
+    _kernels().kv_write_kernel[(t, kv)](
+        k, v, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        KV=kv, D=d, BD=_pow2(d), FP8=fp8,
+    )  # fmt: skip
+
+
+def decode_splits(batch: int, kv: int, max_len: int, sm_count: int) -> int:
+    """Splits a sequence's context is cut into: enough programs to fill the SMs, each split at
+    least MIN_SPLIT of the longest context long. Depends on shapes and max_len only, so a CUDA
+    graph (max_len = its longest context) keeps one grid."""
+    want = max(1, (_CTAS_PER_SM * sm_count) // max(1, batch * kv))
+    return max(1, min(want, -(-max_len // MIN_SPLIT)))
+
+
+def paged_decode(q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None):
+    """q [B, H, D], one query a sequence -> [B, H, D]. n_splits: tests force it; by default
+    decode_splits picks it from the shapes and meta.max_seq_len."""
+    b, h, d = q.shape
+    kv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    n = n_splits or decode_splits(b, kv, max(1, int(meta.max_seq_len)), _sm_count(q.device))
+    kc, vc = _bits(k_cache), _bits(v_cache)
+    fp8 = k_cache.dtype == FP8
+    part_o = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(b, h, n, 2, dtype=torch.float32, device=q.device)
+    bt = meta.block_tables
+    kern = _kernels()
+    kern.decode_split_kernel[(b, kv, n)](
+        q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens, part_o,
+        part_ml, scale, q.stride(0), q.stride(1), bt.stride(0), n,
+        H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d), BS=meta.block_size,
+        BN=DECODE_BN, FP8=fp8, IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    kern.decode_reduce_kernel[(b, h)](
+        part_o, part_ml, out, out.stride(0), out.stride(1), n,
+        H=h, D=d, BD=_pow2(d), BSP=_pow2(n),
+    )  # fmt: skip
+    return out
+
+
+def paged_prefill(q, k_cache, v_cache, k_scale, v_scale, meta, scale, bm=None, bn=None):
+    """q [T, H, D], sequences' new queries back to back (any lengths) -> [T, H, D]."""
+    t, h, d = q.shape
+    kv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    b = meta.seq_lens.shape[0]
+    if t == 0 or b == 0:
+        return out
+    bm, bn = bm or PREFILL_BM, bn or PREFILL_BN
+    kc, vc = _bits(k_cache), _bits(v_cache)
+    fp8 = k_cache.dtype == FP8
+    bt = meta.block_tables
+    grid = (-(-int(meta.max_q_len) // bm), b, h)
+    _kernels().prefill_kernel[grid](
+        q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens,
+        meta.q_start_loc, out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        bt.stride(0),
+        KV=kv, G=h // kv, D=d, BD=_pow2(d), BS=meta.block_size, BM=bm, BN=bn, FP8=fp8,
+        IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
+@register("paged_attention", "triton", priority=10, supports=triton_supported)
+def paged_attention_triton(q, k_cache, v_cache, k_scale, v_scale, meta, scale: float):
+    """paged_attention_ref's contract, from meta.tensors (a TensorMeta; the reference without)."""
+    tm = getattr(meta, "tensors", None)
+    if tm is None:
+        return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if tm.max_q_len == 1 and q.shape[0] == tm.seq_lens.shape[0]:
+        return paged_decode(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
+    return paged_prefill(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
