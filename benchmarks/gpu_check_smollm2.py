@@ -33,11 +33,14 @@ PROMPTS = [
 FP32_LOGPROB_TOL = 1e-3
 
 
+MODEL: str | None = None  # --model; None: the default model (SmolLM2)
+
+
 def run(
     device: str, kv_dtype: str, tokens: int, eager: bool, dtype: str = "auto"
 ) -> list[tuple[list, list]]:
     weights = "quant" if device.startswith("cuda") else "dense"
-    llm = LLM(device=device, weights=weights, kv_dtype=kv_dtype, enforce_eager=eager,
+    llm = LLM(MODEL, device=device, weights=weights, kv_dtype=kv_dtype, enforce_eager=eager,
               num_kv_blocks=256, dtype=dtype)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=1)
     outs = llm.generate(PROMPTS, params)
@@ -62,7 +65,10 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="fp16", choices=["fp8", "fp16", "bf16"])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes, in turn")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     args = ap.parse_args()
+    global MODEL
+    MODEL = args.model
     print("kernels on cuda:", chosen("cuda"))
     cpu = run("cpu", "fp32", args.tokens, eager=True)
     failed = False
