@@ -10,6 +10,7 @@ from test_pipeline import EXACT, GREEDY, run_pipeline, synth_prompts, tiny_llama
 
 from hetero.dist.pipeline import StageFailure, free_port
 from hetero.llm import LLM
+from hetero.sampling import SamplingParams
 
 
 def test_pipelines_one_after_another_in_one_process(tiny_llama):  # noqa: F811
@@ -61,3 +62,23 @@ def test_stage_without_memory_for_its_kv_fails_at_once_with_the_reason(tiny_llam
     assert "a stage died while starting" in msg
     assert "no room for a KV block on cpu" in msg
     assert time.monotonic() - t0 < 120  # seen when the stage exits, long before the timeout
+
+
+@pytest.mark.gpu
+def test_gpu_two_stages_on_one_gpu_after_a_one_process_engine(tiny_llama):  # noqa: F811
+    """The benchmark's order on a GPU: a one-process CUDA engine (its RAM KV tier pinned, its
+    CUDA context alive in this process), then two stages sharing cuda:0, in bf16 with fp8 KV
+    as the benchmark runs; the pipeline starts within its timeout and matches token for token
+    for the first steps (bf16 near-ties may flip later)."""
+    prompts = synth_prompts(4, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    one = LLM(str(tiny_llama), device="cuda:0", kv_dtype="fp8", num_kv_blocks=256)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    one.engine.close()
+    split = "cuda:0=0-1,cuda:0=2-3"
+    two = LLM(str(tiny_llama), split=split, kv_dtype="fp8", num_kv_blocks=256, stage_timeout=120)
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
+    finally:
+        two.engine.close()
+    assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 3, (got, want)
