@@ -6,6 +6,8 @@
 Presets (each row is one engine, built, measured, closed):
   cpu:  one process on the CPU (all cores, then one thread); --devices cpu,cpu (two stages,
         one thread each on a 2-core machine: the pipeline's overlap is the gain over one thread).
+  gpus: one stage on cuda:0 against two NCCL stages on cuda:0 and cuda:1, split evenly and 5:3
+        (a machine with two GPUs).
   mps:  two stages on cuda:0 under unequal MPS shares (--mps 60,40, standing in for a 5090 beside
         a 4090): an even split against a split by share, and one stage on the whole GPU.
   h200: all layers on cuda:0; two stages on cuda:0 (the pipeline's own overhead: activations
@@ -57,6 +59,19 @@ def presets(name: str, n_layers: int, cpu_layers: int, shares) -> list[tuple[str
             ("1 stage cuda:0", {"device": "cuda:0"}),
             (f"MPS {shares} even split", {"plan": even}),
             (f"MPS {shares} split by share", {"plan": uneven}),
+        ]
+    if name == "gpus":  # two real GPUs over NCCL; the uneven split stands in for a slower 2nd card
+        half, big = n_layers // 2, n_layers * 5 // 8
+        return [
+            ("1 stage cuda:0", {"device": "cuda:0"}),
+            (
+                "2 stages cuda:0,cuda:1 even",
+                {"split": f"cuda:0=0-{half - 1},cuda:1={half}-{n_layers - 1}"},
+            ),
+            (
+                "2 stages cuda:0,cuda:1 5:3",
+                {"split": f"cuda:0=0-{big - 1},cuda:1={big}-{n_layers - 1}"},
+            ),
         ]
     if name == "cpu":
         return [
@@ -132,7 +147,7 @@ def measure(model: str, label: str, options: dict, args, reference) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("model")
-    ap.add_argument("--preset", choices=["cpu", "h200", "mps"], default="cpu")
+    ap.add_argument("--preset", choices=["cpu", "h200", "mps", "gpus"], default="cpu")
     ap.add_argument("--mps", type=lambda s: [int(x) for x in s.split(",")], default=[60, 40])
     ap.add_argument("--cpu-layers", type=int, default=8, help="h200: layers on the CPU stage")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
