@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from hetero.planner.measure import CPU_CURVE_T
 from hetero.planner.plan import Plan, PlanConfig, PlanError, plan
 from hetero.planner.shares import derive_share, parse_share
 from hetero.planner.specs import available, load_spec
@@ -131,6 +132,9 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     assert cpu.mem_bw_gbs > 0 and cpu.bf16_tflops > 0 and cpu.attn_gbs > 0
     assert {"fp16", "dense"} <= set(cpu.matmul) and cpu.matmul["fp16"].decode_gbs > 0
     assert cpu.step_overhead_s >= 0 and cpu.layer_overhead_s >= 0
+    # a prefill step's host time: a 16-token prompt's first token on a tiny model is not free
+    assert cpu.eager_step_overhead_s + 2 * cpu.eager_layer_overhead_s > 0
+    assert [t for t, _ in cpu.matmul["fp16"].curve] == list(CPU_CURVE_T)
     assert cpu.kernels["qlinear"] == "torch"
     files = list((cache_home / "hetero" / "profiles").glob("*.json"))
     assert len(files) == 1
@@ -184,11 +188,15 @@ def test_gpu_matmul_measurement_runs_the_registry_kernels_on_small_shapes():
 
     from hetero.planner.measure import gpu_matmul_rates
 
-    rates = gpu_matmul_rates(torch.device("cpu"), ["Q4_K", "Q8_0"], (256, 512), 1 << 20)
+    cpu = torch.device("cpu")
+    rates = gpu_matmul_rates(cpu, ["Q4_K", "Q8_0"], (256, 512), 1 << 20, (2, 8), 64)
     assert set(rates) == {"quant:Q4_K", "quant:Q8_0", "dense"}
     assert all(
         r.kernel == "torch" and r.decode_gbs > 0 and r.prefill_tflops > 0 for r in rates.values()
     )
+    # the batched-decode curve at the asked T, each point a measured rate
+    assert all([t for t, _ in r.curve] == [2, 8] and r.prefill_t == 64 for r in rates.values())
+    assert all(g > 0 for r in rates.values() for _, g in r.curve)
 
 
 @pytest.mark.gpu

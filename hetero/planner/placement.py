@@ -76,10 +76,9 @@ class _Setup:
     def stage_s(self, i: int, a: int, b: int, m: int) -> float:
         c, n = self.costs[i], self.desc.n_layers
         prefix = self._decode_prefix(i, m)
-        t = c.dev.step_overhead_s + prefix[b] - prefix[a]
-        if b == n:
-            t += c.head_seconds(m)
-        elif i + 1 < len(self.costs):
+        work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
+        t = c.step_seconds(b - a, work, c.eager(m))
+        if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
 
@@ -89,11 +88,11 @@ class _Setup:
         while done < tokens:
             n = min(budget, tokens - done)
             cached = done if seqs == 1 else 0
-            per_layer = c.prefill_layer_seconds(n, cached, max(1, round(seqs * n / tokens)))
-            total += c.dev.step_overhead_s + sum(per_layer[a:b])
-            if b == self.desc.n_layers:
-                total += c.head_seconds(max(1, round(seqs * n / tokens)))
-            elif i + 1 < len(self.costs):
+            rows = max(1, round(seqs * n / tokens))
+            work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
+            last = b == self.desc.n_layers
+            total += c.step_seconds(b - a, work + (c.head_seconds(rows) if last else 0.0), True)
+            if not last and i + 1 < len(self.costs):
                 total += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
             done += n
         return total
@@ -105,7 +104,10 @@ def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
 
 
 def _pick_mode(desc: ModelDesc, dev: DeviceProfile, cfg: PlanConfig, kv: str, compact: bool):
-    costs = [DeviceCost(desc, dev, m, kv) for m in _modes(dev, cfg.weights)]
+    graphs = not cfg.enforce_eager
+    costs = [
+        DeviceCost(desc, dev, m, kv, graphs, cfg.max_num_seqs) for m in _modes(dev, cfg.weights)
+    ]
     if compact:
         return min(costs, key=lambda c: c.weights_bytes(0, desc.n_layers, True, True))
     return min(costs, key=lambda c: sum(c.decode_layer_seconds(1, cfg.prompt_len)))

@@ -37,6 +37,8 @@ class PlanConfig:
         or a RuntimeConfig weights mode to force everywhere it applies.
     kv_dtype: "auto" (fp8 where the device has FP8 hardware, else fp16, as the engine picks) or
         fp8/fp16/bf16/fp32; fp8 asked of a GPU without FP8 falls back to fp16.
+    enforce_eager: plan for an engine run with --enforce-eager (no CUDA graphs: decode steps
+        pay the host's launch time).
     use_all_devices: give every device at least one layer (to test a split where one device
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
@@ -54,6 +56,7 @@ class PlanConfig:
     kv_dtype: str = "auto"
     kv_memory_fraction: float = 0.9
     use_all_devices: bool = False
+    enforce_eager: bool = False
     margin: float = 0.05
     gpu_margin_bytes: int = 768 << 20
     cpu_margin_bytes: int = 2 << 30
