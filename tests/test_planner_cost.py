@@ -86,3 +86,14 @@ def test_plan_prices_prefill_eagerly_and_decode_as_replayed(llama8b):
     assert eager.single_stream_tok_s < graphed.single_stream_tok_s
     (s,) = eager.stages
     assert s.single_step_s >= 2e-3 + 32 * 5e-4
+
+
+def test_pipeline_stages_run_eagerly(llama8b):
+    """A split over two processes: no CUDA graphs there, each stage pays its host time."""
+    a, b = gpu(), gpu(id="cuda:1", eager_layer_overhead_s=2e-3)
+    p = plan(llama8b, [a, b], PlanConfig(concurrency=1, context=512, use_all_devices=True))
+    for s in p.stages:
+        per_layer = 5e-4 if s.device == "cuda:0" else 2e-3
+        assert s.single_step_s >= 2e-3 + s.n_layers * per_layer
+    # the slow host of cuda:1 gets it few layers
+    assert p.stages[0].n_layers > p.stages[1].n_layers

@@ -48,28 +48,30 @@ class DeviceCost:
     graphs: bool = False  # decode-only steps replayed from CUDA graphs (CUDA, not --enforce-eager)
     max_num_seqs: int = 256  # the largest graph bucket
 
-    def decode_rows(self, m: int) -> int | None:
-        """Rows a replayed decode step of m sequences runs (its bucket); None: run eagerly."""
-        if not self.graphs or self.dev.is_cpu:
+    def decode_rows(self, m: int, replay: bool = True) -> int | None:
+        """Rows a replayed decode step of m sequences runs (its bucket); None: run eagerly.
+        replay: whether the step may replay at all (the in-process engine captures graphs; a
+        pipeline's stage processes run every step eagerly)."""
+        if not (self.graphs and replay) or self.dev.is_cpu:
             return None
         from hetero.engine.cuda_graph import batch_buckets, bucket_for
 
         return bucket_for(m, batch_buckets(self.max_num_seqs))
 
-    def eager(self, m: int) -> bool:
+    def eager(self, m: int, replay: bool = True) -> bool:
         """Whether a decode step of m sequences runs eagerly on a GPU (host-bound overheads)."""
-        return not self.dev.is_cpu and self.decode_rows(m) is None
+        d = self.dev
+        return not d.is_cpu and d.has_eager and self.decode_rows(m, replay) is None
 
     def step_seconds(self, n_layers: int, work_s: float, eager: bool) -> float:
         """One step of `n_layers` layers whose device work (with per-layer overheads when not
         eager) is work_s."""
         d = self.dev
+        if not d.has_eager:  # datasheets, made-up profiles: decode's overheads, added
+            return d.step_overhead_s + (n_layers * d.layer_overhead_s if eager else 0.0) + work_s
         if not eager:
             return d.step_overhead_s + work_s
-        # Profiles made before eager overheads were measured (and datasheets): decode's.
-        host = (d.eager_step_overhead_s or d.step_overhead_s) + n_layers * (
-            d.eager_layer_overhead_s or d.layer_overhead_s
-        )
+        host = d.eager_step_overhead_s + n_layers * d.eager_layer_overhead_s
         return host + work_s if d.is_cpu else max(host, work_s)
 
     def _bytes(self, t: TensorInfo) -> float:
@@ -113,11 +115,13 @@ class DeviceCost:
     def _layer_matmuls(self, i: int, tokens: int) -> float:
         return sum(self.linear_seconds(t, tokens) for t in self.desc.layers[i] if t.is_matrix)
 
-    def decode_layer_seconds(self, m: int, ctx: float) -> list[float]:
-        """Seconds of each layer in a decode step of m sequences with ctx tokens of context."""
-        d, rows = self.dev, self.decode_rows(m) or m
+    def decode_layer_seconds(self, m: int, ctx: float, replay: bool = True) -> list[float]:
+        """Seconds of each layer in a decode step of m sequences with ctx tokens of context
+        (device time only when the step runs eagerly on a GPU: step_seconds adds the host's)."""
+        d, rows = self.dev, self.decode_rows(m, replay) or m
         kv = m * ctx * kv_token_bytes(self.desc, self.kv_dtype) / (d.attn_gbs * 1e9)
-        fixed = kv if self.eager(m) else d.layer_overhead_s + rows * d.seq_overhead_s + kv
+        eager = self.eager(m, replay)
+        fixed = kv if eager else d.layer_overhead_s + rows * d.seq_overhead_s + kv
         return [fixed + self._layer_matmuls(i, rows) for i in range(self.desc.n_layers)]
 
     def prefill_layer_seconds(self, n: int, cached: int, seqs: int = 1) -> list[float]:

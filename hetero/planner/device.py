@@ -111,6 +111,11 @@ class DeviceProfile:
         return self.kind in CPU_KINDS
 
     @property
+    def has_eager(self) -> bool:
+        """Whether eager steps' host overheads were measured (datasheets have none)."""
+        return self.eager_step_overhead_s > 0 or self.eager_layer_overhead_s > 0
+
+    @property
     def usable_memory(self) -> int:
         """Free memory, within the cap of a share."""
         return min(self.memory_free, self.memory_cap) if self.memory_cap else self.memory_free

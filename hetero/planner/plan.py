@@ -166,12 +166,18 @@ class Plan:
 
     def check_devices(self, present: list[str]) -> None:
         """Refuse a plan whose devices are not all present now (by id)."""
-        missing = [s.device for s in self.stages if s.device.split("@")[0] not in present]
+        missing = [s.device for s in self.stages if base_device(s.device) not in present]
         if missing:
             raise PlanError(
                 f"the plan places layers on {', '.join(missing)}, not present now "
                 f"(present: {', '.join(present) or 'none'}); make a new plan"
             )
+
+
+def base_device(dev_id: str) -> str:
+    """The device a stage runs on: "cuda:0" for the share "cuda:0@70%:32GB", "cpu" for "cpu#2"
+    (the second stage of a CPU listed twice)."""
+    return dev_id.split("@")[0].split("#")[0]
 
 
 def plan_devices(model_path: str | Path, devices: list[str], config: PlanConfig | None = None):

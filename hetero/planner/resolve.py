@@ -103,14 +103,14 @@ def resolve_devices(
 
 
 def _unique(profiles: list[DeviceProfile]) -> list[DeviceProfile]:
-    """Two cards of one spec ("rtx3090,rtx3090") become rtx3090 and rtx3090#2."""
+    """Two cards of one spec ("rtx3090,rtx3090") become rtx3090 and rtx3090#2. A device of this
+    machine listed twice ("cpu,cpu": a pipeline of two processes on one CPU) becomes cpu and
+    cpu#2, both run on cpu (StagePlan.base_device); the plan notes that they share it."""
     seen: Counter[str] = Counter()
     out = []
     for p in profiles:
         seen[p.id] += 1
         if seen[p.id] > 1:
-            if p.source != "datasheet":
-                raise PlanError(f"device {p.id} is listed twice")
             p = p.replace(id=f"{p.id}#{seen[p.id]}")
         out.append(p)
     return out

@@ -73,7 +73,13 @@ def derive_share(base: DeviceProfile, share: Share) -> DeviceProfile:
             f"{base.name}'s {base.memory_total / 1e9:.1f} GB"
         )
     matmul = {
-        k: MatmulRate(r.kernel, r.decode_gbs * bw, r.prefill_tflops * fl)
+        k: MatmulRate(
+            r.kernel,
+            r.decode_gbs * bw,
+            r.prefill_tflops * fl,
+            tuple((t, g * bw) for t, g in r.curve),
+            r.prefill_t,
+        )
         for k, r in base.matmul.items()
     }
     return base.replace(
