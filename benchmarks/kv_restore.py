@@ -99,6 +99,7 @@ def measure(model: str, context: int, device: str, kv_dtype: str, block_size: in
         "context": context,
         "kv_dtype": kv_dtype,
         "blocks_evicted": blocks,
+        "block_bytes": engine.pool_size.block_bytes,
         "first_compute_ttft_s": first,
         "offload_s": offload_s,
         "restored_bytes": restored,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -85,3 +86,28 @@ def test_streams_match_offline_and_each_step_wakes_a_loop_once(model_path):
     # steps, each request's admission wakes its loop once (its future is settled).
     for loop in loops:
         assert 0 < loop.wakeups <= steps + 3 < 36
+
+
+def test_a_caller_that_falls_behind_gets_the_waiting_steps_merged(model_path):
+    want = offline(model_path)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    ae = AsyncEngine(Engine(str(model_path), EngineConfig(num_kv_blocks=64))).start()
+
+    async def slow_reader() -> list:
+        outs = []
+        async for out in ae.generate("slow", PROMPTS[0], params):
+            outs.append(out)
+            if len(outs) == 1:
+                time.sleep(1.0)  # the loop is busy: the engine runs on and the steps pile up
+        return outs
+
+    try:
+        outs = asyncio.run(slow_reader())
+    finally:
+        ae.shutdown()
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert tokens == want
+    assert len(outs) < len(want)  # fewer, larger outputs
+    assert [lp.token_id for o in outs for lp in o.logprobs] == tokens
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert not any(o.finished for o in outs[:-1])

@@ -144,7 +144,7 @@ def test_restore_benchmark_runs_small_on_cpu(model_files):
     spec.loader.exec_module(bench)
     r = bench.measure(str(model_files[0]), 128, "cpu", "fp8", 8)
     assert r["cached_tokens_restore"] == 120 and r["cached_tokens_recompute"] == 0
-    assert r["restored_bytes"] == 15 * r["restored_bytes"] // 15 > 0
+    assert r["restored_bytes"] == 15 * r["block_bytes"] > 0  # 128 tokens: 15 blocks restored
     assert r["restore_s"] > 0 and r["copy_gbps"] > 0 and r["ttft_recompute_s"] > 0
     lines = bench.report(r)
     assert "target >= 70%" in lines[1] and "target >= 20x" in lines[2]

@@ -1,8 +1,9 @@
 """A bounded load test: 64 concurrent streaming clients, some leaving midway.
 
 96 requests, at most 64 at a time, over 8 prompts of 5 to ~150 tokens with 4 to 16 output tokens;
-every fourth client disconnects after two chunks. The KV pool is small enough that the scheduler
-preempts. Every completed stream must be whole (the greedy tokens of its prompt, a finish reason,
+every fourth client disconnects after two chunks. The KV pool is small, so the scheduler often
+preempts; whether it does depends on how the requests interleave, so preemption itself is checked
+deterministically in the engine and scheduler tests, not here. Every completed stream must be whole (the greedy tokens of its prompt, a finish reason,
 exact usage), none may be lost, no KV block may leak (read from /metrics), and the daemon must
 answer normally afterwards.
 """
@@ -152,4 +153,3 @@ def test_64_concurrent_streams_with_disconnects(daemon):
     assert m['hetero_kv_blocks_used{tier="cpu"}'] == 0
     assert m["hetero_num_requests_running"] == m["hetero_num_requests_waiting"] == 0
     assert m["hetero_requests_in_flight"] == 0
-    assert m["hetero_num_preemptions_total"] > 0, "the pool was meant to force preemption"

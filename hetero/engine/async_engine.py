@@ -76,6 +76,8 @@ class AsyncEngine:
         try:
             while not finished:
                 out: StepOutput = await sink.get()
+                while not out.finished and not sink.empty():
+                    out = merge_outputs(out, sink.get_nowait())
                 finished = out.finished
                 yield out
         finally:
@@ -152,6 +154,29 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 cmd.done.set_exception(EngineDeadError(reason))
+
+
+def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
+    """Two consecutive steps of one sequence as one (b is the later).
+
+    A caller that fell behind the engine (a busy event loop, many streams) takes every step
+    waiting in its queue at once, as one output: it then detokenizes, encodes and writes once
+    per wake-up instead of once per step, so its work shrinks exactly when it is the bottleneck
+    (vLLM's output collector merges the same way).
+    """
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return StepOutput(
+        b.request_id,
+        a.new_token_ids + b.new_token_ids,
+        logprobs,
+        b.finished,
+        b.finish_reason,
+        b.num_prompt_tokens or a.num_prompt_tokens,
+        b.num_cached_tokens or a.num_cached_tokens,
+        b.error or a.error,
+    )
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:

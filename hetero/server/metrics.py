@@ -220,16 +220,18 @@ class SequenceClock:
         self.last: float | None = None
 
     def tokens(self, n: int) -> None:
-        """n tokens arrived now (one per decode step; a step's tokens share its gap)."""
+        """n tokens arrived now (one per decode step, or several steps' at once when the caller
+        fell behind: they share the gap). Every token but the first is one ITL observation."""
         if n <= 0:
             return
         now = time.perf_counter()
         if self.last is None:
             self.metrics.ttft.observe(now - self.arrival)
+            gaps, gap = n - 1, 0.0  # tokens that came with the first reached the client with it
         else:
-            gap = (now - self.last) / n
-            for _ in range(n):
-                self.metrics.itl.observe(gap)
+            gaps, gap = n, (now - self.last) / n
+        for _ in range(gaps):
+            self.metrics.itl.observe(gap)
         self.last = now
 
 
