@@ -165,14 +165,17 @@ def bench(model, num_requests, concurrency, input_len, output_len, warmup, seed,
     try:
         engine_cfg, runtime = build_configs(**options)
         engine = Engine(model, engine_cfg, runtime, progress=True)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: a failed stage
         _fail(e)
     click.echo(engine.describe_kv(), err=True)
     if warmup:
         run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
-    result = run_bench(
-        engine, num_requests or concurrency, concurrency, input_len, output_len, seed=seed
-    )
+    try:
+        result = run_bench(
+            engine, num_requests or concurrency, concurrency, input_len, output_len, seed=seed
+        )
+    finally:
+        engine.close()  # a pipeline's stage processes
     click.echo("\n".join(result.lines()))
 
 
@@ -227,6 +230,20 @@ def plan(model, devices, refresh, as_json, output, **config):
     try:
         run_plan(model, devices, refresh, as_json, output, **config)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
+        _fail(e)
+
+
+@main.command()
+@MODEL_ARG
+@click.option("--rank", type=click.IntRange(1), required=True, help="this stage's index (from 0)")
+@engine_options
+def stage(model, rank, **options):
+    """Serve one pipeline stage of an engine on another host (README: pipelines)."""
+    from hetero.dist.remote import run_stage
+
+    try:
+        run_stage(model, rank, options)
+    except (ValueError, FileNotFoundError) as e:
         _fail(e)
 
 

@@ -29,8 +29,62 @@ def runtime_options(f):
     return f
 
 
+def pipeline_options(f):
+    opts = [
+        click.option(
+            "--devices",
+            default=None,
+            help="run as a pipeline over these devices, e.g. cuda:0,cpu or cpu,cpu "
+            "(the planner splits the layers; an even split without it)",
+        ),
+        click.option(
+            "--split",
+            default=None,
+            help="explicit pipeline stages DEVICE=FIRST-LAST, e.g. cuda:0=0-19,cpu=20-31",
+        ),
+        click.option(
+            "--plan", type=click.Path(dir_okay=False), default=None, help="a saved plan (JSON)"
+        ),
+        click.option(
+            "--micro-batches",
+            type=click.IntRange(0),
+            default=0,
+            show_default=True,
+            help="pipeline micro-batches in flight (0: one per stage)",
+        ),
+        click.option(
+            "--stage-timeout",
+            type=click.FloatRange(0.0, min_open=True),
+            default=600.0,
+            show_default=True,
+            help="seconds a pipeline step may take before the pipeline counts as stuck",
+        ),
+        click.option(
+            "--max-restarts",
+            type=click.IntRange(0),
+            default=3,
+            show_default=True,
+            help="restarts of a failed pipeline before the engine gives up",
+        ),
+        click.option(
+            "--dist-init",
+            default=None,
+            help="the stages' rendezvous tcp://HOST:PORT (for stages on other hosts)",
+        ),
+        click.option(
+            "--remote-stages",
+            default=None,
+            help="stage ranks started elsewhere with `hetero stage`, e.g. 1",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 def engine_options(f):
     f = runtime_options(f)
+    f = pipeline_options(f)
     opts = [
         click.option(
             "--kv-dtype",

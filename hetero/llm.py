@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from hetero.config import RuntimeConfig
+from hetero.dist.config import PipelineConfig
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.engine import Engine
 from hetero.engine.output import RequestOutput, TextStream
@@ -21,7 +22,8 @@ from hetero.sampling import SamplingParams
 _SPLIT = {
     "runtime": {f.name for f in fields(RuntimeConfig)},
     "scheduler": {f.name for f in fields(SchedulerConfig)},
-    "engine": {f.name for f in fields(EngineConfig)} - {"scheduler"},
+    "engine": {f.name for f in fields(EngineConfig)} - {"scheduler", "pipeline"},
+    "pipeline": {f.name for f in fields(PipelineConfig)},
 }
 
 
@@ -34,7 +36,11 @@ def build_configs(**options) -> tuple[EngineConfig, RuntimeConfig]:
             known = sorted(set().union(*_SPLIT.values()))
             raise TypeError(f"unknown option {key!r}; known: {', '.join(known)}")
         parts[owner][key] = value
-    engine = EngineConfig(**parts["engine"], scheduler=SchedulerConfig(**parts["scheduler"]))
+    engine = EngineConfig(
+        **parts["engine"],
+        scheduler=SchedulerConfig(**parts["scheduler"]),
+        pipeline=PipelineConfig(**parts["pipeline"]),
+    )
     return engine, RuntimeConfig(**parts["runtime"])
 
 

@@ -3,9 +3,9 @@
 96 requests, at most 64 at a time, over 8 prompts of 5 to ~150 tokens with 4 to 16 output tokens;
 every fourth client disconnects after two chunks. The KV pool is small, so the scheduler often
 preempts; whether it does depends on how the requests interleave, so preemption itself is checked
-deterministically in the engine and scheduler tests, not here. Every completed stream must be whole (the greedy tokens of its prompt, a finish reason,
-exact usage), none may be lost, no KV block may leak (read from /metrics), and the daemon must
-answer normally afterwards.
+deterministically in the engine and scheduler tests, not here. Every completed stream must be
+whole (the greedy tokens of its prompt, a finish reason, exact usage), none may be lost, no KV
+block may leak (read from /metrics), and the daemon must answer normally afterwards.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetero.dist.config import PipelineConfig
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -72,6 +74,7 @@ class EngineConfig:
     kv_ram_gb: float | None = None
     kv_disk_dir: str | None = None
     kv_disk_gb: float | None = None
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # stages (hetero/dist)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

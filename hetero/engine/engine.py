@@ -46,6 +46,14 @@ class StepOutput:
 
 
 class Engine:
+    def __new__(cls, model: str | None = None, config: EngineConfig | None = None, *args, **kw):
+        # One way to ask for a pipeline: the same constructor, with stages in the config.
+        if cls is Engine and config is not None and config.pipeline.enabled:
+            from hetero.dist.engine import PipelineEngine
+
+            cls = PipelineEngine
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: str | None = None,
@@ -90,19 +98,25 @@ class Engine:
             cfg.enable_prefix_caching,
             tiers=None if self.kv_tiers is None else self.kv_tiers.tiers,
         )
-        sched = cfg.scheduler
-        if sched.max_model_len is None:
-            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": self.max_model_len})
-        self.scheduler = Scheduler(sched, self.block_manager)
+        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
         self.runner = ModelRunner(self.model, self.pool)
         if not cfg.enforce_eager and self.runtime.device.startswith("cuda"):
             self.runner.graphs = capture_decode_graphs(
-                self.model, self.pool, sched.max_num_seqs, self.max_model_len
+                self.model, self.pool, self.scheduler.config.max_num_seqs, self.max_model_len
             )
         self.sampler = Sampler(cfg.seed)
         self.params: dict[str, SamplingParams] = {}
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        sched = self.config.scheduler
+        if sched.max_model_len is None:
+            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": self.max_model_len})
+        return sched
+
+    def close(self) -> None:
+        """Release what the engine started (pipeline stage processes); nothing in-process."""
 
     @property
     def max_model_len(self) -> int:
@@ -210,27 +224,13 @@ class Engine:
             logits.device,
             self.constraints.masks([r.request_id for r in reqs]),
         )
-        so = self.sampler(logits, state)
-        ids = so.token_ids.tolist()
+        ids, lps, tops = sampled_lists(self.sampler(logits, state))
         for req, token in zip(reqs, ids):  # a completed JSON object ends its request now
             req.stop_now = self.constraints.accept(req.request_id, token)
-        lps = None if so.logprobs is None else so.logprobs.tolist()
-        tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
         sampled = {}
         for i, (req, p) in enumerate(zip(reqs, params)):
             sampled[req.request_id] = ids[i]
-            o = results[req.request_id] = StepOutput(
-                req.request_id,
-                [ids[i]],
-                None,
-                False,
-                None,
-                req.num_prompt_tokens,
-                req.num_cached_tokens,
-            )
-            if p.logprobs is not None:
-                top = [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs]
-                o.logprobs = [TokenLogprob(ids[i], lps[i], top)]
+            results[req.request_id] = token_output(req, p, i, ids, lps, tops)
         return sampled
 
     def _final(self, req: Request) -> StepOutput:
@@ -250,6 +250,25 @@ class Engine:
     def cached_prompt_tokens(self, request_id: str) -> int:
         req = self.scheduler.get(request_id)
         return 0 if req is None else req.num_cached_tokens
+
+
+def sampled_lists(so) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
+    """A SamplerOutput as host lists: token ids, their logprobs, (top ids, top logprobs)."""
+    ids = so.token_ids.tolist()
+    lps = None if so.logprobs is None else so.logprobs.tolist()
+    tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
+    return ids, lps, tops
+
+
+def token_output(req: Request, p: SamplingParams, i: int, ids, lps, tops) -> StepOutput:
+    """The StepOutput of row i of a sampled step (with its logprobs when p asks for them)."""
+    o = StepOutput(
+        req.request_id, [ids[i]], None, False, None, req.num_prompt_tokens, req.num_cached_tokens
+    )
+    if p.logprobs is not None:
+        top = [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs]
+        o.logprobs = [TokenLogprob(ids[i], lps[i], top)]
+    return o
 
 
 class EngineStats:

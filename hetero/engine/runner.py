@@ -93,8 +93,14 @@ class ModelRunner:
         # only the Triton attention reads the block-table tensors: skip building them elsewhere
         self.tensor_meta = select("paged_attention", self.device).name == "triton"
 
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Logits [N, V] float32 for the N scheduled requests whose step produces a token."""
+    def run(
+        self, out: SchedulerOutput, hidden: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Logits [N, V] float32 for the N scheduled requests whose step produces a token.
+
+        A pipeline stage after the first passes the previous stage's hidden states [T, C]; a
+        stage before the last gets its own hidden states [T, C] back instead of logits.
+        """
         self.pool.copy_blocks(out.copies)
         if self.graphs is not None and self.graphs.fits(out):
             return self.graphs.run(out.scheduled), list(out.scheduled)
@@ -126,5 +132,5 @@ class ModelRunner:
             torch.tensor(last_rows, dtype=torch.long, device=dev),
             attn,
         )
-        logits = self.model(torch.tensor(tokens, device=dev), batch)
+        logits = self.model(torch.tensor(tokens, device=dev), batch, hidden)
         return logits, producing

@@ -212,7 +212,7 @@ class Scheduler:
         """
         while not self.block_manager.append_slots(req, n):
             victim = self.running[-1]
-            if victim is req and len(self.running) == 1:
+            if victim is req and len(self.running) == 1 and not self._blocks_held_elsewhere():
                 # Alone with the whole pool and still short: only a request add() should have
                 # refused gets here. Fail it rather than preempt and retry forever.
                 req.error = f"needs more KV blocks than the pool's {self.block_manager.num_blocks}"
@@ -223,6 +223,11 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _blocks_held_elsewhere(self) -> bool:
+        """Whether requests outside self.running hold blocks (a pipeline's other micro-batches,
+        hetero/dist/microbatch.py): then a request short of blocks waits instead of failing."""
+        return False
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -246,7 +251,7 @@ class Scheduler:
             hit = bm.cached_prefix_len(req)
             n = self._chunk(req, hit)
             if not bm.allocate(req, n):
-                if not self.running:  # the whole pool is free (see _reserve)
+                if not self.running and not self._blocks_held_elsewhere():  # pool all free
                     req.error = f"needs more KV blocks than the pool's {bm.num_blocks}"
                     self._finish(req, RequestStatus.FINISHED_ABORTED)
                     self._finished.append(req)

@@ -97,23 +97,40 @@ class LlamaModel(nn.Module):
         cfg = self.config = gm.config
         self.runtime = rt
         self.layer_range = layers if layers is not None else range(cfg.n_layers)
-        self.embed = QuantEmbedding(gm.tensor("token_embd.weight"), rt)
+        # A pipeline stage holds only its layers: the embedding on the first stage, the final
+        # norm and lm_head on the last (which keeps the embedding too when lm_head is tied to it).
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == cfg.n_layers
+        tied_last = self.is_last and cfg.tied_embeddings
+        self.embed = None
+        if self.is_first or tied_last:
+            self.embed = QuantEmbedding(gm.tensor("token_embd.weight"), rt)
         self.rotary = Rotary(cfg, rt, gm.get("rope_freqs.weight"))
         bar = tqdm(self.layer_range, desc="loading layers", unit="layer", disable=not progress)
         self.blocks = nn.ModuleList(Block(gm, i, rt) for i in bar)
-        self.norm = RMSNorm(gm.tensor("output_norm.weight"), cfg.norm_eps, rt)
-        if cfg.tied_embeddings:
-            self.lm_head = QuantLinear.tied(self.embed)
-        else:
-            self.lm_head = QuantLinear(gm.tensor("output.weight"), rt)
+        self.norm = self.lm_head = None
+        if self.is_last:
+            self.norm = RMSNorm(gm.tensor("output_norm.weight"), cfg.norm_eps, rt)
+            if cfg.tied_embeddings:
+                self.lm_head = QuantLinear.tied(self.embed)
+            else:
+                self.lm_head = QuantLinear(gm.tensor("output.weight"), rt)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """tokens [T] -> logits [N, V] float32 for the rows in batch.logits_indices."""
-        x = self.embed(tokens)  # [T, C]
+    def forward(
+        self, tokens: torch.Tensor, batch: ForwardBatch, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens [T] -> logits [N, V] float32 for the rows in batch.logits_indices.
+
+        A later pipeline stage starts from the previous stage's `hidden` [T, C] instead of the
+        tokens; a stage before the last returns its hidden states [T, C] for the next one.
+        """
+        x = self.embed(tokens) if hidden is None else hidden  # [T, C]
         cos, sin = self.rotary.cos_sin(batch.positions)  # [T, R] each
         for block in self.blocks:
             x = block(x, self.rotary, cos, sin, batch)
+        if not self.is_last:
+            return x
         x = self.norm(x[batch.logits_indices])  # [N, C]
         return self.lm_head(x).float()  # [N, V]
 

@@ -1,0 +1,174 @@
+"""The engine's side of a pipeline: start the stage processes, feed them, watch them.
+
+Stages are spawned (torch.multiprocessing, "spawn": CUDA cannot be forked) on this machine,
+rank i holding stages[i]. The engine talks to stage 0 alone, over a pipe: steps go in, results
+come back in the order the steps went. Every wait watches the pipe and every stage's process
+sentinel together, with a deadline, so a killed stage is seen at once and a hung one after
+stage_timeout: the engine gets a StageFailure naming the stage, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import time
+from multiprocessing.connection import wait
+
+import torch.multiprocessing as mp
+
+from hetero.config import RuntimeConfig
+from hetero.dist.stages import StageSpec
+from hetero.dist.step import StepPlan, StepResult
+from hetero.dist.worker import STOP, StageArgs, stage_main
+from hetero.engine.config import EngineConfig
+
+log = logging.getLogger("hetero.dist")
+
+
+class StageFailure(RuntimeError):
+    """A stage died, failed or stopped answering; the pipeline is unusable."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _reason(conn) -> str | None:
+    """What a failed stage said about itself, if it said anything before its pipe closed."""
+    try:
+        return conn.recv() if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        model_path: str,
+        stages: list[StageSpec],
+        runtime: RuntimeConfig,
+        engine: EngineConfig,
+        progress: bool = False,
+    ):
+        self.stages, self.timeout = stages, engine.pipeline.stage_timeout
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        pc = engine.pipeline
+        init = pc.dist_init or f"tcp://127.0.0.1:{free_port()}"
+        remote = pc.remote_ranks()
+        if remote and not pc.dist_init:
+            raise ValueError("--remote-stages needs --dist-init tcp://HOST:PORT that they reach")
+        if max(remote, default=0) >= len(stages):
+            raise ValueError(f"--remote-stages {pc.remote_stages}: only {len(stages)} stages")
+        self.procs: dict[int, mp.Process] = {}  # rank -> the stages started here
+        self._errors = []  # a pipe per stage for the reason it failed
+        for rank in sorted(set(range(len(stages))) - remote):
+            errors, err_child = ctx.Pipe(duplex=False)
+            self._errors.append(errors)
+            args = StageArgs(rank, tuple(stages), init, str(model_path), runtime, engine, progress)
+            conn = child if rank == 0 else None
+            p = ctx.Process(
+                target=stage_main, args=(args, conn, err_child), name=f"hetero-stage-{rank}"
+            )
+            p.daemon = True  # never outlive the engine's process
+            p.start()
+            self.procs[rank] = p
+            err_child.close()
+        child.close()
+        self.closed = False
+        t0 = time.monotonic()
+        kind, self.capacities = self._receive("starting")
+        if kind != "ready":
+            raise self._failure(f"stage 0 answered {kind!r} instead of ready")
+        self.num_blocks = min(self.capacities)
+        log.info("pipeline: %d stages ready in %.1f s", len(stages), time.monotonic() - t0)
+
+    def describe(self) -> str:
+        per = "; ".join(
+            f"stage {i} ({s.describe()}): {n} blocks"
+            for i, (s, n) in enumerate(zip(self.stages, self.capacities))
+        )
+        return f"pipeline of {len(self.stages)} stages, {per}; shared block table: {self.num_blocks}"
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def submit(self, plan: StepPlan) -> None:
+        try:
+            self._conn.send_bytes(pickle.dumps(plan))
+        except (BrokenPipeError, ConnectionError, OSError) as e:
+            raise self._failure(f"cannot send a step ({e})") from e
+
+    def result(self) -> StepResult:
+        """The next micro-batch's result, in submission order."""
+        return self._receive("running a step")
+
+    def _receive(self, doing: str):
+        deadline = time.monotonic() + self.timeout
+        sentinels = [p.sentinel for p in self.procs.values()]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._failure(f"no answer within {self.timeout:.0f} s while {doing}")
+            ready = wait([self._conn, *sentinels], timeout=left)
+            if self._conn in ready:
+                try:
+                    return pickle.loads(self._conn.recv_bytes())
+                except (EOFError, OSError) as e:
+                    raise self._failure(f"stage 0's pipe closed while {doing} ({e})") from e
+            if ready:
+                raise self._failure(f"a stage died while {doing}")
+
+    def _failure(self, what: str) -> StageFailure:
+        time.sleep(0.2)  # let a dying stage's reason reach the queue
+        dead = [
+            f"stage {r} ({self.stages[r].describe()}) {_exit_reason(p.exitcode)}"
+            for r, p in self.procs.items()
+            if not p.is_alive()
+        ]
+        reasons = [r for r in map(_reason, self._errors) if r]
+        msg = f"pipeline failed: {what}"
+        if dead:
+            msg += "; " + ", ".join(dead)
+        if reasons:
+            msg += "; " + " | ".join(reasons)
+        self.close(graceful=False)
+        return StageFailure(msg)
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self, graceful: bool = True, timeout: float = 10.0) -> None:
+        """Stop every stage: the stop message through the pipeline, then force what is left."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and all(p.is_alive() for p in self.procs.values()):
+            try:
+                self._conn.send_bytes(STOP)
+            except OSError:
+                pass
+        deadline = time.monotonic() + (timeout if graceful else 0.0)
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        self._conn.close()
+        for e in self._errors:
+            e.close()

@@ -1,0 +1,209 @@
+"""One pipeline stage: a process holding a contiguous range of layers and their KV pool.
+
+Stage 0 takes steps from the engine over a pipe; stage i > 0 takes them (with stage i-1's
+activations) from stage i-1. Each stage runs its layers through the ordinary ModelRunner over
+its own KV pool; the last stage also runs the sampler and sends the token ids back to stage 0,
+whose result thread hands them to the engine. Steps flow in order through every stage, so KV
+writes of one micro-batch always land before a later micro-batch reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, replace
+
+import torch
+
+from hetero.config import RuntimeConfig
+from hetero.dist.links import Links
+from hetero.dist.stages import StageSpec, device_key
+from hetero.dist.step import StepPlan, StepResult
+from hetero.engine.config import EngineConfig
+from hetero.engine.kv_cache import KVPool, resolve_kv_dtype, size_pool
+from hetero.engine.runner import ModelRunner
+from hetero.sampling import Sampler, make_batch
+
+STOP = pickle.dumps(None)
+
+
+@dataclass(frozen=True)
+class StageArgs:
+    rank: int
+    stages: tuple[StageSpec, ...]
+    init_method: str  # tcp://HOST:PORT of rank 0's rendezvous
+    model_path: str
+    runtime: RuntimeConfig
+    engine: EngineConfig
+    progress: bool = False
+
+    @property
+    def spec(self) -> StageSpec:
+        return self.stages[self.rank]
+
+
+def stage_runtime(args: StageArgs) -> RuntimeConfig:
+    """The engine's runtime on this stage's device, with the stage's own kernel choice.
+
+    CPU stages on one machine share its cores: without an explicit thread count each takes its
+    share, so two stages overlap instead of fighting over every core.
+    """
+    spec, rt = args.spec, args.runtime
+    threads = rt.threads
+    n_cpu = sum(1 for s in args.stages if s.device == "cpu")
+    if spec.device == "cpu" and threads == 0:
+        threads = max(1, (os.cpu_count() or 1) // n_cpu)
+    elif threads == 0 and n_cpu:
+        threads = 1  # a GPU stage only launches kernels: leave the cores to the CPU stages
+    return replace(rt, device=spec.device, weights=spec.weights or rt.weights, threads=threads)
+
+
+class Stage:
+    def __init__(self, args: StageArgs):
+        from hetero.gguf_loader import load_gguf
+        from hetero.model.llama import LlamaModel
+
+        self.args, spec = args, args.spec
+        self.first, self.last = args.rank == 0, args.rank == len(args.stages) - 1
+        rt = stage_runtime(args)
+        self.dtype = rt.torch_dtype()
+        if rt.threads:
+            torch.set_num_threads(rt.threads)
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.links = Links(args.rank, args.stages, args.init_method)
+        self.kv_dtype = resolve_kv_dtype(spec.kv_dtype or args.engine.kv_dtype, spec.device)
+        gm = load_gguf(args.model_path)
+        self.model = LlamaModel(gm, rt, spec.layers, progress=args.progress)
+        dist_barrier()  # every stage's weights are in memory before any sizes its pool
+        self.capacities = self.links.min_all(self._own_blocks())
+        self.num_blocks = min(self.capacities)
+        ecfg = args.engine
+        kv_dtype = self.kv_dtype
+        pool = KVPool(
+            gm.config, len(spec.layers), self.num_blocks, ecfg.block_size, kv_dtype, spec.device
+        )
+        self.runner = ModelRunner(self.model, pool)
+        self.sampler = Sampler(ecfg.seed) if self.last else None
+
+    def _own_blocks(self) -> int:
+        """Blocks this stage's own free memory holds; stages sharing a device share it."""
+        a, spec, ecfg = self.args, self.args.spec, self.args.engine
+        sharing = sum(1 for s in a.stages if device_key(s.device) == device_key(spec.device))
+        cap = spec.num_kv_blocks or ecfg.num_kv_blocks
+        if spec.num_kv_blocks and ecfg.num_kv_blocks:
+            cap = min(spec.num_kv_blocks, ecfg.num_kv_blocks)
+        size = size_pool(
+            self.model.config,
+            len(spec.layers),
+            ecfg.block_size,
+            self.kv_dtype,
+            spec.device,
+            ecfg.kv_memory_fraction / sharing,
+            cap,
+        )
+        return size.num_blocks
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, hidden: torch.Tensor | None):
+        """Hidden states [T, C] for the next stage, or (last stage) the sampled StepResult."""
+        y, _ = self.runner.run(plan.scheduler_output(), hidden)
+        if not self.last:
+            return y
+        if not plan.rows:
+            return StepResult(plan.micro_batch, [])
+        from hetero.engine.engine import sampled_lists
+
+        rows = plan.rows
+        state = make_batch(
+            [r.params for r in rows],
+            [r.prompt_ids for r in rows],
+            [r.output_ids for r in rows],
+            [r.step for r in rows],
+            y.device,
+            plan.allowed,
+        )
+        ids, lps, tops = sampled_lists(self.sampler(y, state))
+        return StepResult(plan.micro_batch, ids, lps, tops)
+
+    def serve(self, conn) -> None:
+        """The stage's loop: take a step, run it, pass it on; until the stop message."""
+        reply = thread = None
+        if self.first:
+            reply = _Reply(conn)
+            reply.send(pickle.dumps(("ready", self.capacities)))
+            if not self.last:
+                thread = threading.Thread(target=self._forward_results, args=(reply,), daemon=True)
+                thread.start()
+        while True:
+            if self.first:
+                payload, hidden = conn.recv_bytes(), None
+            else:
+                payload, hidden = self.links.recv_prev(self.device, self.dtype)
+            plan = pickle.loads(payload)
+            if plan is None:
+                self._pass_on(STOP, None, reply)
+                break
+            out = self.run(plan, hidden)
+            if self.last:
+                self._pass_on(pickle.dumps(out), None, reply)
+            else:
+                self.links.send_next(payload, out)
+        if thread is not None:
+            thread.join()  # the stop message came back round: every result is delivered
+        self.links.flush()
+
+    def _pass_on(self, payload: bytes, hidden, reply) -> None:
+        if not self.last:
+            self.links.send_next(payload, hidden)
+        elif self.first:
+            reply.send(payload)
+        else:
+            self.links.send_result(payload)
+
+    def _forward_results(self, reply: _Reply) -> None:
+        """Stage 0's result thread: the last stage's answers, back to the engine in order."""
+        while True:
+            payload = self.links.recv_result()
+            reply.send(payload)
+            if payload == STOP:
+                return
+
+
+class _Reply:
+    """Stage 0's pipe to the engine, written by the loop (ready) and the result thread."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, payload: bytes) -> None:
+        with self.lock:
+            self.conn.send_bytes(payload)
+
+
+def dist_barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def stage_main(args: StageArgs, conn=None, errors=None) -> None:
+    """Process entry point (spawned by the engine, or started by `hetero stage` on a host)."""
+    if args.spec.mps_percentage is not None:  # read when this process first touches CUDA
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.spec.mps_percentage)
+    try:
+        Stage(args).serve(conn)
+    except BaseException as e:  # the engine reads the reason; the exit code marks the death
+        what = f"stage {args.rank} ({args.spec.describe()}): {type(e).__name__}: {e}"
+        traceback.print_exc()
+        if errors is not None:
+            errors.send(what)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip process-group teardown, which can block on a dead peer
+    sys.stdout.flush()
+    os._exit(0)
