@@ -97,3 +97,23 @@ def test_pipeline_stages_run_eagerly(llama8b):
         assert s.single_step_s >= 2e-3 + s.n_layers * per_layer
     # the slow host of cuda:1 gets it few layers
     assert p.stages[0].n_layers > p.stages[1].n_layers
+
+
+def test_calibration_with_the_gpu_settings_batched_attention_pair_runs_on_the_cpu():
+    """The GPU calibration measures attention at 8 sequences (not 1): the same code on the CPU,
+    on the tiny shape and a short context so that it takes seconds."""
+    import math
+
+    from hetero.planner.calibrate import _Setting, calibrate
+    from hetero.planner.specs import load_spec
+
+    prof = load_spec("desktop-ddr5").replace(id="cpu")
+    got = calibrate(prof, "cpu", "fp16", setting=_Setting({}, 8, 96, 256))
+    assert set(got) == {
+        "step_overhead_s", "layer_overhead_s", "seq_overhead_s", "attn_gbs",
+        "eager_step_overhead_s", "eager_layer_overhead_s",
+    }  # fmt: skip
+    assert all(math.isfinite(v) and v >= 0 for v in got.values()) and got["attn_gbs"] > 0
+    # a prefill step and a decode step on a real engine are not free
+    assert got["eager_step_overhead_s"] + got["eager_layer_overhead_s"] > 0
+    assert got["step_overhead_s"] + got["layer_overhead_s"] > 0

@@ -100,12 +100,14 @@ def _measure(device: str, kv_dtype: str, s: _Setting, folder: Path, bar) -> tupl
     return t, desc
 
 
-def calibrate(profile: DeviceProfile, device: str, kv_dtype: str, bar=None) -> dict[str, float]:
+def calibrate(
+    profile: DeviceProfile, device: str, kv_dtype: str, bar=None, setting: _Setting | None = None
+) -> dict[str, float]:
     """Decode and eager overheads and attention KV GB/s of `device` (the profile's matmul rates
-    give the small models' own matmul time)."""
+    give the small models' own matmul time). setting: by the device's kind unless given."""
     from hetero.planner.cost import kv_token_bytes
 
-    setting = CPU_SETTING if profile.is_cpu else GPU_SETTING
+    setting = setting or (CPU_SETTING if profile.is_cpu else GPU_SETTING)
     with tempfile.TemporaryDirectory(prefix="hetero-calibrate-") as tmp:
         t, desc = _measure(device, kv_dtype, setting, Path(tmp), bar)
     extra = setting.long_context - PROMPT
