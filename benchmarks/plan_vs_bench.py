@@ -125,8 +125,8 @@ def bench_in_child(
 
 
 def predicted(p: Plan) -> dict:
-    slowest = max(s.predicted_step_s for s in p.stages)
-    per_stream = p.single_stream_tok_s if p.concurrency == 1 else 1 / (slowest * p.microbatches)
+    # C sequences gain a token each a pipeline cycle: one stream's speed is aggregate / C
+    per_stream = p.single_stream_tok_s if p.concurrency == 1 else p.aggregate_tok_s / p.concurrency
     return {
         "per_stream_tok_s": per_stream,
         "aggregate_tok_s": p.aggregate_tok_s,
@@ -134,14 +134,11 @@ def predicted(p: Plan) -> dict:
     }
 
 
-def row(c: int, pred: dict, meas: dict | None) -> str:
+def row(c: int, pred: dict, meas: dict) -> str:
     cells = [f"c={c:<3}"]
     for key, unit in (("per_stream_tok_s", "tok/s"), ("aggregate_tok_s", "tok/s"), ("ttft_s", "s")):
-        if meas is None:
-            cells.append(f"{key} pred {pred[key]:.3g} {unit}")
-        else:
-            ratio = pred[key] / meas[key]
-            cells.append(f"{key} pred {pred[key]:.3g} meas {meas[key]:.3g} {unit} ({ratio:.2f}x)")
+        ratio = pred[key] / meas[key]
+        cells.append(f"{key} pred {pred[key]:.3g} meas {meas[key]:.3g} {unit} ({ratio:.2f}x)")
     return "  ".join(cells)
 
 
@@ -190,6 +187,10 @@ def main() -> None:
         one_share = len(p.stages) == 1 and is_share(p.stages[0].device)
         run = bench_in_child if one_share else bench_stage
         meas = run(model, p, args.input_len, args.output_len, args.rounds, args.enforce_eager)
+        split = ", ".join(f"{s.device} {s.layer_start}-{s.layer_end - 1}" for s in p.stages)
+        print(
+            f"c={c}: plan {split}; step ms {[round(s.predicted_step_s * 1e3, 2) for s in p.stages]}"
+        )
         print(row(c, predicted(p), meas), flush=True)
         rows.append({"concurrency": c, "predicted": predicted(p), "measured": meas,
                      "plan": json.loads(p.to_json())})  # fmt: skip

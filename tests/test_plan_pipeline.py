@@ -4,6 +4,8 @@ two stages of one CPU, `cpu` and `cpu#2`, both on base device `cpu`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 from test_engine import check_outputs
@@ -101,3 +103,27 @@ def test_daemon_serves_a_plan_file(cached_cpu, smollm2_path, tmp_path):
         assert d.finish() == 0, d.log()
     one = LLM(str(smollm2_path), kv_dtype="fp32", weights="dense", num_kv_blocks=64)
     assert got == one.generate(["The capital of France is"], GREEDY)[0].outputs[0].text
+
+
+def test_plan_vs_bench_runs_a_two_stage_plan(cached_cpu, tiny_llama, tmp_path):
+    """benchmarks/plan_vs_bench.py on a multi-stage plan: predicted and measured side by side."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_bench.py"
+    out = tmp_path / "rows.json"
+    args = [str(tiny_llama), "--devices", "cpu,cpu", "--use-all-devices", "-c", "2"]
+    args += ["--input-len", "8", "--output-len", "6", "--rounds", "1", "--json", str(out)]
+    env = {**os.environ, "XDG_CACHE_HOME": str(cached_cpu)}
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plan cpu 0-1, cpu#2 2-3" in done.stdout
+    (r,) = json.loads(out.read_text())
+    assert len(r["plan"]["stages"]) == 2 and r["measured"]["per_stream_tok_s"] > 0
+    assert r["predicted"]["aggregate_tok_s"] == pytest.approx(
+        2 * r["predicted"]["per_stream_tok_s"]
+    )
