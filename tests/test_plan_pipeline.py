@@ -60,6 +60,23 @@ def test_plan_of_a_cpu_listed_twice(cached_cpu, tiny_llama, tmp_path):
     assert all(s.kv_dtype == "fp32" and s.weights == "dense" for s in p.stages)
 
 
+def test_a_cpu_listed_twice_is_shared_by_its_stages(cached_cpu):
+    import torch
+
+    from hetero.planner.resolve import resolve_devices
+
+    (one,) = resolve_devices(["cpu"], progress=False)
+    a, b = resolve_devices(["cpu", "cpu"], progress=False)
+    assert (a.id, b.id) == ("cpu", "cpu#2")
+    threads = torch.get_num_threads()
+    f = max(1, threads // 2) / threads  # the pipeline gives each CPU stage threads // 2
+    for p in (a, b):
+        assert p.memory_free == one.memory_free // 2
+        assert p.matmul["fp16"].decode_gbs == pytest.approx(one.matmul["fp16"].decode_gbs * f)
+        assert p.attn_gbs == pytest.approx(one.attn_gbs * f)
+        assert p.layer_overhead_s == one.layer_overhead_s  # host work per process: unchanged
+
+
 def test_llm_runs_the_plan_and_matches_one_process(cached_cpu, tiny_llama, tmp_path):
     plan_file = tmp_path / "plan.json"
     p = make_plan(tiny_llama, plan_file, "-c", "2")

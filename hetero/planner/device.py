@@ -45,6 +45,14 @@ class MatmulRate:
             return max(memory, compute)
         return self._measured(weight_bytes, params, tokens, compute)
 
+    def scaled(self, memory: float, compute: float) -> MatmulRate:
+        """This rate on a share of the device: GB/s times `memory`, TFLOP/s times `compute`."""
+        curve = tuple((t, g * memory) for t, g in self.curve)
+        return MatmulRate(
+            self.kernel, self.decode_gbs * memory, self.prefill_tflops * compute, curve,
+            self.prefill_t,
+        )  # fmt: skip
+
     def _measured(self, weight_bytes: float, params: float, tokens: int, compute: float) -> float:
         """Linear in T between measured points: (1, decode), the curve, (prefill_t, prefill);
         past the last point compute-bound (time grows with T)."""
