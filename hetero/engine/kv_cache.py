@@ -28,9 +28,9 @@ def resolve_kv_dtype(kv_dtype: str, device: str) -> str:
     """The KV dtype "auto" stands for on `device`; any other choice is kept.
 
     fp8 where the device converts e4m3 in hardware (CUDA compute capability 8.9+: Ada, Hopper,
-    Blackwell), fp16 elsewhere. On a CPU, fp8 costs more than it saves: torch converts e4m3 with
-    scalar code, and decode attention measured ~2.5x slower per layer than over fp16 at one
-    stream and ~6x at 16 streams (BENCHMARKS.md); fp16 halves fp32's memory for ~1.3x its time.
+    Blackwell), fp16 elsewhere. On a CPU, fp8 costs more than it saves: decode attention over it
+    measured 2.3x slower per layer than over fp16 at one stream and 6x at 16 streams, whole steps
+    1.3-1.5x slower; fp32 took the same step time as fp16 at twice the memory (BENCHMARKS.md).
     """
     if kv_dtype != "auto":
         return kv_dtype
@@ -128,11 +128,18 @@ class KVPool:
             self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
             self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
         self._write = select("kv_write", torch.device(device)).fn
+        # per-layer views made once: a decode step asks for each layer's twice (write, attend),
+        # and 4 tensor selects per ask are a measurable share of a small model's step on a CPU
+        self._layers = [self._layer_views(i) for i in range(n_layers)]
 
-    def layer(self, i: int):
+    def _layer_views(self, i: int):
         ks = None if self.k_scale is None else self.k_scale[i]
         vs = None if self.v_scale is None else self.v_scale[i]
         return self.k[i], self.v[i], ks, vs
+
+    def layer(self, i: int):
+        """k, v [slots, KV, D] of layer i, and their fp8 scales [slots, KV] (else None)."""
+        return self._layers[i]
 
     def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._write(*self.layer(i), slots, k, v)
