@@ -7,11 +7,11 @@ exactly the asked lengths. Reports output tok/s, TTFT and inter-token latency pe
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from dataclasses import dataclass, field
 
+from hetero.bench_workloads import make_prompts
 from hetero.engine.engine import Engine
 from hetero.sampling import SamplingParams
 
@@ -33,6 +33,10 @@ class BenchResult:
     itl_s: list[float]
     output_tokens: int
     prompt_tokens: int
+    workload: str = "random"
+    spec_proposed: int = 0  # speculative tokens guessed (0 when speculation is off)
+    spec_accepted: int = 0
+    spec_mode: str = "off"
 
     @classmethod
     def from_timelines(
@@ -69,10 +73,20 @@ class BenchResult:
         """Decode speed one stream sees: 1 / median inter-token latency."""
         return 1.0 / statistics.median(self.itl_s) if self.itl_s else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    def spec_line(self) -> str:
+        return (
+            f"speculative {self.spec_mode}: proposed {self.spec_proposed}, accepted "
+            f"{self.spec_accepted} ({self.acceptance_rate:.0%})"
+        )
+
     def lines(self) -> list[str]:
         return [
-            f"requests {self.num_requests} x (in {self.input_len}, out {self.output_len}), "
-            f"concurrency {self.concurrency}, wall {self.wall_s:.2f} s",
+            f"{self.workload}: requests {self.num_requests} x (in {self.input_len}, out "
+            f"{self.output_len}), concurrency {self.concurrency}, wall {self.wall_s:.2f} s",
             f"output {self.output_tok_s:.1f} tok/s aggregate, "
             f"{self.per_stream_tok_s:.1f} tok/s per stream (1 / median ITL); "
             f"total {(self.output_tokens + self.prompt_tokens) / self.wall_s:.1f} tok/s",
@@ -98,11 +112,13 @@ def run_bench(
     output_len: int,
     seed: int = 0,
     params: SamplingParams | None = None,
+    workload: str = "random",
 ) -> BenchResult:
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    prompts = [[rng.randrange(1000, vocab) for _ in range(input_len)] for _ in range(num_requests)]
-    params = params or SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    prompts = make_prompts(engine, workload, num_requests, input_len, seed)
+    ignore_eos = workload == "random"  # text workloads end where the model ends them
+    params = params or SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
+    spec = engine.spec
+    spec0 = (0, 0) if spec is None else (spec.proposed, spec.accepted)
     lines: dict[str, Timeline] = {}
     pending = list(range(num_requests))
     t0 = time.perf_counter()
@@ -122,6 +138,13 @@ def run_bench(
             if out.finished and pending:
                 submit()
     wall = time.perf_counter() - t0
-    return BenchResult.from_timelines(
+    result = BenchResult.from_timelines(
         lines.values(), num_requests, concurrency, input_len, output_len, wall
     )
+    result.prompt_tokens = sum(len(p) for p in prompts)
+    result.workload = workload
+    if spec is not None:
+        result.spec_mode = engine.config.speculative
+        result.spec_proposed = spec.proposed - spec0[0]
+        result.spec_accepted = spec.accepted - spec0[1]
+    return result

@@ -155,9 +155,19 @@ def quantize(src, dst, qtype):
 @click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--warmup/--no-warmup", default=True, help="one short untimed run first")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
+@click.option(
+    "--workload",
+    type=click.Choice(["random", "code-edit", "chat"]),
+    default="random",
+    show_default=True,
+    help="random token prompts; code-edit: a source file asked back with a rename (much to "
+    "copy); chat: open questions (nothing to copy)",
+)
 @engine_options
-def bench(model, num_requests, concurrency, input_len, output_len, warmup, seed, **options):
-    """Offline throughput and latency: N requests, C at a time, random prompts."""
+def bench(
+    model, num_requests, concurrency, input_len, output_len, warmup, seed, workload, **options
+):
+    """Offline throughput and latency: N requests, C at a time."""
     from hetero.bench import run_bench
     from hetero.engine.engine import Engine
     from hetero.llm import build_configs
@@ -172,11 +182,17 @@ def bench(model, num_requests, concurrency, input_len, output_len, warmup, seed,
         run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
     try:
         result = run_bench(
-            engine, num_requests or concurrency, concurrency, input_len, output_len, seed=seed
+            engine,
+            num_requests or concurrency,
+            concurrency,
+            input_len,
+            output_len,
+            seed=seed,
+            workload=workload,
         )
     finally:
         engine.close()  # a pipeline's stage processes
-    click.echo("\n".join(result.lines()))
+    click.echo("\n".join([*result.lines(), result.spec_line()]))
 
 
 @main.command()

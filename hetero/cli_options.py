@@ -146,4 +146,34 @@ def engine_options(f):
     ]
     for opt in reversed(opts):
         f = opt(f)
+    return speculative_options(f)
+
+
+def speculative_options(f):
+    opts = [
+        click.option(
+            "--speculative",
+            type=click.Choice(["auto", "ngram", "draft", "off"]),
+            default="auto",
+            show_default=True,
+            help="guess tokens and verify them in one pass: ngram (prompt lookup; a request "
+            "that gets its guesses rejected stops guessing), draft (--draft-model), off; auto: "
+            "ngram on a CPU while few requests decode, off on CUDA (decode graphs pay more)",
+        ),
+        click.option(
+            "--num-speculative-tokens",
+            type=click.IntRange(1, 64),
+            default=8,
+            show_default=True,
+            help="the most tokens guessed per request and step",
+        ),
+        click.option(
+            "--draft-model",
+            type=click.Path(exists=True, dir_okay=False),
+            default=None,
+            help="small GGUF with the model's vocabulary, for --speculative draft",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
     return f

@@ -308,18 +308,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != state.batch_size:
             raise ValueError(f"logits must be [{state.batch_size}, V], got {tuple(logits.shape)}")
         logits = logits.float()
-        x = logits
-        if state.any_repetition or state.any_presence or state.any_frequency:
-            x = apply_penalties(
-                x,
-                state.prompt_ids,
-                state.output_ids,
-                state.repetition if state.any_repetition else None,
-                state.presence if state.any_presence else None,
-                state.frequency if state.any_frequency else None,
-            )
-        if state.allowed is not None:  # before temperature and top-k/p: they see allowed tokens
-            x = x.masked_fill(~state.allowed, -math.inf)
+        x = _penalized(logits, state)
         if state.all_greedy:
             ids = x.argmax(-1)
         else:
@@ -331,18 +320,58 @@ class Sampler:
     def _sample(self, x: torch.Tensor, state: SamplingState) -> torch.Tensor:
         """x [B, V] penalized logits -> [B] sampled ids (greedy rows' ids are discarded)."""
         batch, vocab = x.shape
-        x = x / state.temperature[:, None]
-        if state.max_top_k or state.any_top_p:
-            x = _mask_top_k_top_p(x, state)
-        if state.any_min_p:
-            # p_v < min_p * p_max  <=>  x_v < x_max + log(min_p); log(0) = -inf keeps all.
-            floor = x.amax(-1, keepdim=True) + torch.log(state.min_p)[:, None]
-            x = x.masked_fill(x < floor, -math.inf)
+        x = _filtered(x, state)
+        return (x + gumbel(self.row_keys(state, x.device), vocab)).argmax(-1)
+
+    def row_keys(self, state: SamplingState, device: torch.device) -> torch.Tensor:
+        """[B] int64 noise keys: (seed, step) on seeded rows, fresh ones from `seed` elsewhere."""
         keys = state.seed_keys
         if not state.all_seeded:
-            fresh = random_keys(batch, self._generator(x.device), x.device)
+            fresh = random_keys(state.batch_size, self._generator(device), device)
             keys = torch.where(state.seeded, keys, fresh) if state.any_seeded else fresh
-        return (x + gumbel(keys, vocab)).argmax(-1)
+        return keys
+
+
+def _penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """Penalties, then the allowed-token masks (before temperature and top-k/p: they see
+    allowed tokens only)."""
+    x = logits
+    if state.any_repetition or state.any_presence or state.any_frequency:
+        x = apply_penalties(
+            x,
+            state.prompt_ids,
+            state.output_ids,
+            state.repetition if state.any_repetition else None,
+            state.presence if state.any_presence else None,
+            state.frequency if state.any_frequency else None,
+        )
+    if state.allowed is not None:
+        x = x.masked_fill(~state.allowed, -math.inf)
+    return x
+
+
+def _filtered(x: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """Penalized logits [B, V] -> temperature-scaled, -inf outside top-k / top-p / min-p."""
+    x = x / state.temperature[:, None]
+    if state.max_top_k or state.any_top_p:
+        x = _mask_top_k_top_p(x, state)
+    if state.any_min_p:
+        # p_v < min_p * p_max  <=>  x_v < x_max + log(min_p); log(0) = -inf keeps all.
+        floor = x.amax(-1, keepdim=True) + torch.log(state.min_p)[:, None]
+        x = x.masked_fill(x < floor, -math.inf)
+    return x
+
+
+def probabilities(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """The distribution [B, V] a sampled row draws from (penalties, temperature, top-k, top-p,
+    min-p): what speculative verification compares a draft's distribution with. Greedy rows
+    get a point mass on their argmax."""
+    x = _penalized(logits.float(), state)
+    p = _filtered(x, state).softmax(-1)
+    if state.any_greedy:
+        hot = torch.nn.functional.one_hot(x.argmax(-1), x.shape[1]).to(p.dtype)
+        p = torch.where(state.greedy[:, None], hot, p)
+    return p
 
 
 def _mask_top_k_top_p(x: torch.Tensor, state: SamplingState) -> torch.Tensor:

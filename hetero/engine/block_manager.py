@@ -283,8 +283,30 @@ class BlockManager(TieredBlocks):
         if req.request_id not in self._live:
             req.block_table = []
             return
+        self._release(reversed(req.block_table))
+        req.block_table = []
+        req.num_computed_tokens = 0
+        del self._live[req.request_id]
+        del self._hashes[req.request_id]
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Drop req's blocks past those holding positions [0, num_tokens): the slots of
+        speculative tokens that verification rejected. Only computed, accepted tokens are named
+        (commit), so no dropped block carries a name for tokens that were never accepted."""
+        table = self._table_of(req)
+        if num_tokens < req.num_computed_tokens:
+            raise ValueError(
+                f"request {req.request_id!r}: cannot trim below its "
+                f"{req.num_computed_tokens} computed tokens (asked {num_tokens})"
+            )
+        keep = self.blocks_for(num_tokens)
+        self._release(reversed(table[keep:]))
+        del table[keep:]
+
+    def _release(self, blocks) -> None:
+        """Drop one reference on each block: at zero a named block is parked, others freed."""
         released = set()
-        for b in reversed(req.block_table):
+        for b in blocks:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 released.add(b)
@@ -297,10 +319,6 @@ class BlockManager(TieredBlocks):
         # a queued copy into a block that nobody holds any more is moot, and would race with a
         # later copy into the same block once it is reused
         self._copies = [(s, d) for s, d in self._copies if d not in released]
-        req.block_table = []
-        req.num_computed_tokens = 0
-        del self._live[req.request_id]
-        del self._hashes[req.request_id]
 
     def reset_prefix_cache(self) -> int:
         """Forget all parked blocks (live ones keep their names); returns how many."""

@@ -18,6 +18,8 @@ from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
+from hetero.engine.spec import make_speculator
+from hetero.engine.spec.verify import accept_rows, expand_rows
 from hetero.gguf_loader import GGUFModel
 from hetero.model.llama import LlamaModel, load_model
 from hetero.models import resolve_model
@@ -74,6 +76,9 @@ class Engine:
         self.model_config = self.gguf.config
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.runtime.device)
+        self.params: dict[str, SamplingParams] = {}
+        # before the pool is sized: a draft model's weights and KV come out of the same memory
+        self.spec = make_speculator(self)  # None when speculative decoding is off
         self.pool_size = self._size_pool()
         cfg = self.config
         self.pool = KVPool(
@@ -176,6 +181,8 @@ class Engine:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
         found = self.scheduler.abort(request_id)
         self.params.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.forget(request_id)
         self.constraints.drop(request_id)
         return found
 
@@ -185,10 +192,11 @@ class Engine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        guesses = self._guesses()
         tiered = self.kv_tiers
         if tiered is not None:
             tiered.before_schedule(self.block_manager)
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(guesses)
         if tiered is not None:
             tiered.after_schedule()  # offloads and restores the schedule queued
         results: dict[str, StepOutput] = {}
@@ -198,8 +206,18 @@ class Engine:
             t0 = time.perf_counter()
             logits, producing = self.runner.run(out)
             sampled = self._sample(logits, producing, results)
+            before = {s.req.request_id: len(s.req.output_ids) for s in producing}
             finished = self.scheduler.update(out, sampled)
+            for s in producing:
+                if s.spec_ids:  # a stop among accepted guesses drops the tokens after it
+                    o = results[s.req.request_id]
+                    kept = len(s.req.output_ids) - before[s.req.request_id]
+                    del o.new_token_ids[kept:]
+                    if o.logprobs is not None:
+                        del o.logprobs[kept:]
             self.stats.record(out, time.perf_counter() - t0)
+            if self.spec is not None:
+                self.spec.observe(out, sampled, finished)
             if tiered is not None:
                 tiered.observe_step(out.num_batched_tokens, time.perf_counter() - t0)
             for req in finished:
@@ -211,27 +229,65 @@ class Engine:
             tiered.idle(self.block_manager)
         return list(results.values())
 
-    def _sample(self, logits, producing, results) -> dict[str, int]:
+    def _sample(self, logits, producing, results) -> dict[str, list[int]]:
+        """Sample every logits row (one per request, 1 + k for one that speculated) and keep
+        each request's accepted tokens (spec/verify.py); returns request id -> tokens."""
         if not producing:
             return {}
         reqs = [s.req for s in producing]
         params = [self.params[r.request_id] for r in reqs]
+        rows = expand_rows(reqs, [s.spec_ids for s in producing], params)
+        row_ids = [r.request_id for r, (lo, hi) in zip(reqs, rows.spans) for _ in range(lo, hi)]
         state = make_batch(
-            params,
-            [r.prompt_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            [len(r.output_ids) for r in reqs],
+            rows.params,
+            rows.prompts,
+            rows.outputs,
+            rows.steps,
             logits.device,
-            self.constraints.masks([r.request_id for r in reqs]),
+            self.constraints.masks(row_ids),  # constrained requests never guess: one row each
         )
         ids, lps, tops = sampled_lists(self.sampler(logits, state))
-        for req, token in zip(reqs, ids):  # a completed JSON object ends its request now
-            req.stop_now = self.constraints.accept(req.request_id, token)
+        if self.spec is None:
+            accepted = accept_rows(producing, rows.spans, ids)
+        else:
+            accepted = self.spec.accept(producing, rows.spans, ids, logits, state, self.sampler)
         sampled = {}
-        for i, (req, p) in enumerate(zip(reqs, params)):
-            sampled[req.request_id] = ids[i]
-            results[req.request_id] = token_output(req, p, i, ids, lps, tops)
+        for s, p, (lo, hi), tokens in zip(producing, params, rows.spans, accepted):
+            req = s.req
+            sampled[req.request_id] = tokens
+            for token in tokens:  # a completed JSON object ends its request now
+                req.stop_now = self.constraints.accept(req.request_id, token)
+            o = results[req.request_id] = StepOutput(
+                req.request_id,
+                list(tokens),
+                None,
+                False,
+                None,
+                req.num_prompt_tokens,
+                req.num_cached_tokens,
+            )
+            if p.logprobs is not None:
+                o.logprobs = [
+                    TokenLogprob(
+                        t,
+                        lps[i] if t == ids[i] else float(logits[i].log_softmax(-1)[t]),
+                        [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs],
+                    )
+                    for i, t in zip(range(lo, hi), tokens)
+                ]
         return sampled
+
+    def _guesses(self) -> dict[str, list[int]] | None:
+        """Speculative tokens of the decoding requests (none for JSON-constrained ones, whose
+        mask follows the grammar one accepted token at a time)."""
+        if self.spec is None:
+            return None
+        decoding = self.scheduler.decoding()
+        limit = self.spec.max_decodes
+        if limit is not None and len(decoding) > limit:
+            return None  # "auto": a full batch keeps the device busy without guesses
+        free = [r for r in decoding if not self.constraints.has(r.request_id)]
+        return self.spec.propose(free)
 
     def _final(self, req: Request) -> StepOutput:
         self.params.pop(req.request_id, None)

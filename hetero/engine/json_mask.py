@@ -241,6 +241,9 @@ class Constraints:
     def drop(self, request_id: str) -> None:
         self._active.pop(request_id, None)
 
+    def has(self, request_id: str) -> bool:
+        return request_id in self._active
+
     def masks(self, request_ids: Sequence[str]) -> torch.Tensor | None:
         """[B, width] bool, the allowed tokens of each row (all of them on unconstrained rows),
         or None when no row is constrained."""

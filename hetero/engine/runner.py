@@ -96,7 +96,9 @@ class ModelRunner:
     def run(
         self, out: SchedulerOutput, hidden: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Logits [N, V] float32 for the N scheduled requests whose step produces a token.
+        """Logits [N, V] float32 for the scheduled requests whose step produces a token: one
+        row each, or 1 + len(spec_ids) rows (the last token's, then each guess's) when it
+        speculates; `producing` lists those requests in row order.
 
         A pipeline stage after the first passes the previous stage's hidden states [T, C]; a
         stage before the last gets its own hidden states [T, C] back instead of logits.
@@ -108,11 +110,13 @@ class ModelRunner:
         tokens, positions, last_rows, producing = [], [], [], []
         row = 0
         for s in sched:
-            tokens.extend(s.req.tokens(s.start_pos, s.start_pos + s.num_new_tokens))
+            known = s.num_new_tokens - len(s.spec_ids)
+            tokens.extend(s.req.tokens(s.start_pos, s.start_pos + known))
+            tokens.extend(s.spec_ids)
             positions.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
             row += s.num_new_tokens
             if s.produces_token:
-                last_rows.append(row - 1)
+                last_rows.extend(range(row - 1 - len(s.spec_ids), row))
                 producing.append(s)
         slots, meta = build_meta(sched, self.pool.block_size, self.tensor_meta)
         dev = self.device

@@ -40,6 +40,8 @@ class ScheduledRequest:
     produces_token: the chunk ends at the last known token, so its logits choose the next token
     (a decode, or the last chunk of a prompt); otherwise a middle chunk whose logits are unused.
     is_prefill_chunk: more than one token, or tokens of the prompt (not a plain decode).
+    spec_ids: speculative tokens appended after the request's last token (engine/spec/): the
+    step computes 1 + len(spec_ids) positions and scores each guess (their logits are wanted).
     """
 
     req: Request
@@ -47,6 +49,7 @@ class ScheduledRequest:
     start_pos: int
     is_prefill_chunk: bool
     produces_token: bool
+    spec_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -166,10 +169,15 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def decoding(self) -> list[Request]:
+        """Running requests whose next step is a plain decode (the ones that may speculate)."""
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+
+    def schedule(self, spec: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """spec: speculative tokens per request id, for requests in decoding() (see spec/)."""
         self._step, self._budget = {}, self.config.max_num_batched_tokens
         out = SchedulerOutput()
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = self.decoding()
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if self._budget == 0:
@@ -183,6 +191,8 @@ class Scheduler:
                 self._put(req, req.num_computed_tokens, n)
         if not out.preempted:
             self._admit(out)
+        if spec:
+            self._speculate(spec)
         out.scheduled = list(self._step.values())
         out.copies = self.block_manager.take_copies()
         out.finished, self._finished = self._finished, []
@@ -195,15 +205,37 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 else n
 
-    def _put(self, req: Request, start: int, n: int) -> None:
+    def _put(self, req: Request, start: int, n: int, spec: tuple[int, ...] = ()) -> None:
         self._step[req.request_id] = ScheduledRequest(
             req=req,
             num_new_tokens=n,
             start_pos=start,
             is_prefill_chunk=n > 1 or start < req.num_prompt_tokens,
-            produces_token=start + n == req.num_tokens,
+            produces_token=start + n == req.num_tokens + len(spec),
+            spec_ids=spec,
         )
         self._budget -= n
+
+    def _speculate(self, spec: dict[str, list[int]]) -> None:
+        """Extend this step's plain decodes by their guesses, with what the budget has left
+        after decodes, prefill chunks and admissions (guesses are the most expendable work).
+
+        Guesses never preempt anyone: without free blocks a request decodes plainly. Nor do
+        they pass max_tokens or max_model_len: a step appends at most 1 + len(guess) tokens.
+        """
+        limit = self.config.max_model_len
+        for rid, guess in spec.items():
+            s = self._step.get(rid)
+            if self._budget == 0 or s is None or s.is_prefill_chunk:
+                continue
+            req = s.req
+            room = min(self._budget, req.max_tokens - len(req.output_ids) - 1)
+            if limit is not None:
+                room = min(room, limit - req.num_tokens - 1)
+            guess = guess[: max(room, 0)]
+            if guess and self.block_manager.append_slots(req, 1 + len(guess)):
+                self._budget += 1  # _put charges the decode's own token again
+                self._put(req, s.start_pos, 1 + len(guess), tuple(guess))
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Slots for req's n tokens, preempting the newest running requests until they fit.
@@ -265,12 +297,14 @@ class Scheduler:
 
     # -- after the step --------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Apply a computed step: advance KV, append sampled tokens, finish and free requests.
 
         sampled maps request_id -> next token for each scheduled request whose step produced a
-        token (produces_token); other keys are ignored. Requests aborted since schedule() are
-        skipped. Returns the requests this step finished.
+        token (produces_token); other keys are ignored. A request that speculated gets a list:
+        its accepted guesses and the token after them (1 .. 1 + len(spec_ids) tokens); the KV
+        of rejected guesses is dropped. Requests aborted since schedule() are skipped. Returns
+        the requests this step finished.
         """
         live = [s for s in output.scheduled if s.req.status is RequestStatus.RUNNING]
         missing = [
@@ -285,17 +319,38 @@ class Scheduler:
                 raise RuntimeError(
                     f"request {req.request_id!r}: step applied twice or out of order"
                 )
-            req.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit(req)
             if not s.produces_token:
+                req.num_computed_tokens += s.num_new_tokens
+                self.block_manager.commit(req)
                 continue
-            token = sampled[req.request_id]
-            req.output_ids.append(token)
-            status = req.stops_at(token)
-            limit = self.config.max_model_len
-            if status is None and limit is not None and req.num_tokens >= limit:
-                status = RequestStatus.FINISHED_LENGTH
+            status = self._append(req, s, sampled[req.request_id])
+            self.block_manager.commit(req)
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
+            elif s.spec_ids:
+                self.block_manager.trim(req, req.num_tokens)
         return finished
+
+    def _append(self, req: Request, s: ScheduledRequest, tokens: int | list[int]):
+        """Append a step's tokens, up to the first that finishes req (the rest are dropped);
+        advance num_computed_tokens over the KV that holds accepted tokens only."""
+        tokens = [tokens] if isinstance(tokens, int) else tokens
+        if not 1 <= len(tokens) <= 1 + len(s.spec_ids):
+            raise ValueError(
+                f"request {req.request_id!r}: {len(tokens)} tokens for a step with "
+                f"{len(s.spec_ids)} guesses (1 .. {1 + len(s.spec_ids)} expected)"
+            )
+        limit = self.config.max_model_len
+        status, taken = None, 0
+        for token in tokens:
+            req.output_ids.append(token)
+            taken += 1
+            status = req.stops_at(token)
+            if status is None and limit is not None and req.num_tokens >= limit:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                break
+        # KV is valid for the last token and the taken tokens but the newest one (computed next)
+        req.num_computed_tokens = s.start_pos + s.num_new_tokens - len(s.spec_ids) + taken - 1
+        return status

@@ -143,6 +143,19 @@ def _engine_gauges(add: _Writer, engine: Engine) -> None:
     add.counter("hetero_engine_steps_total", "engine steps", [("", stats.steps)])
     add.counter("hetero_engine_tokens_total", "tokens computed by steps", [("", stats.tokens)])
     add.counter("hetero_engine_busy_seconds_total", "time in steps", [("", stats.busy_s)])
+    _speculation(add, engine)
+
+
+def _speculation(add: _Writer, engine: Engine) -> None:
+    """Speculative decoding's guesses (zeros when it is off)."""
+    spec = getattr(engine, "spec", None)
+    proposed, accepted = (0, 0) if spec is None else (spec.proposed, spec.accepted)
+    add.counter("hetero_spec_proposed_tokens_total", "tokens guessed", [("", proposed)])
+    add.counter(
+        "hetero_spec_accepted_tokens_total", "guessed tokens the model accepted", [("", accepted)]
+    )
+    rate = accepted / proposed if proposed else 0.0
+    add.gauge("hetero_spec_acceptance_rate", "accepted / proposed since start", [("", rate)])
 
 
 def _tier_gauges(add: _Writer, engine: Engine) -> None:

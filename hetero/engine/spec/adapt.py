@@ -1,0 +1,69 @@
+"""Per-request speculation control: how many tokens to propose, how long a match to trust, and
+when to stop guessing because the guesses do not pay.
+
+A verified step costs about the same as a plain decode when few tokens are proposed (decoding
+is memory bound), but a rejected guess still costs its rows of the batch. So each request keeps
+an estimate of its recent acceptance rate and:
+  - k (tokens proposed) grows after a step whose guesses were all accepted and shrinks to what
+    was accepted (+1) after a rejection, within [1, k_max];
+  - the shortest n-gram trusted grows by one while acceptance is poor (short matches are the
+    unreliable ones) and returns to min_n when it recovers;
+  - after `probe_rounds` verified steps with acceptance under `off_below`, speculation switches
+    off for the request for `backoff` decode steps, then probes again (backoff doubling each
+    time it fails, up to `max_backoff`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    k_max: int = 8
+    min_n: int = 2
+    max_n: int = 4
+    ema: float = 0.3  # weight of the newest step in the acceptance estimate
+    poor_below: float = 0.4  # acceptance under which matches must be one token longer
+    off_below: float = 0.15  # acceptance under which speculation switches off for a while
+    probe_rounds: int = 4  # verified steps before the off-switch may trip
+    backoff: int = 16  # decode steps without speculation after the first trip
+    max_backoff: int = 512
+
+
+class SpecState:
+    """One request's speculation controller (pure Python, no engine state)."""
+
+    __slots__ = ("cfg", "k", "acceptance", "rounds", "steps", "off_until", "backoff")
+
+    def __init__(self, cfg: AdaptConfig) -> None:
+        self.cfg = cfg
+        self.k = min(4, cfg.k_max)  # start moderate: a first guess is often a short match
+        self.acceptance = 0.5  # neutral prior
+        self.rounds = 0  # verified steps since the last (re)probe
+        self.steps = 0  # decode steps seen
+        self.off_until = 0  # speculation is off while steps < off_until
+        self.backoff = cfg.backoff
+
+    @property
+    def active(self) -> bool:
+        return self.steps >= self.off_until
+
+    @property
+    def min_n(self) -> int:
+        poor = self.acceptance < self.cfg.poor_below
+        return min(self.cfg.min_n + int(poor), self.cfg.max_n)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """One decode step's result: `accepted` of the `proposed` guesses were right."""
+        self.steps += 1
+        if proposed == 0:
+            return
+        c = self.cfg
+        self.rounds += 1
+        self.acceptance += c.ema * (accepted / proposed - self.acceptance)
+        self.k = min(c.k_max, self.k + 2) if accepted == proposed else max(1, accepted + 1)
+        if self.rounds >= c.probe_rounds and self.acceptance < c.off_below:
+            self.off_until = self.steps + self.backoff
+            self.backoff = min(2 * self.backoff, c.max_backoff)
+            self.rounds, self.acceptance, self.k = 0, 0.5, min(4, c.k_max)

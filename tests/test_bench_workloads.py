@@ -1,0 +1,27 @@
+"""The benchmark's prompts: a code-edit prompt holds a real file and a rename task."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetero.bench_workloads import chat_prompts, code_edit_prompts, random_prompts
+
+
+def test_code_edit_prompt_holds_a_file_cut_to_size(smollm2):
+    prompts = code_edit_prompts(smollm2, 3, 200, seed=0)
+    assert len({tuple(p) for p in prompts}) == 3  # three different files
+    for ids in prompts:
+        text = smollm2.decode(ids)
+        assert "```python\n" in text and "_v2`" in text and "def " in text
+        assert 200 <= len(ids) <= 200 + 120  # the file (~200 tokens) plus the task and template
+
+
+def test_other_workloads(smollm2):
+    chats = chat_prompts(smollm2, 4, seed=1)
+    assert len({tuple(p) for p in chats}) == 4
+    rand = random_prompts(1000 + 50, 2, 16, seed=0)
+    assert all(len(p) == 16 and all(1000 <= t < 1050 for t in p) for p in rand)
+    with pytest.raises(ValueError, match="workload"):
+        from hetero.bench_workloads import make_prompts
+
+        make_prompts(None, "nope", 1, 1, 0)
