@@ -58,6 +58,7 @@ def _one_stage_engine(model: str, p: Plan, eager: bool):
         kv_dtype=stage.kv_dtype,
         num_kv_blocks=stage.num_kv_blocks,
         enable_prefix_caching=False,
+        speculative="off",  # the cost model prices plain decode steps
         enforce_eager=eager,
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
     )
@@ -74,6 +75,7 @@ def _pipeline_engine(model: str, plan_file: str, p: Plan):
 
     cfg = EngineConfig(
         enable_prefix_caching=False,
+        speculative="off",  # the cost model prices plain decode steps
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
         pipeline=PipelineConfig(plan=plan_file),
     )

@@ -75,6 +75,7 @@ def _engine(path: Path, device: str, kv_dtype: str, blocks: int):
         kv_dtype=kv_dtype,
         num_kv_blocks=blocks,
         enable_prefix_caching=False,
+        speculative="off",  # the cost model prices plain decode steps
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
     )
     return Engine(str(path), cfg, RuntimeConfig(device=device))
