@@ -121,6 +121,8 @@ def main() -> None:
     print(f"ceilings: copy {copy_gbs:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
     engine = build_engine(args)
     print("kernels:", ", ".join(f"{k}={v}" for k, v in chosen(torch.device(args.device)).items()))
+    graphs = engine.runner.graphs  # None: every step eager (--enforce-eager, or capture failed)
+    print("decode CUDA graphs:", graphs.buckets if graphs is not None else "none: eager steps")
     step_bytes, params = weight_bytes(engine)
     print(f"a decode step reads {step_bytes / 1e9:.2f} GB of weights; {params / 1e9:.2f} G params")
     run_bench(engine, 2, 2, 64, 8)  # warm-up: Triton compiles the prefill variants
@@ -133,6 +135,8 @@ def main() -> None:
             f"{d['aggregate_tok_s']:8.1f} aggregate ({d['wall_output_tok_s']:.1f} over the wall "
             f"with prefill); roofline {d['roofline_tok_s']:.0f} -> {d['fraction']:.0%}"
         )
+    if graphs is not None:  # decode steps that missed the graphs ran eagerly (and slowly)
+        print(f"decode steps through the graph buffers: {graphs.steps}")
     for p in args.prefill:
         r = prefill_row(engine, p, tflops, params)
         rows["prefill"].append(r)

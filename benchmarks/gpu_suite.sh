@@ -3,7 +3,9 @@
 #
 #   benchmarks/gpu_suite.sh tests    pytest -m gpu on the kernel and CUDA-graph tests
 #   benchmarks/gpu_suite.sh kernels  paged decode attention / KV write: us per call, GB/s vs copy
+#   benchmarks/gpu_suite.sh micro    quant matmul per path, Q4_K/Q5_K/Q6_K, T = 1..64, 8B shapes
 #   benchmarks/gpu_suite.sh check    SmolLM2 greedy: Triton + graphs vs the GPU reference, CPU fp32
+#                                    (float32 activations: must be equal; bf16: errors reported)
 #   benchmarks/gpu_suite.sh synth    write llama3-8b Q4_K_M and Q6_K files (hetero synth)
 #   benchmarks/gpu_suite.sh bench    decode B = 1/8/32/64, prefill 512/4096 on Q4_K_M, rooflines
 #   benchmarks/gpu_suite.sh extra    Q6_K batch-1 decode, and Q4_K_M batch 1 without CUDA graphs
@@ -24,7 +26,8 @@ tests() {
     tests/test_triton_fused.py tests/test_cuda_graph.py tests/test_triton_qmatmul.py 2>&1 | tail -25
 }
 kernels() { "$PY" benchmarks/gpu_paged.py; }
-check() { "$PY" benchmarks/gpu_check_smollm2.py --kv-dtype fp16 && "$PY" benchmarks/gpu_check_smollm2.py --kv-dtype fp8; }
+micro() { "$PY" benchmarks/gpu_qmicro.py --json "$OUT/qmicro.json"; }
+check() { "$PY" benchmarks/gpu_check_smollm2.py --kv-dtype fp16; "$PY" benchmarks/gpu_check_smollm2.py --kv-dtype fp8; }
 synth() {
   [ -f "$Q4" ] || "$PY" -m hetero.cli synth "$Q4" --shape llama3-8b --quant q4_k_m
   [ -f "$Q6" ] || "$PY" -m hetero.cli synth "$Q6" --shape llama3-8b --quant q6_k
@@ -34,13 +37,14 @@ bench() {
     --json "$OUT/engine_q4_k_m.json" 2>&1 | grep -v "it/s]"
 }
 extra() {
-  "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill 512 2>&1 | grep -v "it/s]"
+  "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1,8 --prefill 512 2>&1 | grep -v "it/s]"
   "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" --enforce-eager 2>&1 | grep -v "it/s]"
 }
 
 stage=${1:-all}
 case "$stage" in
-  tests|kernels|check|synth|bench|extra) "$stage" ;;
-  all) tests; kernels; check; synth; bench; extra ;;
-  *) echo "unknown stage $stage: tests | kernels | check | synth | bench | extra | all" >&2; exit 2 ;;
+  tests|kernels|micro|check|synth|bench|extra) "$stage" ;;
+  all) tests; kernels; micro; check; synth; bench; extra ;;
+  *) echo "unknown stage $stage: tests | kernels | micro | check | synth | bench | extra | all" >&2
+     exit 2 ;;
 esac

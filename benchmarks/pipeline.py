@@ -1,7 +1,7 @@
 """Pipeline stages against one process: greedy agreement and tok/s at 1 and 16 streams.
 
     python benchmarks/pipeline.py MODEL --preset cpu                 # 1 vs 2 CPU stages
-    python benchmarks/pipeline.py llama3-8b.gguf --preset h200 [--cpu-layers 8]
+    python benchmarks/pipeline.py llama3-8b.gguf --preset h200 [--cpu-layers 8] [--rows 2]
 
 Presets (each row is one engine, built, measured, closed):
   cpu:  one process on the CPU (all cores, then one thread); --devices cpu,cpu (two stages,
@@ -11,6 +11,10 @@ Presets (each row is one engine, built, measured, closed):
   h200: all layers on cuda:0; two stages on cuda:0 (the pipeline's own overhead: activations
         cross processes through host memory, as NCCL cannot join two ranks on one GPU); the
         last --cpu-layers layers on the CPU (GPU+CPU, as when VRAM runs short).
+Every row (and every phase of a pipeline's start) is logged to stderr with a timestamp; a start
+longer than --stage-timeout fails naming the stage and its phase. --rows 2,3 runs only those
+rows (1-based; the reference greedy tokens then come from the first row run). Each row's engine
+is closed and dropped, and its cached GPU and pinned memory released, before the next starts.
 Greedy agreement: the first row's outputs are the reference; every other row reports how many
 of its tokens match before the first difference (bf16 on a GPU: batch shapes differ between
 rows, so a near-tie may flip late in a sequence). Write the 8B file first with
@@ -20,7 +24,10 @@ rows, so a near-tie may flip late in a sequence). Write the 8B file first with
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
+import sys
 import tempfile
 import time
 
@@ -76,10 +83,31 @@ def agreement(want: list[list[int]], got: list[list[int]]) -> str:
     return f"{sum(same)}/{sum(len(a) for a in want)} tokens before the first difference"
 
 
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def release() -> None:
+    """Free what the last row's engine cached in this process (GPU blocks, pinned RAM tier), so
+    the next row's stages size their pools from memory that is really free."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        empty_host = empty_host or getattr(torch._C, "_accelerator_emptyHostCache", None)
+        if empty_host is not None:
+            empty_host()
+        free, total = torch.cuda.mem_get_info()
+        say(f"cuda:0 {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+
+
 def measure(model: str, label: str, options: dict, args, reference) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, progress=True, **options, **args.engine)
     start_s = time.perf_counter() - t0
+    say(f"{label}: started in {start_s:.1f} s")
     try:
         eng = llm.engine
         greedy = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True)
@@ -88,7 +116,9 @@ def measure(model: str, label: str, options: dict, args, reference) -> dict:
         row = {"config": label, "start_s": round(start_s, 1)}
         row["greedy"] = "reference" if reference is None else agreement(reference, outs)
         run_bench(eng, 1, 1, 16, 4, seed=1)  # warm-up
+        say(f"{label}: greedy check done")
         for c in args.streams:
+            say(f"{label}: {c} streams")
             r = run_bench(eng, c, c, args.input_len, args.output_len)
             row[f"tok/s @{c}"] = round(r.output_tok_s, 2)
             row[f"ITL p50 ms @{c}"] = round(1e3 / r.per_stream_tok_s, 1) if r.itl_s else None
@@ -111,18 +141,45 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--kv-dtype", default="fp8")
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
+    ap.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a pipeline's "
+        "start (or one step) may take before it fails naming the stuck stage",
+    )
+    ap.add_argument(
+        "--rows",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="run only these rows of the preset, 1-based (e.g. 2 or 1,2)",
+    )
     ap.add_argument("--json", default=None, help="write the rows here too")
     args = ap.parse_args()
-    args.engine = {"kv_dtype": args.kv_dtype, "num_kv_blocks": args.num_kv_blocks}
+    args.engine = {
+        "kv_dtype": args.kv_dtype,
+        "num_kv_blocks": args.num_kv_blocks,
+        "stage_timeout": args.stage_timeout,
+    }
+    logging.basicConfig(
+        level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     from hetero.gguf_loader import load_gguf
 
     n_layers = load_gguf(args.model).config.n_layers
     rows, reference = [], None
-    for label, options in presets(args.preset, n_layers, args.cpu_layers, args.mps):
+    table = presets(args.preset, n_layers, args.cpu_layers, args.mps)
+    for i in args.rows or range(1, len(table) + 1):
+        if not 1 <= i <= len(table):
+            raise SystemExit(f"--rows: {i} is not a row of preset {args.preset} (1-{len(table)})")
+        label, options = table[i - 1]
+        say(f"row {i} ({label}) starting")
         row, outs = measure(args.model, label, options, args, reference)
         reference = reference or outs
         rows.append(row)
         print(json.dumps(row), flush=True)
+        say(f"row {i} ({label}) finished")
+        release()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -239,19 +239,13 @@ def _split_k_store(val, y_ptrs, mask, part_ptr, poff, slice_size, cnt, pid_k, sp
 
 
 # Only the strides that set vector widths are specialized (divisibility by 16); the rest would
-# compile one variant per shape for nothing.
-@triton.jit(
-    do_not_specialize=[
-        "T",
-        "N",
-        "n_chunks",
-        "chunks_per_split",
-        "y_stride",
-        "grp_stride",
-        "sb_stride",
-        "zero",
-    ]
-)
+# compile one variant per shape for nothing. (The matmul kernels' run-time arguments.)
+NO_SPECIALIZE = [
+    *("T", "N", "n_chunks", "chunks_per_split", "y_stride", "grp_stride", "sb_stride", "zero")
+]
+
+
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _qgemv_kernel(
     x_ptr, y_ptr, part_ptr, cnt_ptr,
     codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
@@ -317,18 +311,7 @@ def _qgemv_kernel(
     )  # fmt: skip
 
 
-@triton.jit(
-    do_not_specialize=[
-        "T",
-        "N",
-        "n_chunks",
-        "chunks_per_split",
-        "y_stride",
-        "grp_stride",
-        "sb_stride",
-        "zero",
-    ]
-)
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _qmm_kernel(
     x_ptr, y_ptr, part_ptr, cnt_ptr,
     codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,

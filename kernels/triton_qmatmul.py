@@ -4,6 +4,8 @@ Three paths, by the number of tokens T (x is [T, K], W is [N, K]):
 
     T <= GEMV_MAX_T       qgemv   one launch: decode in registers, float32 FMAs, split-K with an
                                   in-kernel fix-up (memory-bound: time ~ weight bytes / bandwidth)
+    T <= GEMV_TOKENS_MAX_T qgemv_tokens  the same, a program decoding each weight once for up to 8
+                                  tokens (batched decode; see triton_qgemv_tokens)
     T <  DENSE_MIN_T      qmm     dequantize tiles straight into the tensor cores (tl.dot), K
                                   split when the tiles are fewer than the SMs
     T >= DENSE_MIN_T      dense   dequantize W (in slabs) to x's dtype, then cuBLAS (at these T
@@ -40,10 +42,14 @@ from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, QSpec, chunk_codes, packable, repack
 
 GEMV_MAX_T = 2
+# 8 tokens: the FMAs a decoded weight feeds still take about the time its bytes take (the
+# reasoning in triton_qgemv_tokens); benchmarks/gpu_qmatmul.py --micro prints both paths per T.
+GEMV_TOKENS_MAX_T = 8
 DENSE_MIN_T = 160
 DENSE_SLAB_ELEMENTS = 1 << 27  # dequantize at most this many weights at a time (256 MB in bf16)
 _GEMV_CTAS_PER_SM = 4  # enough warps in flight to cover DRAM latency (see gemv_config)
 _GEMV_WARPS = 4
+_TOKENS_BLOCK_N = 32
 
 
 def triton_supported(device: torch.device | str) -> bool:
@@ -148,28 +154,68 @@ def qgemv(
     return y
 
 
-def mm_config(n: int, t: int, chunk: int) -> tuple[int, int, int, int, int]:
-    """(BN, BT, S, num_warps, num_stages) for the tensor-core path: 128 codes of K a step."""
+def tokens_config(
+    spec: QSpec, n: int, n_chunks: int, t: int, sm_count: int, split_k: int | None = None
+) -> tuple[GemvConfig, int]:
+    """(config, TT) for qgemv_tokens: TT tokens a program (4 or 8) and 32 rows (4 warps: a
+    thread holds 2 (row, chunk) pairs of a Q4 type; ptxas for sm_90: 80 registers at TT = 4,
+    128 at TT = 8, none spilled), K split as in gemv_config."""
+    tt = 4 if t <= 4 else 8
+    cfg = gemv_config(spec, n, n_chunks, -(-t // tt), sm_count, split_k, _TOKENS_BLOCK_N)
+    return cfg, tt
+
+
+def qgemv_tokens(x: torch.Tensor, pw: PackedWeight, split_k: int | None = None) -> torch.Tensor:
+    """x [T, K] -> [T, N] by the few-token decode kernel (any T; meant for 3 .. 16)."""
+    from hetero.kernels.triton_qgemv_tokens import _qgemv_tokens_kernel
+
+    t_count, k = x.shape
+    n = pw.shape[0]
+    n_chunks = k // chunk_codes(pw.spec.low_bits)
+    cfg, tt = tokens_config(pw.spec, n, n_chunks, t_count, _sm_count(x.device), split_k)
+    tiles, groups = -(-n // cfg.block_n), -(-t_count // tt)
+    y = torch.empty(t_count, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(cfg.split_k, t_count, n, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, tiles * groups)
+    args, meta = _plane_args(pw)
+    _qgemv_tokens_kernel[(groups, tiles, cfg.split_k)](
+        x, y, part, cnt, *args[:6], t_count, n, n_chunks, cfg.chunks_per_split,
+        x.stride(0), y.stride(0), *args[6:], **meta,
+        BN=cfg.block_n, S=cfg.chunk_step, TT=tt, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return y
+
+
+def mm_config(
+    n: int, t: int, chunk: int, block_n: int | None = None
+) -> tuple[int, int, int, int, int, int]:
+    """(BN, BT, S, num_warps, num_stages, CTAs an SM holds) for the tensor-core path, 128 codes
+    of K a step.
+
+    A step's scale loads are plain (unpipelined) global loads, so one program waits a memory
+    latency a step unless another program on its SM runs meanwhile. At T <= 64 tiles of 64 rows
+    and 4 warps take (ptxas, sm_90, Q4_K) 121 / 167 / 248 registers a thread at BT = 16 / 32 / 64:
+    4 / 3 / 2 programs fit an SM (registers and shared memory), where one 128-row program of 8
+    warps (248 registers at BT = 64) fills it. K is split to give every SM that many."""
     bt = 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
-    bn = 128 if n > 64 else 64
+    bn = block_n or (128 if n > 64 and t > 64 else 64)
     warps = 8 if bn == 128 else 4
-    return bn, bt, 128 // chunk, warps, 3
+    per_sm = 1 if bn == 128 else {16: 4, 32: 3}.get(bt, 2)
+    return bn, bt, 128 // chunk, warps, 3, per_sm
 
 
 def qmm(
     x: torch.Tensor, pw: PackedWeight, block_n: int | None = None, split_k: int | None = None
 ) -> torch.Tensor:
-    """x [T, K] -> [T, N] by the tensor-core kernel (any T). A program takes 1 SM (its tile
-    and registers), so when the tiles are fewer than the SMs (a 4096-row weight at small T
-    makes 32) K is split to fill them."""
+    """x [T, K] -> [T, N] by the tensor-core kernel (any T). When the tiles are fewer than the
+    programs the SMs hold (a 4096-row weight at small T makes 64), K is split to fill them."""
     t_count, k = x.shape
     n = pw.shape[0]
     e = chunk_codes(pw.spec.low_bits)
-    bn, bt, steps, warps, stages = mm_config(n, t_count, e)
-    bn = block_n or bn
+    bn, bt, steps, warps, stages, per_sm = mm_config(n, t_count, e, block_n)
     tiles = -(-n // bn) * -(-t_count // bt)
     n_steps = -(-(k // e) // steps)
-    split = split_k or max(1, _sm_count(x.device) // tiles)
+    split = split_k or max(1, per_sm * _sm_count(x.device) // tiles)
     per_split = -(-n_steps // max(1, min(split, n_steps)))
     split = -(-n_steps // per_split)
     y = torch.empty(t_count, n, dtype=x.dtype, device=x.device)
@@ -263,6 +309,8 @@ def qlinear_triton(
         y = x2.new_empty(0, shape[0])
     elif t_count <= GEMV_MAX_T:
         y = qgemv(x2, qweight)
+    elif t_count <= GEMV_TOKENS_MAX_T:
+        y = qgemv_tokens(x2, qweight)
     elif t_count < DENSE_MIN_T:
         y = qmm(x2, qweight)
     else:

@@ -40,6 +40,13 @@ def model_file(tmp_path_factory):
     return write_synthetic(path, SHAPE, "q4_k_m", progress=False)
 
 
+@pytest.fixture(scope="module")
+def tied_file(tmp_path_factory):
+    """SmolLM2's layout: Q4_1 blocks, the output head tied to the token embedding."""
+    shape = ModelShape(**{**SHAPE.__dict__, "tied_embeddings": True})
+    return write_synthetic(tmp_path_factory.mktemp("tied") / "tied.gguf", shape, "q4_1", False)
+
+
 def _generate(path, kv_dtype: str):
     loaded = load_model(path, RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32"))
     llm = LLM(loaded=loaded, kv_dtype=kv_dtype, num_kv_blocks=16, block_size=8,
@@ -58,6 +65,20 @@ def test_engine_with_triton_kernels_equals_reference(model_file, kv_dtype: str) 
         model, got = _generate(model_file, kv_dtype)
     # the weights were prepared once at load: packed planes, not GGUF bytes
     assert isinstance(model.blocks[0].ffn.down.qweight, PackedWeight)
+    for (tg, lg), (tw, lw) in zip(got, want):
+        assert tg == tw
+        assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=2e-3)
+
+
+def test_tied_head_with_triton_kernels_equals_reference(tied_file) -> None:
+    """The tied head's prepared copy of the embedding table (packed planes, while the embedding
+    keeps its GGUF rows) gives the reference's tokens and logprobs in float32."""
+    with forcing({op: "torch" for op in TRITON}):
+        _, want = _generate(tied_file, "fp8")
+    with forcing(TRITON):
+        model, got = _generate(tied_file, "fp8")
+    assert isinstance(model.lm_head.qweight, PackedWeight)
+    assert not isinstance(model.embed.qweight, PackedWeight)
     for (tg, lg), (tw, lw) in zip(got, want):
         assert tg == tw
         assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=2e-3)

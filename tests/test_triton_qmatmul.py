@@ -1,6 +1,6 @@
 """Triton quantized matmul (hetero.kernels.triton_qmatmul) against the torch reference.
 
-Every packable GGUF type, fresh random blocks, odd N, K tails, T in {1, 3, 17, 64}. Without CUDA
+Every packable GGUF type, fresh random blocks, odd N, K tails, T in {1, 3, 8, 17, 64}. Without CUDA
 the kernels run under Triton's interpreter (tests/triton_interp.py sets TRITON_INTERPRET=1 before
 triton is first imported), on small shapes; the `gpu` tests run the compiled kernels on the
 device. The registry walk compares every qlinear implementation a device supports with the
@@ -103,6 +103,17 @@ def test_decode_kernel(ggml_type: str) -> None:
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
+def test_decode_tokens_kernel(ggml_type: str) -> None:
+    """The few-token decode kernel: T = 3 (one group of 4, a masked token), 8, and 11 (a whole
+    group of 8 and a ragged one); split-K forced and not; odd N (masked rows)."""
+    for k in _k_values(ggml_type):
+        raw, pw = make_weight(ggml_type, 37, k, seed=k + 3)
+        for t, split in ((3, 2), (8, 1), (11, 3)):
+            x = torch.randn(t, k, device=DEVICE)
+            assert_close(tq.qgemv_tokens(x, pw, split_k=split), x, raw, ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
 def test_tensor_core_kernel(ggml_type: str) -> None:
     """T = 17 and 64 (a partial token tile and whole ones); float32 and float16 activations;
     K whole and split in two (the in-kernel fix-up)."""
@@ -134,7 +145,7 @@ def test_qlinear_entry_point_shapes_and_paths() -> None:
     qtype = int(get_quant("Q5_K").ggml_type)
     prepared = prepare_weight(impl, raw, qtype, (19, 256))
     assert isinstance(prepared, PackedWeight)
-    for t in (1, 3, 17, 64):
+    for t in (1, 3, 8, 17, 64):
         x = torch.randn(t, 256, device=DEVICE)
         assert_close(impl.fn(x, prepared, qtype, (19, 256)), x, raw, "Q5_K")
     x3 = torch.randn(2, 2, 256, device=DEVICE)
@@ -176,7 +187,7 @@ def test_supports_needs_cuda_with_bf16_tensor_cores() -> None:
 @pytest.mark.parametrize("ggml_type", ["Q4_K", "Q8_0"])
 def test_registry_walk(ggml_type: str) -> None:
     """Every qlinear implementation the device runs (and the Triton one under the interpreter)
-    equals the reference, T in {1, 3, 17, 64}: a new implementation is tested by registering."""
+    equals the reference, T in {1, 3, 8, 17, 64}: a new implementation is tested by registering."""
     ref = reference("qlinear")
     raw, _ = make_weight(ggml_type, 19, 256, seed=21)
     qtype = int(get_quant(ggml_type).ggml_type)
@@ -184,7 +195,7 @@ def test_registry_walk(ggml_type: str) -> None:
         if impl is ref or not (impl.supports(DEVICE) or (impl.name == "triton" and INTERPRETED)):
             continue
         weight = prepare_weight(impl, raw, qtype, (19, 256))
-        for t in (1, 3, 17, 64):
+        for t in (1, 3, 8, 17, 64):
             x = torch.randn(t, 256, device=DEVICE)
             assert_close(impl.fn(x, weight, qtype, (19, 256)), x, raw, ggml_type)
 
@@ -192,12 +203,14 @@ def test_registry_walk(ggml_type: str) -> None:
 # ----------------------------------------------------------------------------- on the device
 
 
-# (tokens, activation dtype): every path (decode <= 2, tensor cores, dense >= 256) in bf16, and
-# each kernel once in fp16 and fp32 (each pair compiles its own variants: kept few).
+# (tokens, activation dtype): every path (decode <= 2, few-token decode <= 8, tensor cores, dense
+# >= 160) in bf16, and each kernel once in fp16 and fp32 (each pair compiles its own variants).
 GPU_CASES = [
     (1, torch.bfloat16),
     (2, torch.float16),
     (3, torch.bfloat16),
+    (8, torch.float16),
+    (12, torch.bfloat16),
     (17, torch.float32),
     (64, torch.bfloat16),
     (300, torch.bfloat16),
@@ -223,6 +236,10 @@ def test_gpu_all_paths(ggml_type: str) -> None:
         x16 = torch.randn(16, k, device=DEVICE, dtype=torch.bfloat16)
         y16 = tq.qmm(x16, pw, split_k=3)
         assert_close(y16, x16, raw, ggml_type)
+        x6 = torch.randn(6, k, device=DEVICE, dtype=torch.bfloat16)
+        y6 = tq.qgemv_tokens(x6, pw, split_k=3)
+        assert_close(y6, x6, raw, ggml_type)
         for _ in range(3):  # split-K counters reset themselves: same bits every launch
             assert torch.equal(tq.qgemv(x, pw, split_k=4), y)
             assert torch.equal(tq.qmm(x16, pw, split_k=3), y16)
+            assert torch.equal(tq.qgemv_tokens(x6, pw, split_k=3), y6)

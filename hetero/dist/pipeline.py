@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from hetero.config import RuntimeConfig
 from hetero.dist.stages import StageSpec
+from hetero.dist.startup import StartWatch
 from hetero.dist.step import StepPlan, StepResult
 from hetero.dist.worker import STOP, StageArgs, stage_main
 from hetero.engine.config import EngineConfig
@@ -49,14 +50,6 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _reason(conn) -> str | None:
-    """What a failed stage said about itself, if it said anything before its pipe closed."""
-    try:
-        return conn.recv() if conn.poll() else None
-    except (EOFError, OSError):
-        return None
-
-
 class Pipeline:
     def __init__(
         self,
@@ -77,7 +70,7 @@ class Pipeline:
         if max(remote, default=0) >= len(stages):
             raise ValueError(f"--remote-stages {pc.remote_stages}: only {len(stages)} stages")
         self.procs: dict[int, mp.Process] = {}  # rank -> the stages started here
-        self._errors = []  # a pipe per stage for the reason it failed
+        self._errors = []  # a status pipe per local stage: its phases, and why it failed
         for rank in sorted(set(range(len(stages))) - remote):
             errors, err_child = ctx.Pipe(duplex=False)
             self._errors.append(errors)
@@ -92,19 +85,36 @@ class Pipeline:
             err_child.close()
         child.close()
         self.closed = False
-        t0 = time.monotonic()
+        names = [s.describe() for s in stages]
+        self._watch = StartWatch(sorted(self.procs), self._errors, names)
+        self._start()
+        self.num_blocks = min(self.capacities)
+
+    def _start(self) -> None:
+        """Wait for stage 0's ready, each phase logged; bounded by stage_timeout."""
+        w = self._watch
+        how, took = w.wait_ready(
+            self._conn, [p.sentinel for p in self.procs.values()], self.timeout
+        )
+        if how == "timeout":
+            raise self._failure(
+                f"not ready within --stage-timeout {self.timeout:.0f} s; {w.stuck()}"
+            )
+        if how == "died":
+            raise self._failure(f"a stage died while starting; {w.stuck()}")
         kind, self.capacities = self._receive("starting")
         if kind != "ready":
             raise self._failure(f"stage 0 answered {kind!r} instead of ready")
-        self.num_blocks = min(self.capacities)
-        log.info("pipeline: %d stages ready in %.1f s", len(stages), time.monotonic() - t0)
+        log.info("pipeline: %d stages ready in %.1f s", len(self.stages), took)
 
     def describe(self) -> str:
         per = "; ".join(
             f"stage {i} ({s.describe()}): {n} blocks"
             for i, (s, n) in enumerate(zip(self.stages, self.capacities))
         )
-        return f"pipeline of {len(self.stages)} stages, {per}; shared block table: {self.num_blocks}"
+        return (
+            f"pipeline of {len(self.stages)} stages, {per}; shared block table: {self.num_blocks}"
+        )
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -141,7 +151,8 @@ class Pipeline:
             for r, p in self.procs.items()
             if not p.is_alive()
         ]
-        reasons = [r for r in map(_reason, self._errors) if r]
+        self._watch.drain()
+        reasons = self._watch.errors
         msg = f"pipeline failed: {what}"
         if dead:
             msg += "; " + ", ".join(dead)

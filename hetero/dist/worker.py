@@ -21,6 +21,7 @@ import torch
 from hetero.config import RuntimeConfig
 from hetero.dist.links import Links
 from hetero.dist.stages import StageSpec, device_key
+from hetero.dist.startup import StageStatus
 from hetero.dist.step import StepPlan, StepResult
 from hetero.engine.config import EngineConfig
 from hetero.engine.kv_cache import KVPool, resolve_kv_dtype, size_pool
@@ -56,16 +57,20 @@ def stage_runtime(args: StageArgs) -> RuntimeConfig:
     n_cpu = sum(1 for s in args.stages if s.device == "cpu")
     if spec.device == "cpu" and threads == 0:
         threads = max(1, (os.cpu_count() or 1) // n_cpu)
-    elif threads == 0 and n_cpu:
-        threads = 1  # a GPU stage only launches kernels: leave the cores to the CPU stages
+    elif threads == 0:
+        # A GPU stage only launches kernels (and repacks weights at load): beside CPU stages it
+        # leaves them the cores; beside other GPU stages it takes its share, as every stage
+        # taking all cores oversubscribes the machine during the load.
+        threads = 1 if n_cpu else max(1, (os.cpu_count() or 1) // len(args.stages))
     return replace(rt, device=spec.device, weights=spec.weights or rt.weights, threads=threads)
 
 
 class Stage:
-    def __init__(self, args: StageArgs):
+    def __init__(self, args: StageArgs, status: StageStatus | None = None):
         from hetero.gguf_loader import load_gguf
         from hetero.model.llama import LlamaModel
 
+        self.status = status = status or StageStatus(args.rank)
         self.args, spec = args, args.spec
         self.first, self.last = args.rank == 0, args.rank == len(args.stages) - 1
         rt = stage_runtime(args)
@@ -75,20 +80,29 @@ class Stage:
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        status.phase(f"joining the process group at {args.init_method}")
         self.links = Links(args.rank, args.stages, args.init_method)
         self.kv_dtype = resolve_kv_dtype(spec.kv_dtype or args.engine.kv_dtype, spec.device)
+        status.phase(f"loading layers {spec.describe()} ({rt.weights} weights, {rt.threads} thr)")
         gm = load_gguf(args.model_path)
         self.model = LlamaModel(gm, rt, spec.layers, progress=args.progress)
+        status.phase("loaded; waiting for the other stages to load")
         dist_barrier()  # every stage's weights are in memory before any sizes its pool
+        pool = self._make_pool(gm.config)
+        self.runner = ModelRunner(self.model, pool)
+        self.sampler = Sampler(args.engine.seed) if self.last else None
+        status.phase("KV pool allocated; ready")
+
+    def _make_pool(self, config) -> KVPool:
+        """The KV pool every stage agrees on: the smallest stage's block count."""
+        self.status.phase(f"all stages loaded; sizing the KV pool{_memory(self.device)}")
         self.capacities = self.links.min_all(self._own_blocks())
         self.num_blocks = min(self.capacities)
-        ecfg = args.engine
-        kv_dtype = self.kv_dtype
-        pool = KVPool(
-            gm.config, len(spec.layers), self.num_blocks, ecfg.block_size, kv_dtype, spec.device
+        self.status.phase(f"KV sized: {self.num_blocks} blocks (stages: {self.capacities})")
+        spec, block_size = self.args.spec, self.args.engine.block_size
+        return KVPool(
+            config, len(spec.layers), self.num_blocks, block_size, self.kv_dtype, spec.device
         )
-        self.runner = ModelRunner(self.model, pool)
-        self.sampler = Sampler(ecfg.seed) if self.last else None
 
     def _own_blocks(self) -> int:
         """Blocks this stage's own free memory holds; stages sharing a device share it."""
@@ -185,23 +199,31 @@ class _Reply:
             self.conn.send_bytes(payload)
 
 
+def _memory(device: torch.device) -> str:
+    """The GPU's free memory after the load (what the KV pool is sized from), for the log."""
+    if device.type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    return f" ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free on {device})"
+
+
 def dist_barrier() -> None:
     import torch.distributed as dist
 
     dist.barrier()
 
 
-def stage_main(args: StageArgs, conn=None, errors=None) -> None:
+def stage_main(args: StageArgs, conn=None, status_conn=None) -> None:
     """Process entry point (spawned by the engine, or started by `hetero stage` on a host)."""
     if args.spec.mps_percentage is not None:  # read when this process first touches CUDA
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.spec.mps_percentage)
+    status = StageStatus(args.rank, status_conn)
     try:
-        Stage(args).serve(conn)
+        Stage(args, status).serve(conn)
     except BaseException as e:  # the engine reads the reason; the exit code marks the death
         what = f"stage {args.rank} ({args.spec.describe()}): {type(e).__name__}: {e}"
         traceback.print_exc()
-        if errors is not None:
-            errors.send(what)
+        status.error(what)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # skip process-group teardown, which can block on a dead peer
