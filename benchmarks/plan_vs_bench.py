@@ -13,10 +13,16 @@ the plan's weights mode, KV dtype and KV blocks on C requests arriving together 
                               (C sequences in lock step gain C tokens a step)
     TTFT                      plan: ttft_burst_s (C prompts at once); bench: mean TTFT
 
-A device may be a GPU share (`cuda:0@70%:32GB`): the bench then runs in a child process started
-with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and the memory cap (an MPS daemon must be running). Plans
-of more than one stage need the pipeline engine; until `hetero.engine` can run a Plan, their
-rows show the prediction only.
+A one-stage plan runs in this process (a GPU share `cuda:0@70%:32GB` in a child process started
+with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and the memory cap; an MPS daemon must be running). A plan
+of several stages runs through the pipeline engine (`hetero bench --plan` does the same): each
+stage process gets its layers, KV blocks, weights mode and MPS percentage from the plan. So an
+MPS pair is `--devices cuda:0@70%:32GB,cuda:0@30%:24GB --use-all-devices`, and a VRAM-capped
+GPU + CPU split is `--devices cuda:0@100%:4GB,cpu` (the cap is planned for; the stages keep to
+the plan's layers and KV blocks).
+
+Warm-up runs the measured shapes once (graph buckets, kernel compilation, allocator); then
+--rounds x C requests are measured, C at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 from hetero.planner.commands import plan_config
 from hetero.planner.model_desc import describe
@@ -35,29 +42,68 @@ from hetero.planner.resolve import resolve_devices
 from hetero.planner.shares import is_share, parse_share, share_env
 
 
-def bench_stage(model: str, p: Plan, input_len: int, output_len: int) -> dict:
-    """Run the engine as the one-stage plan `p` says; decode and TTFT numbers."""
+def _one_stage_engine(model: str, p: Plan, eager: bool):
     import torch
 
-    from hetero.bench import run_bench
     from hetero.config import RuntimeConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
     from hetero.engine.engine import Engine
 
     (stage,) = p.stages
-    device = stage.device.split("@")[0]
-    if "@" in stage.device and parse_share(stage.device).memory_cap:
+    device = stage.base_device or stage.device.split("@")[0]
+    if is_share(stage.device) and parse_share(stage.device).memory_cap:
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
         torch.cuda.set_per_process_memory_fraction(parse_share(stage.device).memory_cap / total)
     cfg = EngineConfig(
         kv_dtype=stage.kv_dtype,
         num_kv_blocks=stage.num_kv_blocks,
         enable_prefix_caching=False,
+        speculative="off",  # the cost model prices plain decode steps
+        enforce_eager=eager,
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
     )
-    engine = Engine(model, cfg, RuntimeConfig(device=device, weights=stage.weights))
-    run_bench(engine, 1, 1, min(input_len, 16), 4, seed=1)  # warm-up
-    r = run_bench(engine, p.concurrency, p.concurrency, input_len, output_len, seed=0)
+    return Engine(model, cfg, RuntimeConfig(device=device, weights=stage.weights))
+
+
+def _pipeline_engine(model: str, plan_file: str, p: Plan):
+    """The pipeline engine over the plan's stages (each stage's KV dtype, blocks and weights
+    come from the plan file)."""
+    from hetero.config import RuntimeConfig
+    from hetero.dist.config import PipelineConfig
+    from hetero.engine.config import EngineConfig, SchedulerConfig
+    from hetero.engine.engine import Engine
+
+    cfg = EngineConfig(
+        enable_prefix_caching=False,
+        speculative="off",  # the cost model prices plain decode steps
+        scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
+        pipeline=PipelineConfig(plan=plan_file),
+    )
+    return Engine(model, cfg, RuntimeConfig(device=p.stages[0].base_device or "cpu"))
+
+
+def bench_stage(
+    model: str, p: Plan, input_len: int, output_len: int, rounds: int = 1, eager: bool = False
+) -> dict:
+    """Run the engine as the plan `p` says; decode and TTFT numbers."""
+    from hetero.bench import run_bench
+
+    with tempfile.TemporaryDirectory(prefix="plan-vs-bench-") as tmp:
+        plan_file = os.path.join(tmp, "plan.json")
+        with open(plan_file, "w") as f:
+            f.write(p.to_json())
+        if len(p.stages) == 1:
+            engine = _one_stage_engine(model, p, eager)
+        else:
+            engine = _pipeline_engine(model, plan_file, p)
+        try:
+            c = p.concurrency
+            run_bench(engine, c, c, input_len, 4, seed=1)  # warm-up at the measured shapes
+            r = run_bench(engine, rounds * c, c, input_len, output_len, seed=0)
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
     itl = statistics.median(r.itl_s)
     return {
         "per_stream_tok_s": 1 / itl,
@@ -67,10 +113,13 @@ def bench_stage(model: str, p: Plan, input_len: int, output_len: int) -> dict:
     }
 
 
-def bench_in_child(model: str, p: Plan, input_len: int, output_len: int) -> dict:
+def bench_in_child(
+    model: str, p: Plan, input_len: int, output_len: int, rounds: int, eager: bool
+) -> dict:
     """The bench in a process started with the share's MPS environment."""
     env = {**os.environ, **share_env(parse_share(p.stages[0].device))}
     args = [sys.executable, __file__, "--child", model, str(input_len), str(output_len)]
+    args += [str(rounds), str(int(eager))]
     done = subprocess.run(args, input=p.to_json(), env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
@@ -78,8 +127,8 @@ def bench_in_child(model: str, p: Plan, input_len: int, output_len: int) -> dict
 
 
 def predicted(p: Plan) -> dict:
-    slowest = max(s.predicted_step_s for s in p.stages)
-    per_stream = p.single_stream_tok_s if p.concurrency == 1 else 1 / (slowest * p.microbatches)
+    # C sequences gain a token each a pipeline cycle: one stream's speed is aggregate / C
+    per_stream = p.single_stream_tok_s if p.concurrency == 1 else p.aggregate_tok_s / p.concurrency
     return {
         "per_stream_tok_s": per_stream,
         "aggregate_tok_s": p.aggregate_tok_s,
@@ -87,14 +136,11 @@ def predicted(p: Plan) -> dict:
     }
 
 
-def row(c: int, pred: dict, meas: dict | None) -> str:
+def row(c: int, pred: dict, meas: dict) -> str:
     cells = [f"c={c:<3}"]
     for key, unit in (("per_stream_tok_s", "tok/s"), ("aggregate_tok_s", "tok/s"), ("ttft_s", "s")):
-        if meas is None:
-            cells.append(f"{key} pred {pred[key]:.3g} {unit}")
-        else:
-            ratio = pred[key] / meas[key]
-            cells.append(f"{key} pred {pred[key]:.3g} meas {meas[key]:.3g} {unit} ({ratio:.2f}x)")
+        ratio = pred[key] / meas[key]
+        cells.append(f"{key} pred {pred[key]:.3g} meas {meas[key]:.3g} {unit} ({ratio:.2f}x)")
     return "  ".join(cells)
 
 
@@ -108,6 +154,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=None)
     ap.add_argument("--use-all-devices", action="store_true")
     ap.add_argument("--weights", default="auto", help="force a weights mode (default: planned)")
+    ap.add_argument("--rounds", type=int, default=2, help="measured requests: rounds x C")
+    ap.add_argument("--enforce-eager", action="store_true", help="plan for no CUDA graphs")
     ap.add_argument("--refresh", action="store_true")
     ap.add_argument("--json", default=None, help="write every row here")
     return ap.parse_args()
@@ -115,10 +163,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        model, input_len, output_len = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-        print(
-            json.dumps(bench_stage(model, Plan.from_json(sys.stdin.read()), input_len, output_len))
-        )
+        model, input_len, output_len, rounds, eager = sys.argv[2], *map(int, sys.argv[3:7])
+        p = Plan.from_json(sys.stdin.read())
+        print(json.dumps(bench_stage(model, p, input_len, output_len, rounds, bool(eager))))
         return
     args = parse_args()
     from hetero.models import resolve_model
@@ -135,12 +182,17 @@ def main() -> None:
             context=args.context or args.input_len + args.output_len + 16,
             use_all_devices=args.use_all_devices,
             weights=args.weights,
+            max_num_seqs=c,  # the engine's graph buckets end at C, as the bench's scheduler's
+            enforce_eager=args.enforce_eager,
         )
         p = plan(desc, devices, cfg)
-        meas = None
-        if len(p.stages) == 1:
-            run = bench_in_child if is_share(p.stages[0].device) else bench_stage
-            meas = run(model, p, args.input_len, args.output_len)
+        one_share = len(p.stages) == 1 and is_share(p.stages[0].device)
+        run = bench_in_child if one_share else bench_stage
+        meas = run(model, p, args.input_len, args.output_len, args.rounds, args.enforce_eager)
+        split = ", ".join(f"{s.device} {s.layer_start}-{s.layer_end - 1}" for s in p.stages)
+        print(
+            f"c={c}: plan {split}; step ms {[round(s.predicted_step_s * 1e3, 2) for s in p.stages]}"
+        )
         print(row(c, predicted(p), meas), flush=True)
         rows.append({"concurrency": c, "predicted": predicted(p), "measured": meas,
                      "plan": json.loads(p.to_json())})  # fmt: skip

@@ -235,6 +235,9 @@ def profile(refresh, shares, as_json):
     default="auto",
 )
 @click.option("--use-all-devices", is_flag=True, help="give every device at least one layer")
+@click.option(
+    "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
+)
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")

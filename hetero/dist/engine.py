@@ -70,6 +70,7 @@ class PipelineEngine(Engine):
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
         self.kv_dtype = self.config.kv_dtype  # each stage resolves "auto" for its own device
         self.kv_tiers = None  # lower KV tiers are per device pool: not across stages yet
+        self.spec = None  # no speculative decoding across stages (yet): plain decode steps
         self.stats = EngineStats()
         self.restarts = 0
         self._progress = progress

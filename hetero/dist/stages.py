@@ -138,8 +138,8 @@ def even_split(devices: list[str], n_layers: int) -> list[StageSpec]:
 
 def stages_from_plan(plan: Any, n_layers: int) -> list[StageSpec]:
     """Adapter from the planner's Plan (duck-typed: .stages with .device, .layer_start,
-    .layer_end, and optionally .num_kv_blocks, .kv_dtype, .weights, .mps_percentage) or its
-    JSON dict."""
+    .layer_end, and optionally .base_device, .num_kv_blocks, .kv_dtype, .weights,
+    .mps_percentage) or its JSON dict."""
     raw = plan["stages"] if isinstance(plan, dict) else plan.stages
     stages = []
     for i, s in enumerate(raw):
@@ -148,7 +148,10 @@ def stages_from_plan(plan: Any, n_layers: int) -> list[StageSpec]:
             device, start, end = get("device"), int(get("layer_start")), int(get("layer_end"))
         except (TypeError, ValueError) as e:
             raise ValueError(f"plan stage {i}: needs device, layer_start and layer_end") from e
-        device, mps = _plan_device(str(device), get("mps_percentage"))
+        if get("base_device"):  # the planner's own: "cpu#2" and "cuda:0@70%:32GB" resolved
+            device, mps = str(get("base_device")), get("mps_percentage")
+        else:
+            device, mps = _plan_device(str(device), get("mps_percentage"))
         weights = get("weights")
         stages.append(
             StageSpec(
@@ -206,9 +209,13 @@ def planned_split(
         log.info("pipeline: no planner installed; %d layers split evenly by count", n_layers)
         return even_split(devices, n_layers)
     if len(set(map(device_key, devices))) < len(devices):
-        log.info("pipeline: %s repeats a device; %d layers split evenly", ",".join(devices), n_layers)
+        log.info(
+            "pipeline: %s repeats a device; %d layers split evenly", ",".join(devices), n_layers
+        )
         return even_split(devices, n_layers)
-    result = plan(describe(str(model_path)), resolve_devices(devices), PlanConfig(**(options or {})))
+    result = plan(
+        describe(str(model_path)), resolve_devices(devices), PlanConfig(**(options or {}))
+    )
     log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
     return stages_from_plan(result, n_layers)
 

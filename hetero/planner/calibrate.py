@@ -1,35 +1,52 @@
-"""Engine overheads, measured by running the real engine on tiny random models.
+"""Engine overheads, measured by running the real engine on small random models.
 
-What a decode step costs besides streaming weights (scheduler, metadata, launches, small ops,
-Python) is found from the engine itself: decode steps of a tiny llama (width 256) with 2 and 6
-layers, 1 and 8 sequences, short and long context. Four step times give four numbers:
+What a step costs besides the matmuls and KV reads (scheduler, metadata, launches, small ops,
+Python) is found from the engine itself, as it runs: decode steps (on CUDA replayed from CUDA
+graphs, the engine's default) and prefill steps (always eager). Two models of 2 and 6 layers;
+w(...) is what the cost model predicts for a step's matmuls and KV reads alone:
 
-    layer_overhead = (t[6 layers] - t[2 layers]) / 4 - matmuls of one tiny layer
-    seq_overhead   = (t[8 seqs] - t[1 seq]) / (7 * 6)     per layer and extra sequence
-    attn_gbs       = KV bytes of the longer context / (t[long] - t[short])
-    step_overhead  = t[2 layers] - 2 * layer_overhead - the two layers' matmuls
+    attn_gbs       = KV bytes the longer context adds / (t[S seqs, long] - t[S seqs, short])
+    layer_overhead = ((t[6 layers] - w) - (t[2 layers] - w)) / 4
+    step_overhead  = (t[2 layers] - w) - 2 * layer_overhead
+    seq_overhead   = ((t[8 seqs] - w) - (t[1 seq] - w)) / (7 * 6)   a layer and an extra row
+    eager_*        = the same two lines over the time to first token of a 16-token prompt
 
-The tiny models are written with `hetero synth` into a temporary folder (a few MB, ~1 s each).
+On a CPU the model is tiny (the profile stays quick). On a GPU its attention is 8 KV heads of
+128 (an 8B model's) and the context 1536 tokens at 8 sequences, so the longer context reads tens
+of MB: a tiny model's KV reads are latency, not bandwidth, and gave a meaningless attn_gbs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import tempfile
 from pathlib import Path
 
 from hetero.planner.device import DeviceProfile
 
 SHAPE = "tiny-llama"
-LONG_CONTEXT = 512
-SHORT_CONTEXT = 16
+GPU_SHAPE = dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128, d_ff=1024)
+PROMPT = 16
 
 
-def _write(folder: Path, n_layers: int) -> Path:
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    shape: dict
+    attn_seqs: int  # sequences of the long/short context pair
+    long_context: int
+    num_kv_blocks: int
+
+
+CPU_SETTING = _Setting({}, 1, 512, 1024)
+GPU_SETTING = _Setting(GPU_SHAPE, 8, 1536, 2048)
+
+
+def _write(folder: Path, n_layers: int, shape: dict) -> Path:
     from hetero.synth import write_synthetic
     from hetero.synth_shapes import get_shape
 
-    shape = dataclasses.replace(get_shape(SHAPE), n_layers=n_layers)
+    shape = dataclasses.replace(get_shape(SHAPE), n_layers=n_layers, **shape)
     return write_synthetic(folder / f"tiny{n_layers}.gguf", shape, "q8_0", progress=False)
 
 
@@ -38,54 +55,97 @@ def _step_s(engine, seqs: int, context: int) -> float:
     from hetero.bench import run_bench
 
     run_bench(engine, seqs, seqs, context, 4, seed=1)  # warm-up (allocations, compilation)
-    result = run_bench(engine, seqs, seqs, context, 16, seed=2)
-    s = sorted(result.itl_s)
-    return s[len(s) // 2]
+    return statistics.median(run_bench(engine, seqs, seqs, context, 16, seed=2).itl_s)
 
 
-def _engine(path: Path, device: str, kv_dtype: str):
+def _ttft_s(engine) -> float:
+    """Median time to the first token of one PROMPT-token prompt (an eager prefill step)."""
+    from hetero.bench import run_bench
+
+    run_bench(engine, 1, 1, PROMPT, 1, seed=3)
+    return statistics.median(run_bench(engine, 5, 1, PROMPT, 1, seed=4).ttft_s)
+
+
+def _engine(path: Path, device: str, kv_dtype: str, blocks: int):
     from hetero.config import RuntimeConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
     from hetero.engine.engine import Engine
 
     cfg = EngineConfig(
         kv_dtype=kv_dtype,
-        num_kv_blocks=1024,
+        num_kv_blocks=blocks,
         enable_prefix_caching=False,
+        speculative="off",  # the cost model prices plain decode steps
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
     )
     return Engine(str(path), cfg, RuntimeConfig(device=device))
 
 
-def calibrate(profile: DeviceProfile, device: str, kv_dtype: str, bar=None) -> dict[str, float]:
-    """step/layer/seq overheads and attention KV GB/s of `device` (profile gives the matmul
-    rates the tiny layers' own matmul time is estimated from)."""
-    from hetero.planner.cost import DeviceCost, kv_token_bytes
+def _measure(device: str, kv_dtype: str, s: _Setting, folder: Path, bar) -> tuple[dict, object]:
     from hetero.planner.model_desc import from_gguf
 
+    t: dict[str, float] = {}
+    for n_layers in (2, 6):
+        path = _write(folder, n_layers, s.shape)
+        engine = _engine(path, device, kv_dtype, s.num_kv_blocks)
+        t[f"L{n_layers}"] = _step_s(engine, 1, PROMPT)
+        t[f"P{n_layers}"] = _ttft_s(engine)
+        if n_layers == 6:
+            t["B8"] = _step_s(engine, 8, PROMPT)
+            short = t["L6"] if s.attn_seqs == 1 else t["B8"]
+            t["long"] = _step_s(engine, s.attn_seqs, s.long_context) - short
+        desc = from_gguf(str(path))
+        del engine
+        if bar is not None:
+            bar.update(1)
+    return t, desc
+
+
+def calibrate(
+    profile: DeviceProfile, device: str, kv_dtype: str, bar=None, setting: _Setting | None = None
+) -> dict[str, float]:
+    """Decode and eager overheads and attention KV GB/s of `device` (the profile's matmul rates
+    give the small models' own matmul time). setting: by the device's kind unless given."""
+    from hetero.planner.cost import kv_token_bytes
+
+    setting = setting or (CPU_SETTING if profile.is_cpu else GPU_SETTING)
     with tempfile.TemporaryDirectory(prefix="hetero-calibrate-") as tmp:
-        t: dict[str, float] = {}
-        for n_layers in (2, 6):
-            path = _write(Path(tmp), n_layers)
-            engine = _engine(path, device, kv_dtype)
-            t[f"L{n_layers}"] = _step_s(engine, 1, SHORT_CONTEXT)
-            if n_layers == 6:
-                t["B8"] = _step_s(engine, 8, SHORT_CONTEXT)
-                t["long"] = _step_s(engine, 1, LONG_CONTEXT)
-            desc = from_gguf(str(path))
-            del engine
-            if bar is not None:
-                bar.update(1)
-    cost = DeviceCost(desc, profile, engine_weights(profile), kv_dtype)
-    mm = cost.decode_layer_seconds(1, 0)[0] - profile.layer_overhead_s - profile.seq_overhead_s
-    layer = max((t["L6"] - t["L2"]) / 4 - mm, 0.0)
-    seq = max((t["B8"] - t["L6"]) / (7 * 6), 0.0)
-    kv_bytes = 6 * (LONG_CONTEXT - SHORT_CONTEXT) * kv_token_bytes(desc, kv_dtype)
+        t, desc = _measure(device, kv_dtype, setting, Path(tmp), bar)
+    extra = setting.long_context - PROMPT
+    kv_bytes = setting.attn_seqs * 6 * extra * kv_token_bytes(desc, kv_dtype)
     # A longer context that measured no slower (noise) says nothing: keep the copy bandwidth.
-    longer = t["long"] - t["L6"]
-    attn = kv_bytes / longer / 1e9 if longer > 0 else profile.mem_bw_gbs
-    step = max(t["L2"] - 2 * (layer + mm) - cost.head_seconds(1), 0.0)
-    return dict(step_overhead_s=step, layer_overhead_s=layer, seq_overhead_s=seq, attn_gbs=attn)
+    attn = kv_bytes / t["long"] / 1e9 if t["long"] > 0 else profile.mem_bw_gbs
+    w = _work(desc, profile.replace(attn_gbs=attn), kv_dtype)
+    layer = max((t["L6"] - w(6, 1)) - (t["L2"] - w(2, 1)), 0.0) / 4
+    seq = max((t["B8"] - w(6, 8)) - (t["L6"] - w(6, 1)), 0.0) / (7 * 6)
+    eager_layer = max((t["P6"] - w(6, 0)) - (t["P2"] - w(2, 0)), 0.0) / 4
+    return dict(
+        step_overhead_s=max(t["L2"] - w(2, 1) - 2 * layer, 0.0),
+        layer_overhead_s=layer,
+        seq_overhead_s=seq,
+        attn_gbs=attn,
+        eager_step_overhead_s=max(t["P2"] - w(2, 0) - 2 * eager_layer, 0.0),
+        eager_layer_overhead_s=eager_layer,
+    )
+
+
+def _work(desc, profile: DeviceProfile, kv_dtype: str):
+    """w(n_layers, m): predicted matmul, KV and head seconds of a decode step of m sequences
+    (m = 0: the PROMPT-token prefill) with every overhead zero."""
+    from hetero.planner.cost import DeviceCost
+
+    bare = profile.replace(
+        step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0,
+        eager_step_overhead_s=0.0, eager_layer_overhead_s=0.0,
+    )  # fmt: skip
+    cost = DeviceCost(desc, bare, engine_weights(profile), kv_dtype, graphs=True, max_num_seqs=8)
+
+    def w(n_layers: int, m: int) -> float:
+        if m == 0:
+            return sum(cost.prefill_layer_seconds(PROMPT, 0)[:n_layers]) + cost.head_seconds(1)
+        return sum(cost.decode_layer_seconds(m, PROMPT)[:n_layers]) + cost.head_seconds(m)
+
+    return w
 
 
 def engine_weights(profile: DeviceProfile) -> str:

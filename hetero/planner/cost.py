@@ -1,13 +1,19 @@
 """The cost model: seconds and bytes of a range of layers on one device, from its profile.
 
-A decode step over m sequences on a stage holding layers [a, b) costs
+A decode step over m sequences on a stage holding layers [a, b) runs T = m rows, or on CUDA the
+CUDA-graph bucket T >= m the engine replays (1, 2, 4, ... max_num_seqs; padding rows cost as
+real ones). Replayed (or on a CPU, where decode overheads are measured from decode steps):
 
-    step_overhead + sum over layers of (layer_overhead + m * seq_overhead     host, launches
-                                        + sum over its matrices of max(bytes / decode_gbs,
-                                              2 m params / prefill_tflops)          matmuls
+    step_overhead + sum over layers of (layer_overhead + T * seq_overhead     host, launches
+                                        + sum over its matrices of matmul(bytes, params, T)
                                         + m * ctx * kv_bytes_per_token / attn_gbs)  KV reads
     + (last stage) the output projection and m * V float32 logits read twice
     + (not last) m * d_model * 2 bytes sent to the next stage / link GB/s + latency
+
+matmul(T) is the registry kernel's measured time at T (MatmulRate: a curve over small T, then the
+prefill rate). An eager step (every prefill; decode under --enforce-eager) costs host time
+eager_step + L * eager_layer and device time (the sums above without the overheads): on a GPU the
+longer of the two (the host enqueues while the device runs), on a CPU their sum.
 
 Every rate and overhead comes from the device's profile (measured, or datasheet for dry runs);
 there is no other constant. Prefill swaps the KV reads for attention flops,
@@ -39,6 +45,34 @@ class DeviceCost:
     dev: DeviceProfile
     weights: str
     kv_dtype: str
+    graphs: bool = False  # decode-only steps replayed from CUDA graphs (CUDA, not --enforce-eager)
+    max_num_seqs: int = 256  # the largest graph bucket
+
+    def decode_rows(self, m: int, replay: bool = True) -> int | None:
+        """Rows a replayed decode step of m sequences runs (its bucket); None: run eagerly.
+        replay: whether the step may replay at all (the in-process engine captures graphs; a
+        pipeline's stage processes run every step eagerly)."""
+        if not (self.graphs and replay) or self.dev.is_cpu:
+            return None
+        from hetero.engine.cuda_graph import batch_buckets, bucket_for
+
+        return bucket_for(m, batch_buckets(self.max_num_seqs))
+
+    def eager(self, m: int, replay: bool = True) -> bool:
+        """Whether a decode step of m sequences runs eagerly on a GPU (host-bound overheads)."""
+        d = self.dev
+        return not d.is_cpu and d.has_eager and self.decode_rows(m, replay) is None
+
+    def step_seconds(self, n_layers: int, work_s: float, eager: bool) -> float:
+        """One step of `n_layers` layers whose device work (with per-layer overheads when not
+        eager) is work_s."""
+        d = self.dev
+        if not d.has_eager:  # datasheets, made-up profiles: decode's overheads, added
+            return d.step_overhead_s + (n_layers * d.layer_overhead_s if eager else 0.0) + work_s
+        if not eager:
+            return d.step_overhead_s + work_s
+        host = d.eager_step_overhead_s + n_layers * d.eager_layer_overhead_s
+        return host + work_s if d.is_cpu else max(host, work_s)
 
     def _bytes(self, t: TensorInfo) -> float:
         return weight_bytes(t, self.weights, self.dev.is_cpu)
@@ -81,20 +115,22 @@ class DeviceCost:
     def _layer_matmuls(self, i: int, tokens: int) -> float:
         return sum(self.linear_seconds(t, tokens) for t in self.desc.layers[i] if t.is_matrix)
 
-    def decode_layer_seconds(self, m: int, ctx: float) -> list[float]:
-        """Seconds of each layer in a decode step of m sequences with ctx tokens of context."""
-        d = self.dev
+    def decode_layer_seconds(self, m: int, ctx: float, replay: bool = True) -> list[float]:
+        """Seconds of each layer in a decode step of m sequences with ctx tokens of context
+        (device time only when the step runs eagerly on a GPU: step_seconds adds the host's)."""
+        d, rows = self.dev, self.decode_rows(m, replay) or m
         kv = m * ctx * kv_token_bytes(self.desc, self.kv_dtype) / (d.attn_gbs * 1e9)
-        fixed = d.layer_overhead_s + m * d.seq_overhead_s + kv
-        return [fixed + self._layer_matmuls(i, m) for i in range(self.desc.n_layers)]
+        eager = self.eager(m, replay)
+        fixed = kv if eager else d.layer_overhead_s + rows * d.seq_overhead_s + kv
+        return [fixed + self._layer_matmuls(i, rows) for i in range(self.desc.n_layers)]
 
     def prefill_layer_seconds(self, n: int, cached: int, seqs: int = 1) -> list[float]:
-        """Seconds of each layer for n new tokens (of `seqs` prompts) after `cached` tokens."""
+        """Device seconds of each layer for n new tokens (of `seqs` prompts) after `cached`
+        tokens (a prefill step is eager: its host overheads are step_seconds')."""
         cfg, d = self.desc.config, self.dev
         flops = 4.0 * n * (cached + n / 2) * cfg.n_heads * cfg.head_dim / max(seqs, 1)
         attn = flops / (d.bf16_tflops * 1e12)
-        fixed = d.layer_overhead_s + seqs * d.seq_overhead_s + attn
-        return [fixed + self._layer_matmuls(i, n) for i in range(self.desc.n_layers)]
+        return [attn + self._layer_matmuls(i, n) for i in range(self.desc.n_layers)]
 
     def head_seconds(self, tokens: int) -> float:
         """The output projection and its float32 logits (written, then read by the sampler)."""

@@ -29,11 +29,43 @@ class MatmulRate:
     kernel: str
     decode_gbs: float
     prefill_tflops: float
+    # Measured weight GB/s at a few small T (T, GB/s), T ascending: a batched decode step runs
+    # another kernel than T = 1 (qmm instead of qgemv on CUDA) at another share of the
+    # bandwidth. Empty (datasheet profiles): the roofline above at every T.
+    curve: tuple[tuple[int, float], ...] = ()
+    prefill_t: int = 0  # the T prefill_tflops was measured at
+
+    def __post_init__(self) -> None:  # JSON gives lists back
+        object.__setattr__(self, "curve", tuple((int(t), float(g)) for t, g in self.curve))
 
     def seconds(self, weight_bytes: float, params: float, tokens: int) -> float:
         memory = weight_bytes / (self.decode_gbs * 1e9)
         compute = 2.0 * tokens * params / (self.prefill_tflops * 1e12)
-        return max(memory, compute)
+        if not self.curve or tokens <= 1:
+            return max(memory, compute)
+        return self._measured(weight_bytes, params, tokens, compute)
+
+    def scaled(self, memory: float, compute: float) -> MatmulRate:
+        """This rate on a share of the device: GB/s times `memory`, TFLOP/s times `compute`."""
+        curve = tuple((t, g * memory) for t, g in self.curve)
+        return MatmulRate(
+            self.kernel, self.decode_gbs * memory, self.prefill_tflops * compute, curve,
+            self.prefill_t,
+        )  # fmt: skip
+
+    def _measured(self, weight_bytes: float, params: float, tokens: int, compute: float) -> float:
+        """Linear in T between measured points: (1, decode), the curve, (prefill_t, prefill);
+        past the last point compute-bound (time grows with T)."""
+        points = [(1, weight_bytes / (self.decode_gbs * 1e9))]
+        points += [(t, weight_bytes / (g * 1e9)) for t, g in self.curve if t > 1]
+        if self.prefill_t > points[-1][0]:
+            points.append(
+                (self.prefill_t, 2.0 * self.prefill_t * params / (self.prefill_tflops * 1e12))
+            )
+        for (t0, s0), (t1, s1) in zip(points, points[1:]):
+            if tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        return max(points[-1][1], compute)
 
 
 @dataclass(frozen=True)
@@ -46,9 +78,14 @@ class DeviceProfile:
     matmul: rates by key "<weights mode>" or "<weights mode>:<GGUF type>" (e.g. "quant:Q4_K",
         "dense", "fp16"); see `matmul_rate`.
     attn_gbs: KV bytes per second the decode attention reads (its dequantization included).
-    step_overhead_s / layer_overhead_s / seq_overhead_s: what an engine step costs besides the
+    step_overhead_s / layer_overhead_s / seq_overhead_s: what a decode step costs besides the
         matmuls and attention reads: per step, per layer, and per layer and sequence (host work,
-        launches, small ops), measured by running the engine on a tiny model.
+        launches, small ops), measured by running the engine's decode steps on a tiny model (on
+        CUDA replayed from CUDA graphs, as the engine runs them unless --enforce-eager).
+    eager_step_overhead_s / eager_layer_overhead_s: host time of an eagerly run step (every
+        prefill step; decode too under --enforce-eager), measured from the engine's prefill of a
+        tiny model. On a GPU the host enqueues while the device works, so an eager step takes
+        the longer of the two; on a CPU they add.
     """
 
     id: str
@@ -67,6 +104,8 @@ class DeviceProfile:
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
+    eager_step_overhead_s: float = 0.0
+    eager_layer_overhead_s: float = 0.0
     bus_id: str = ""
     compute_capability: str = ""  # "8.9"; "" for a CPU
     fp8_kv: bool = False
@@ -78,6 +117,11 @@ class DeviceProfile:
     @property
     def is_cpu(self) -> bool:
         return self.kind in CPU_KINDS
+
+    @property
+    def has_eager(self) -> bool:
+        """Whether eager steps' host overheads were measured (datasheets have none)."""
+        return self.eager_step_overhead_s > 0 or self.eager_layer_overhead_s > 0
 
     @property
     def usable_memory(self) -> int:

@@ -67,14 +67,27 @@ def linear_rate(
     device: torch.device,
     dtype: torch.dtype,
     prefill_t: int,
+    curve_t: tuple[int, ...] = (),
 ) -> MatmulRate:
-    """Decode GB/s (T = 1, over the rotated copies) and prefill TFLOP/s (T = prefill_t)."""
+    """Decode GB/s at T = 1 and at each T of curve_t (over the rotated copies: the weights come
+    from DRAM/HBM, as a batched decode step's do) and prefill TFLOP/s at T = prefill_t."""
     n, k = shape
-    x1 = torch.randn(1, k, device=device, dtype=dtype)
-    t1 = time_call(lambda: [call(x1, w) for w in weights], device) / len(weights)
+
+    def gbs(t: int) -> float:
+        x = torch.randn(t, k, device=device, dtype=dtype)
+        sec = time_call(lambda: [call(x, w) for w in weights], device) / len(weights)
+        return weight_bytes / sec / 1e9
+
     xp = torch.randn(prefill_t, k, device=device, dtype=dtype)
     tp = time_call(lambda: call(xp, weights[0]), device)
-    return MatmulRate(kernel, weight_bytes / t1 / 1e9, 2 * prefill_t * n * k / tp / 1e12)
+    curve = tuple((t, gbs(t)) for t in curve_t)
+    return MatmulRate(kernel, gbs(1), 2 * prefill_t * n * k / tp / 1e12, curve, prefill_t)
+
+
+CPU_CURVE_T = (4, 16)  # few points: the CPU profile stays quick
+# Every graph bucket a batched decode runs at on CUDA, the qmm/dense crossover, a prefill chunk.
+GPU_CURVE_T = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+GPU_PREFILL_T = 2048
 
 
 def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
@@ -93,13 +106,19 @@ def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) ->
             lambda s=scheme: pack_linear(w, f32, shape, s), lambda p: p.nbytes, rotate_bytes
         )
         rates[mode] = linear_rate(
-            kernel, packs, packed_linear, shape, packs[0].nbytes, cpu, torch.float32, prefill_t
-        )
+            kernel, packs, packed_linear, shape, packs[0].nbytes, cpu, torch.float32, prefill_t,
+            CPU_CURVE_T,
+        )  # fmt: skip
     return rates
 
 
 def gpu_matmul_rates(
-    device: torch.device, types: list[str], shape=(14336, 4096), rotate_bytes=512 << 20
+    device: torch.device,
+    types: list[str],
+    shape=(14336, 4096),
+    rotate_bytes=512 << 20,
+    curve_t: tuple[int, ...] = GPU_CURVE_T,
+    prefill_t: int = GPU_PREFILL_T,
 ) -> dict:
     """The registry's qlinear kernel per GGUF type ("quant:<type>") and bf16 dense."""
     from hetero.kernels import select
@@ -123,14 +142,15 @@ def gpu_matmul_rates(
             return impl.fn(x, w, t, shape)
 
         rates[f"quant:{name}"] = linear_rate(
-            impl.name, ws, call, shape, raw.nbytes, device, torch.bfloat16, 512
-        )
+            impl.name, ws, call, shape, raw.nbytes, device, torch.bfloat16, prefill_t, curve_t,
+        )  # fmt: skip
         del ws, raw
     dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     ws = _rotation(dense.clone, lambda w: w.nbytes, rotate_bytes)
     rates["dense"] = linear_rate(
-        "torch", ws, lambda x, w: x @ w.t(), shape, dense.nbytes, device, torch.bfloat16, 512
-    )
+        "torch", ws, lambda x, w: x @ w.t(), shape, dense.nbytes, device, torch.bfloat16,
+        prefill_t, curve_t,
+    )  # fmt: skip
     return rates
 
 

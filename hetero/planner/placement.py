@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from hetero.planner.cost import DeviceCost, kv_token_bytes, transfer_seconds
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
-from hetero.planner.plan import DEFAULT_CONTEXT_CAP, Plan, PlanConfig, PlanError, StagePlan
+from hetero.planner.plan import (
+    DEFAULT_CONTEXT_CAP,
+    Plan,
+    PlanConfig,
+    PlanError,
+    StagePlan,
+    base_device,
+)
 from hetero.planner.search import Split, search
 
 GPU_MODES = ("quant", "dense")
@@ -43,7 +50,7 @@ class _Setup:
     context: int
     costs: list[DeviceCost]
     budgets: list[float]
-    _prefix: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    _prefix: dict[tuple[int, int, bool], list[float]] = field(default_factory=dict)
 
     @property
     def ctx(self) -> float:  # average context a decode reads
@@ -64,22 +71,24 @@ class _Setup:
     def fits(self, i: int, a: int, b: int) -> bool:
         return self.base_bytes(i, a, b) + self.kv_need(i, b - a) <= self.budgets[i]
 
-    def _decode_prefix(self, i: int, m: int) -> list[float]:
+    def _decode_prefix(self, i: int, m: int, replay: bool) -> list[float]:
         """Running sums of device i's decode layer times at m sequences (cached)."""
-        if (i, m) not in self._prefix:
+        if (i, m, replay) not in self._prefix:
             out = [0.0]
-            for t in self.costs[i].decode_layer_seconds(m, self.ctx):
+            for t in self.costs[i].decode_layer_seconds(m, self.ctx, replay):
                 out.append(out[-1] + t)
-            self._prefix[i, m] = out
-        return self._prefix[i, m]
+            self._prefix[i, m, replay] = out
+        return self._prefix[i, m, replay]
 
     def stage_s(self, i: int, a: int, b: int, m: int) -> float:
         c, n = self.costs[i], self.desc.n_layers
-        prefix = self._decode_prefix(i, m)
-        t = c.dev.step_overhead_s + prefix[b] - prefix[a]
-        if b == n:
-            t += c.head_seconds(m)
-        elif i + 1 < len(self.costs):
+        # Only a one-stage plan runs in the engine's process, which replays CUDA graphs; the
+        # pipeline's stage processes run eagerly.
+        replay = a == 0 and b == n
+        prefix = self._decode_prefix(i, m, replay)
+        work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
+        t = c.step_seconds(b - a, work, c.eager(m, replay))
+        if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
 
@@ -89,11 +98,11 @@ class _Setup:
         while done < tokens:
             n = min(budget, tokens - done)
             cached = done if seqs == 1 else 0
-            per_layer = c.prefill_layer_seconds(n, cached, max(1, round(seqs * n / tokens)))
-            total += c.dev.step_overhead_s + sum(per_layer[a:b])
-            if b == self.desc.n_layers:
-                total += c.head_seconds(max(1, round(seqs * n / tokens)))
-            elif i + 1 < len(self.costs):
+            rows = max(1, round(seqs * n / tokens))
+            work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
+            last = b == self.desc.n_layers
+            total += c.step_seconds(b - a, work + (c.head_seconds(rows) if last else 0.0), True)
+            if not last and i + 1 < len(self.costs):
                 total += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
             done += n
         return total
@@ -105,7 +114,10 @@ def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
 
 
 def _pick_mode(desc: ModelDesc, dev: DeviceProfile, cfg: PlanConfig, kv: str, compact: bool):
-    costs = [DeviceCost(desc, dev, m, kv) for m in _modes(dev, cfg.weights)]
+    graphs = not cfg.enforce_eager
+    costs = [
+        DeviceCost(desc, dev, m, kv, graphs, cfg.max_num_seqs) for m in _modes(dev, cfg.weights)
+    ]
     if compact:
         return min(costs, key=lambda c: c.weights_bytes(0, desc.n_layers, True, True))
     return min(costs, key=lambda c: sum(c.decode_layer_seconds(1, cfg.prompt_len)))
@@ -185,7 +197,7 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
         kv_room_blocks=room,
         single_step_s=setup.stage_s(i, a, b, 1),
         prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len, 1),
-        base_device=dev.id.split("@")[0],
+        base_device=base_device(dev.id),
         mps_percentage=round(dev.sm_share * 100) if dev.sm_share < 1.0 else None,
         memory_cap=dev.memory_cap,
     )
@@ -232,6 +244,13 @@ def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) ->
 
 def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfig) -> tuple:
     notes = []
+    measured = {d.id for d in devices if d.source != "datasheet"}  # spec#2 is another card
+    shared = sorted({s.base_device for s in stages if "#" in s.device and s.device in measured})
+    if shared:
+        notes.append(
+            f"{', '.join(shared)} runs more than one stage: they share it, and each stage's "
+            "predicted time assumes it alone"
+        )
     if any(s.device == d.id and d.is_cpu for s in stages for d in devices) and len(stages) > 1:
         notes.append("the GPUs cannot hold the model with its KV: the last layers run on the CPU")
     unused = [d.id for d in devices if d.id not in {s.device for s in stages}]

@@ -37,6 +37,8 @@ class PlanConfig:
         or a RuntimeConfig weights mode to force everywhere it applies.
     kv_dtype: "auto" (fp8 where the device has FP8 hardware, else fp16, as the engine picks) or
         fp8/fp16/bf16/fp32; fp8 asked of a GPU without FP8 falls back to fp16.
+    enforce_eager: plan for an engine run with --enforce-eager (no CUDA graphs: decode steps
+        pay the host's launch time).
     use_all_devices: give every device at least one layer (to test a split where one device
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
@@ -54,6 +56,7 @@ class PlanConfig:
     kv_dtype: str = "auto"
     kv_memory_fraction: float = 0.9
     use_all_devices: bool = False
+    enforce_eager: bool = False
     margin: float = 0.05
     gpu_margin_bytes: int = 768 << 20
     cpu_margin_bytes: int = 2 << 30
@@ -163,12 +166,18 @@ class Plan:
 
     def check_devices(self, present: list[str]) -> None:
         """Refuse a plan whose devices are not all present now (by id)."""
-        missing = [s.device for s in self.stages if s.device.split("@")[0] not in present]
+        missing = [s.device for s in self.stages if base_device(s.device) not in present]
         if missing:
             raise PlanError(
                 f"the plan places layers on {', '.join(missing)}, not present now "
                 f"(present: {', '.join(present) or 'none'}); make a new plan"
             )
+
+
+def base_device(dev_id: str) -> str:
+    """The device a stage runs on: "cuda:0" for the share "cuda:0@70%:32GB", "cpu" for "cpu#2"
+    (the second stage of a CPU listed twice)."""
+    return dev_id.split("@")[0].split("#")[0]
 
 
 def plan_devices(model_path: str | Path, devices: list[str], config: PlanConfig | None = None):

@@ -103,14 +103,36 @@ def resolve_devices(
 
 
 def _unique(profiles: list[DeviceProfile]) -> list[DeviceProfile]:
-    """Two cards of one spec ("rtx3090,rtx3090") become rtx3090 and rtx3090#2."""
+    """Two cards of one spec ("rtx3090,rtx3090") become rtx3090 and rtx3090#2. A device of this
+    machine listed k times ("cpu,cpu": a pipeline of two processes on one CPU) becomes cpu and
+    cpu#2, both run on cpu (StagePlan.base_device), each with 1/k of its memory and its share of
+    the compute (`shared_by`); the plan notes that they share it."""
+    total = Counter(p.id for p in profiles)
     seen: Counter[str] = Counter()
     out = []
     for p in profiles:
         seen[p.id] += 1
-        if seen[p.id] > 1:
-            if p.source != "datasheet":
-                raise PlanError(f"device {p.id} is listed twice")
-            p = p.replace(id=f"{p.id}#{seen[p.id]}")
-        out.append(p)
+        k = total[p.id]
+        if k > 1 and p.source != "datasheet":
+            p = shared_by(p, k)
+        out.append(p if seen[p.id] == 1 else p.replace(id=f"{p.id}#{seen[p.id]}"))
     return out
+
+
+def shared_by(p: DeviceProfile, k: int) -> DeviceProfile:
+    """One of k stage processes on device p: 1/k of its memory; on a CPU the pipeline gives each
+    of the k processes threads // k of the threads the profile was measured with, on a GPU the k
+    processes take turns (no MPS). Rates scale by that share; host overheads do not."""
+    import torch
+
+    threads = torch.get_num_threads()
+    f = max(1, threads // k) / threads if p.is_cpu else 1.0 / k
+    matmul = {key: r.scaled(f, f) for key, r in p.matmul.items()}
+    return p.replace(
+        memory_free=p.memory_free // k,
+        memory_cap=p.memory_cap // k,
+        mem_bw_gbs=p.mem_bw_gbs * f,
+        bf16_tflops=p.bf16_tflops * f,
+        attn_gbs=p.attn_gbs * f,
+        matmul=matmul,
+    )

@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from hetero.planner.device import DeviceProfile, MatmulRate
+from hetero.planner.device import DeviceProfile
 
 _SHARE = re.compile(
     r"^(?P<base>[a-z][a-z0-9_.-]*(?::\d+)?)@(?P<pct>\d+(?:\.\d+)?)%(?::(?P<mem>[\d.]+)GB)?$"
@@ -72,10 +72,7 @@ def derive_share(base: DeviceProfile, share: Share) -> DeviceProfile:
             f"{share.id}: the memory cap {share.memory_cap / 1e9:.1f} GB is more than "
             f"{base.name}'s {base.memory_total / 1e9:.1f} GB"
         )
-    matmul = {
-        k: MatmulRate(r.kernel, r.decode_gbs * bw, r.prefill_tflops * fl)
-        for k, r in base.matmul.items()
-    }
+    matmul = {k: r.scaled(bw, fl) for k, r in base.matmul.items()}
     return base.replace(
         id=share.id,
         name=f"{base.name} ({share.fraction:.0%} of SMs)",

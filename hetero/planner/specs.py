@@ -32,13 +32,15 @@ ACHIEVED: dict[str, dict[str, float]] = {
     ),
     "cpu": dict(copy=0.7, fp16_decode=0.6, dense_decode=0.8, matmul=0.3, attention=0.15),
 }
-# Host overheads of an engine step (scheduler, metadata, launches, small ops), measured on this
-# project's engine before CUDA graphs: ~40 ms a step for SmolLM2's 30 layers on the H200
-# (BENCHMARKS.md, "host-bound"); ~40 ms of 63 on the 2-core CPU. A desktop CPU is taken as ~2x
-# faster than the 2-core development machine for host work.
+# Host overheads of an engine step (scheduler, metadata, launches, small ops). Eager steps
+# (prefill; decode under --enforce-eager), from this project's engine on the H200: 40 tok/s for
+# an 8B model at B = 1 eagerly, 25 ms a step over 32 layers, ~0.75 ms a layer of host launches.
+# Decode replayed from CUDA graphs: the host launches one graph, the device runs the layer's
+# ~15 kernels back to back (~1.5 us apart). The CPU (always eager): ~40 ms of 63 a step on the
+# 2-core development machine; a desktop CPU is taken as ~2x faster for host work.
 OVERHEADS: dict[str, dict[str, float]] = {
-    "cuda": dict(step=5e-3, layer=1.2e-3, seq=2e-5),
-    "cpu": dict(step=3e-3, layer=0.6e-3, seq=5e-5),
+    "cuda": dict(step=1e-3, layer=2e-5, seq=1e-6, eager_step=5e-3, eager_layer=0.75e-3),
+    "cpu": dict(step=3e-3, layer=0.6e-3, seq=5e-5, eager_step=3e-3, eager_layer=0.6e-3),
 }
 PCIE_GBS = {3: 16.0, 4: 32.0, 5: 64.0}  # per direction, x16, before protocol overhead
 PCIE_ACHIEVED = 0.8
@@ -99,6 +101,8 @@ def from_spec(dev_id: str, spec: dict[str, Any]) -> DeviceProfile:
         step_overhead_s=over["step"],
         layer_overhead_s=over["layer"],
         seq_overhead_s=over["seq"],
+        eager_step_overhead_s=over["eager_step"],
+        eager_layer_overhead_s=over["eager_layer"],
         compute_capability=str(spec.get("compute_capability", "")),
         fp8_kv=bool(spec.get("fp8", False)),
         kernels=_kernels(kind, str(spec.get("compute_capability", "0.0"))),

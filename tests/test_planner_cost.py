@@ -1,0 +1,119 @@
+"""The cost model follows what the engine runs: the matmul kernel at each batch size, CUDA-graph
+buckets for decode, eager host overheads for prefill. Made-up profiles, hand-computed numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetero.planner.cost import DeviceCost, kv_token_bytes
+from hetero.planner.device import DeviceProfile, MatmulRate
+from hetero.planner.model_desc import describe
+from hetero.planner.plan import PlanConfig, plan
+
+GiB = 2**30
+
+
+def rate() -> MatmulRate:
+    # 100 GB/s at T = 1, 50 at T = 4 (a slower batched kernel), 1 TFLOP/s at T = 64
+    return MatmulRate("k", 100.0, 1.0, ((4, 50.0),), 64)
+
+
+def test_matmul_time_follows_the_measured_curve():
+    r, nbytes, params = rate(), 1e6, 2e6
+    assert r.seconds(nbytes, params, 1) == pytest.approx(1e6 / 100e9)
+    assert r.seconds(nbytes, params, 4) == pytest.approx(1e6 / 50e9)
+    # halfway (in T) between the T = 1 and T = 4 points
+    assert r.seconds(nbytes, params, 2) == pytest.approx(1e-5 + (2e-5 - 1e-5) / 3)
+    at64 = 2 * 64 * params / 1e12
+    assert r.seconds(nbytes, params, 34) == pytest.approx(2e-5 + (at64 - 2e-5) * 30 / 60)
+    assert r.seconds(nbytes, params, 128) == pytest.approx(2 * 128 * params / 1e12)
+    # without a curve: the two-ceiling roofline, as datasheet profiles have it
+    flat = MatmulRate("k", 100.0, 1.0)
+    assert flat.seconds(nbytes, params, 4) == pytest.approx(max(1e-5, 8 * params / 1e12))
+
+
+def gpu(**over) -> DeviceProfile:
+    """A made-up H200-like card: prefill of 128 tokens of an 8B model is ~5 ms of matmuls."""
+    fast = MatmulRate("k", 2000.0, 400.0, ((4, 1000.0),), 2048)
+    fields = dict(
+        id="cuda:0", kind="cuda", name="test", memory_total=80 * GiB, memory_free=80 * GiB,
+        mem_bw_gbs=3000.0, bf16_tflops=500.0, matmul={"quant": fast, "dense": fast},
+        attn_gbs=1000.0, step_overhead_s=1e-4, layer_overhead_s=1e-5, seq_overhead_s=1e-6,
+        eager_step_overhead_s=2e-3, eager_layer_overhead_s=5e-4, compute_capability="9.0",
+        fp8_kv=True,
+    )  # fmt: skip
+    return DeviceProfile(**{**fields, **over})
+
+
+def test_profile_round_trips_with_curves_and_eager_overheads():
+    d = gpu()
+    assert DeviceProfile.from_dict(d.to_dict()) == d
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return describe("synth:llama3-8b:q4_k_m")
+
+
+def test_graph_replayed_decode_runs_its_bucket(llama8b):
+    c = DeviceCost(llama8b, gpu(), "quant", "fp8", graphs=True, max_num_seqs=16)
+    assert [c.decode_rows(m) for m in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, None]
+    kv = kv_token_bytes(llama8b, "fp8") * 100 / 1000e9
+    # 5 sequences run 8 rows: the same matmuls and per-row overheads, 3 sequences' fewer KV reads
+    five, eight = c.decode_layer_seconds(5, 100), c.decode_layer_seconds(8, 100)
+    assert five[0] == pytest.approx(eight[0] - 3 * kv)
+    assert not c.eager(16) and c.eager(17)  # past the largest bucket the engine runs eagerly
+
+
+def test_eager_steps_take_the_longer_of_host_and_device_on_a_gpu(llama8b):
+    c = DeviceCost(llama8b, gpu(), "quant", "fp8")
+    host = 2e-3 + 32 * 5e-4
+    assert c.step_seconds(32, 1e-3, True) == pytest.approx(host)
+    assert c.step_seconds(32, 0.1, True) == pytest.approx(0.1)
+    assert c.step_seconds(32, 0.1, False) == pytest.approx(0.1 + 1e-4)
+    cpu = DeviceCost(llama8b, gpu(id="cpu", kind="cpu"), "dense", "fp16")
+    assert cpu.step_seconds(32, 0.1, True) == pytest.approx(0.1 + host)
+
+
+def test_plan_prices_prefill_eagerly_and_decode_as_replayed(llama8b):
+    cfg = PlanConfig(concurrency=1, context=512, prompt_len=128)
+    graphed = plan(llama8b, [gpu()], cfg)
+    eager = plan(llama8b, [gpu()], PlanConfig(concurrency=1, context=512, enforce_eager=True))
+    assert graphed.ttft_s >= 2e-3 + 32 * 5e-4  # the prefill step's host time at least
+    # the same profile without host overheads for eager steps: a faster first token
+    bare = plan(llama8b, [gpu(eager_step_overhead_s=0.0, eager_layer_overhead_s=1e-9)], cfg)
+    assert bare.ttft_s < graphed.ttft_s
+    assert eager.single_stream_tok_s < graphed.single_stream_tok_s
+    (s,) = eager.stages
+    assert s.single_step_s >= 2e-3 + 32 * 5e-4
+
+
+def test_pipeline_stages_run_eagerly(llama8b):
+    """A split over two processes: no CUDA graphs there, each stage pays its host time."""
+    a, b = gpu(), gpu(id="cuda:1", eager_layer_overhead_s=2e-3)
+    p = plan(llama8b, [a, b], PlanConfig(concurrency=1, context=512, use_all_devices=True))
+    for s in p.stages:
+        per_layer = 5e-4 if s.device == "cuda:0" else 2e-3
+        assert s.single_step_s >= 2e-3 + s.n_layers * per_layer
+    # the slow host of cuda:1 gets it few layers
+    assert p.stages[0].n_layers > p.stages[1].n_layers
+
+
+def test_calibration_with_the_gpu_settings_batched_attention_pair_runs_on_the_cpu():
+    """The GPU calibration measures attention at 8 sequences (not 1): the same code on the CPU,
+    on the tiny shape and a short context so that it takes seconds."""
+    import math
+
+    from hetero.planner.calibrate import _Setting, calibrate
+    from hetero.planner.specs import load_spec
+
+    prof = load_spec("desktop-ddr5").replace(id="cpu")
+    got = calibrate(prof, "cpu", "fp16", setting=_Setting({}, 8, 96, 256))
+    assert set(got) == {
+        "step_overhead_s", "layer_overhead_s", "seq_overhead_s", "attn_gbs",
+        "eager_step_overhead_s", "eager_layer_overhead_s",
+    }  # fmt: skip
+    assert all(math.isfinite(v) and v >= 0 for v in got.values()) and got["attn_gbs"] > 0
+    # a prefill step and a decode step on a real engine are not free
+    assert got["eager_step_overhead_s"] + got["eager_layer_overhead_s"] > 0
+    assert got["step_overhead_s"] + got["layer_overhead_s"] > 0
