@@ -5,7 +5,7 @@ Three paths, by the number of tokens T (x is [T, K], W is [N, K]):
     T <= GEMV_MAX_T       qgemv   one launch: decode in registers, float32 FMAs, split-K with an
                                   in-kernel fix-up (memory-bound: time ~ weight bytes / bandwidth)
     T <= GEMV_TOKENS_MAX_T qgemv_tokens  the same, a program decoding each weight once for up to 8
-                                  tokens (batched decode; see triton_qgemv_tokens)
+                                  tokens (off for now: see GEMV_TOKENS_MAX_T)
     T <  DENSE_MIN_T      qmm     dequantize tiles straight into the tensor cores (tl.dot), K
                                   split when the tiles are fewer than the SMs
     T >= DENSE_MIN_T      dense   dequantize W (in slabs) to x's dtype, then cuBLAS (at these T
@@ -42,9 +42,12 @@ from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, QSpec, chunk_codes, packable, repack
 
 GEMV_MAX_T = 2
-# 8 tokens: the FMAs a decoded weight feeds still take about the time its bytes take (the
-# reasoning in triton_qgemv_tokens); benchmarks/gpu_qmatmul.py --micro prints both paths per T.
-GEMV_TOKENS_MAX_T = 8
+# qgemv_tokens is not chosen (its range T = 3 .. 2 is empty): on the H200
+# (benchmarks/gpu_qmicro.py, 2026-11-29, Q4_K 4096 -> 14336, us per call) it lost to qmm at every
+# T it covers (T = 4: 44.1 vs 36.1; T = 8: 65.2 vs 36.4), and the microbenchmark hit an illegal
+# memory access right after timing it at T = 16 (Q5_K), a T it is never given, which is not yet
+# explained. It stays tested against the reference under the interpreter and callable directly.
+GEMV_TOKENS_MAX_T = 2
 DENSE_MIN_T = 160
 DENSE_SLAB_ELEMENTS = 1 << 27  # dequantize at most this many weights at a time (256 MB in bf16)
 _GEMV_CTAS_PER_SM = 4  # enough warps in flight to cover DRAM latency (see gemv_config)

@@ -110,7 +110,6 @@ class Engine:
                 self.model, self.pool, self.scheduler.config.max_num_seqs, self.max_model_len
             )
         self.sampler = Sampler(cfg.seed)
-        self.params: dict[str, SamplingParams] = {}
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
 
