@@ -130,7 +130,7 @@ def test_preemption_under_a_small_pool_comes_back_by_restore(model_files, loaded
     want = [o.outputs[0].token_ids for o in make(model_files, loaded, kv_dtype="fp32",
             num_kv_blocks=64).generate(batch, params)]  # fmt: skip
     # speculation off: with n-gram guesses (the CPU default) these requests were preempted but
-    # came back by recompute, not restore (seen once; not yet understood, noted in the issue)
+    # came back by recompute, not restore (reproducible; not yet understood, noted in the issue)
     llm = make(model_files, loaded, kv_dtype="fp32", num_kv_blocks=10, kv_ram_gb=0.01,
                speculative="off")  # fmt: skip
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
