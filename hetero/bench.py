@@ -70,8 +70,13 @@ class BenchResult:
 
     @property
     def per_stream_tok_s(self) -> float:
-        """Decode speed one stream sees: 1 / median inter-token latency."""
-        return 1.0 / statistics.median(self.itl_s) if self.itl_s else 0.0
+        """Decode speed one stream sees: 1 / median inter-token latency. Where a step delivers
+        several tokens (speculative decoding) most intervals are 0 and the median with them: then
+        1 / mean, which spreads each step's time over its tokens."""
+        if not self.itl_s:
+            return 0.0
+        itl = statistics.median(self.itl_s) or statistics.fmean(self.itl_s)
+        return 1.0 / itl if itl > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -25,3 +25,16 @@ def test_other_workloads(smollm2):
         from hetero.bench_workloads import make_prompts
 
         make_prompts(None, "nope", 1, 1, 0)
+
+
+def test_per_stream_speed_when_steps_deliver_several_tokens():
+    """Speculative steps deliver tokens together (intervals of 0): the per-stream speed spreads
+    each step over its tokens instead of dividing by a zero median."""
+    from hetero.bench import BenchResult
+
+    def result(itl):
+        return BenchResult(1, 1, 8, len(itl) + 1, 1.0, [0.1], itl, len(itl) + 1, 8)
+
+    assert result([0.02, 0.02, 0.04]).per_stream_tok_s == pytest.approx(50.0)  # 1 / median
+    assert result([0.0, 0.0, 0.06, 0.0, 0.06]).per_stream_tok_s == pytest.approx(5 / 0.12)
+    assert result([]).per_stream_tok_s == 0.0
