@@ -59,7 +59,8 @@ def test_stage_without_memory_for_its_kv_fails_at_once_with_the_reason(tiny_llam
             max_restarts=0,
         )
     msg = str(err.value)
-    assert "a stage died while starting" in msg
+    # which notices first, the stage's death report or its closed pipe, is a race: both say why
+    assert "a stage died while starting" in msg or "pipe closed while starting" in msg
     assert "no room for a KV block on cpu" in msg
     assert time.monotonic() - t0 < 120  # seen when the stage exits, long before the timeout
 
