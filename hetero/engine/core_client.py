@@ -21,7 +21,6 @@ import pickle
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from hetero.engine.async_engine import EngineDeadError, merge_outputs
 from hetero.engine.core_process import engine_main
