@@ -75,7 +75,7 @@ class CoreLoop:
                 self._drain(block=not engine.has_unfinished())
                 outs = engine.step() if engine.has_unfinished() and not self.stopping else []
                 if outs or self.refused:
-                    self.out.send_bytes(dumps(("step", pack_outputs(outs), self.refused)))
+                    self.stopping = not self._send(("step", pack_outputs(outs), self.refused))
                     self.refused = []
         except BaseException as e:  # the server fails its requests with this reason and exits
             log.exception("the engine loop died")
@@ -120,8 +120,10 @@ class CoreLoop:
         if saved:
             log.info("saved %d KV blocks to the disk tier", saved)
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: tuple) -> bool:
+        """False when the server process is gone (nobody to tell: this process stops)."""
         try:
             self.out.send_bytes(dumps(msg))
-        except OSError:  # the server process is gone: nobody to tell
-            pass
+        except OSError:
+            return False
+        return True
