@@ -30,7 +30,7 @@ from hetero.sampling import SamplingParams
 
 log = logging.getLogger("hetero.engine")
 READ_BURST = 64  # messages handled per wake-up at most, so one busy engine cannot starve HTTP
-GAUGES_TIMEOUT_S = 5.0
+GAUGES_TIMEOUT_S = 5.0  # the engine answers between steps
 
 
 class Refused:
@@ -53,6 +53,7 @@ class EngineProcess:
         self._closing = False
         self._sinks: dict[str, asyncio.Queue] = {}
         self._gauges: dict[int, asyncio.Future] = {}
+        self._last_gauges: list[str] | None = None
         self._tokens = itertools.count()
         self._lock = threading.Lock()
         self._ready: asyncio.Future | None = None
@@ -128,11 +129,12 @@ class EngineProcess:
         fut = self._gauges[token] = asyncio.get_running_loop().create_future()
         self._send(("gauges", token))
         try:
-            return await asyncio.wait_for(fut, GAUGES_TIMEOUT_S)
-        except TimeoutError:
-            return None
+            self._last_gauges = await asyncio.wait_for(fut, GAUGES_TIMEOUT_S)
+        except TimeoutError:  # a step longer than that (a long prefill on a CPU): the last ones
+            pass
         finally:
             self._gauges.pop(token, None)
+        return self._last_gauges
 
     def _send(self, msg: tuple) -> None:
         data = dumps(msg)
