@@ -33,6 +33,10 @@ READ_BURST = 64  # messages handled per wake-up at most, so one busy engine cann
 GAUGES_TIMEOUT_S = 5.0  # the engine answers between steps
 
 
+class EngineLoadError(RuntimeError):
+    """The engine process could not load the model (the message names the error there)."""
+
+
 class Refused:
     """A request the engine would not take (too long, bad token ids): raised in its handler."""
 
@@ -71,7 +75,7 @@ class EngineProcess:
         self._ends = (cmd_r, out_w)
 
     async def start(self) -> EngineProcess:
-        """Spawn the process and wait until its engine is loaded (RuntimeError: why not)."""
+        """Spawn the process and wait until its engine is loaded (EngineLoadError: why not)."""
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._ready = loop.create_future()
@@ -177,7 +181,7 @@ class EngineProcess:
             self._loaded = True
             self._ready.set_result(msg[1])
         elif kind == "failed":
-            self._ready.set_exception(RuntimeError(msg[1]))
+            self._ready.set_exception(EngineLoadError(msg[1]))
         elif kind == "died":
             self.dead = msg[1]
 
@@ -191,7 +195,7 @@ class EngineProcess:
             self.dead = self.dead or f"the engine process died ({exit_reason(self.proc.exitcode)})"
             reason = self.dead
         if not self._ready.done():
-            self._ready.set_exception(RuntimeError(f"{reason} while loading"))
+            self._ready.set_exception(EngineLoadError(f"{reason} while loading"))
         self.fail_all(reason)
         if self._loaded and not self._closing:
             log.error("%s", reason)

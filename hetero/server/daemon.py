@@ -27,8 +27,9 @@ PROTECTED = ("/v1/", "/infill")
 DRAIN_TAIL_S = 10.0  # after the grace period: time for handlers to tell their clients why
 # With the engine on a thread (--no-engine-process), it and the event loop share the GIL. With
 # Python's default 5 ms switch interval a thread that wants it back (the loop with tokens to send,
-# the engine after a device sync) can wait that long each time. Measured on an H200 with a 135M model, one stream: HTTP decode went
-# from about 85% of the offline engine's speed to 100-105% with 0.5 ms.
+# the engine after a device sync) can wait that long each time. Measured on an H200 with a 135M
+# model, one stream: HTTP decode went from about 85% of the offline engine's speed to 100-105%
+# with 0.5 ms.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 

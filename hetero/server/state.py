@@ -24,7 +24,7 @@ from aiohttp import web
 from hetero.config import RuntimeConfig
 from hetero.engine.async_engine import AsyncEngine
 from hetero.engine.config import EngineConfig
-from hetero.engine.core_client import EngineProcess
+from hetero.engine.core_client import EngineLoadError, EngineProcess
 from hetero.engine.core_wire import EngineInfo
 from hetero.engine.engine import Engine
 from hetero.server.metrics import Metrics
@@ -86,8 +86,9 @@ class ServerState:
                 await self._load_process()
             else:
                 await self._load_thread()
-        except BaseException as e:
-            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+        except Exception as e:
+            named = isinstance(e, EngineLoadError)  # its message names the error already
+            self.status, self.error = "failed", str(e) if named else f"{type(e).__name__}: {e}"
             raise
         self.engine = self.ae.info
         self.status = "ready"
