@@ -23,7 +23,7 @@ from hetero.server.metrics import parse_metrics
 HOST = "127.0.0.1"
 LOAD_TIMEOUT_S = 300.0  # the model loads in seconds, but this machine is shared and busy
 # HETERO_TEST_ENGINE_PROCESS=1 (or 0) runs every test daemon with the engine in its own process
-# (or on a thread); unset, each daemon takes its default for the device.
+# (or on a thread); unset, each daemon takes the default (a process).
 ENGINE_MODE = {"1": ("--engine-process",), "0": ("--no-engine-process",)}.get(
     os.environ.get("HETERO_TEST_ENGINE_PROCESS", ""), ()
 )

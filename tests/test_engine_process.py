@@ -26,6 +26,8 @@ from hetero.engine.config import EngineConfig
 from hetero.engine.core_client import EngineProcess
 from hetero.engine.engine import Engine
 from hetero.sampling import SamplingParams
+from hetero.server.app import serve_cli
+from hetero.server.config_file import apply_config
 from hetero.server.metrics import parse_metrics
 from hetero.server.state import ServerSettings
 from hetero.synth import write_synthetic
@@ -114,24 +116,15 @@ def test_engine_process_serves_like_the_offline_engine(model_path):
     assert got["exitcode"] == 0 and got["deaths"] == []  # asked to stop: not a death
 
 
-def test_engine_process_default_follows_the_device():
-    s = ServerSettings(Path("m.gguf"))
-    assert not s.use_engine_process  # CPU: a thread (measured: see engine_process in app.py)
-    cuda = ServerSettings(Path("m.gguf"), runtime=RuntimeConfig(device="cuda"))
-    assert cuda.use_engine_process
-    from hetero.dist.config import PipelineConfig
-
-    pipe = EngineConfig(pipeline=PipelineConfig(devices="cuda:0,cpu"))
-    assert ServerSettings(Path("m.gguf"), engine_config=pipe).use_engine_process
-    assert ServerSettings(Path("m.gguf"), engine_process=True).use_engine_process
-    assert not ServerSettings(Path("m.gguf"), runtime=cuda.runtime, engine_process=False) \
-        .use_engine_process  # fmt: skip
+def test_engine_process_is_the_default():
+    assert ServerSettings(Path("m.gguf")).engine_process
+    ctx = serve_cli.make_context("hetero-serve", [])
+    assert ctx.params["engine_process"] is True
+    ctx = serve_cli.make_context("hetero-serve", ["--no-engine-process"])
+    assert ctx.params["engine_process"] is False
 
 
 def test_engine_process_option_in_the_config_file(tmp_path):
-    from hetero.server.app import serve_cli
-    from hetero.server.config_file import apply_config
-
     path = tmp_path / "s.toml"
     path.write_text("engine_process = true\n")
     ctx = serve_cli.make_context("hetero-serve", ["--config", str(path)])

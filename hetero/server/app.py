@@ -60,10 +60,10 @@ SERVER_KEYS = (
 )
 @click.option(
     "--engine-process/--no-engine-process",
-    default=None,
-    help="run the engine in its own process (the default on CUDA devices: the engine loop and "
-    "the HTTP work then have an interpreter each) or on a thread of the server's (the default "
-    "on the CPU)",
+    default=True,
+    show_default=True,
+    help="run the engine in its own process (its loop and the HTTP work then have an "
+    "interpreter each) or on a thread of the server's process",
 )
 @engine_options
 @click.pass_context
