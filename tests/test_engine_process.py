@@ -149,18 +149,29 @@ def stream_until_cut(port: int, out: dict, started: threading.Event) -> None:
     out["stream"] = (resp.status, raw)
 
 
+def post_until_cut(d, out: dict) -> None:
+    body = {"prompt": "twice", "max_tokens": 1000, "ignore_eos": True}
+    out["post"] = d.post("/v1/completions", body, timeout=60)
+
+
 def test_a_killed_engine_process_fails_requests_and_stops_the_daemon(model_path):
     d = start_daemon(str(model_path), "--engine-process", "--threads", "1", "--num-kv-blocks", "80")
     try:
         pid = int(re.search(r"engine process started \(pid (\d+)\)", d.log()).group(1))
         out: dict = {}
         started = threading.Event()
-        t = threading.Thread(target=stream_until_cut, args=(d.port, out, started))
-        t.start()
+        threads = [
+            threading.Thread(target=stream_until_cut, args=(d.port, out, started)),
+            threading.Thread(target=post_until_cut, args=(d, out)),
+        ]
+        for t in threads:
+            t.start()
         assert started.wait(60)
+        time.sleep(0.5)  # the other request is admitted too
         os.kill(pid, signal.SIGKILL)
-        t.join(30)
-        assert not t.is_alive(), "the stream was left hanging"
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a request was left hanging"
         t0 = time.monotonic()
         code = d.proc.wait(30)
         assert time.monotonic() - t0 < 30
@@ -171,6 +182,8 @@ def test_a_killed_engine_process_fails_requests_and_stops_the_daemon(model_path)
     assert status == 200 and events[-1] == "[DONE]"
     message = events[-2]["error"]["message"]
     assert "the engine process died (killed by SIGKILL)" in message, message
+    status, body = out["post"]
+    assert status == 503 and "the engine process died" in body["error"]["message"], body
     assert code == 1
     assert "the server stops: the engine process died (killed by SIGKILL)" in d.log()
     d.log_path.unlink()
