@@ -29,6 +29,7 @@ from hetero.engine.engine import StepOutput
 from hetero.sampling import SamplingParams
 
 log = logging.getLogger("hetero.engine")
+PIPE_BYTES = 1 << 20  # Linux's default cap for a pipe (64 KiB is the default size)
 READ_BURST = 64  # messages handled per wake-up at most, so one busy engine cannot starve HTTP
 GAUGES_TIMEOUT_S = 5.0  # the engine answers between steps
 
@@ -65,6 +66,7 @@ class EngineProcess:
         ctx = mp.get_context("spawn")  # CUDA cannot be forked, nor can a process with threads
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
+        _widen(self._out)
         level = logging.getLogger().getEffectiveLevel()
         # Not a daemon process: a pipeline engine starts its stage processes from it.
         self.proc = ctx.Process(
@@ -234,3 +236,15 @@ def exit_reason(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def _widen(conn) -> None:
+    """Room for a few hundred steps' outputs in the pipe (a step of 64 sequences is ~4 KB), so a
+    burst of HTTP work (a slow client's writes, a long prompt's encoding) never stalls the engine
+    on a full pipe (Linux only; elsewhere the default stays)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (ImportError, OSError):
+        pass
