@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from hetero.config import RuntimeConfig
-from hetero.engine.cuda_graph import DecodeGraphs, batch_buckets, bucket_for
+from hetero.engine.cuda_graph import (
+    MAX_SPEC_ROWS,
+    DecodeGraphs,
+    batch_buckets,
+    bucket_for,
+    graph_rows,
+)
 from hetero.kernels.registry import forcing
 from hetero.llm import LLM
 from hetero.model.llama import load_model
@@ -36,6 +42,14 @@ def test_buckets_cover_every_batch_size() -> None:
         assert bucket_for(top + 1, buckets) is None
     with pytest.raises(ValueError, match="max_batch"):
         batch_buckets(0)
+
+
+def test_graph_rows_leave_room_for_guesses() -> None:
+    assert graph_rows(256, 2048) == graph_rows(256, 2048, 8) == 256  # already room
+    assert graph_rows(4, 2048) == 4
+    assert graph_rows(4, 2048, 8) == 36  # 4 requests x (1 + 8) rows
+    assert graph_rows(16, 2048, 8) == MAX_SPEC_ROWS
+    assert graph_rows(4, 20, 8) == 20  # never more rows than the step's token budget
 
 
 @pytest.fixture(scope="module")

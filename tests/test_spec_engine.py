@@ -215,3 +215,22 @@ def test_auto_guesses_on_the_cpu_only_while_few_requests_decode(tiny):
     while len(eng.scheduler.decoding()) <= SPEC_AUTO_MAX_DECODES:
         eng.step()
     assert eng._guesses() is None
+
+
+def test_auto_guesses_on_cuda_where_guesses_pay_for_the_verify_step():
+    """On CUDA "auto" is ngram too (verify steps replay the decode graphs), with the off-switch
+    priced for the GPU's costlier verify step; "off" is off everywhere."""
+    from types import SimpleNamespace
+
+    from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, SPEC_CUDA_MIN_GAIN, make_speculator
+
+    def spec(mode: str, device: str):
+        return make_speculator(
+            SimpleNamespace(config=EngineConfig(speculative=mode), runtime=RuntimeConfig(device))
+        )
+
+    gpu, cpu = spec("auto", "cuda:0"), spec("auto", "cpu")
+    assert gpu.max_decodes == cpu.max_decodes == SPEC_AUTO_MAX_DECODES
+    assert gpu.adapt.min_gain == SPEC_CUDA_MIN_GAIN and cpu.adapt.min_gain == 0
+    assert spec("ngram", "cuda").max_decodes is None
+    assert spec("off", "cuda") is None and spec("off", "cpu") is None

@@ -47,6 +47,8 @@ from hetero.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
+MAX_SPEC_ROWS = 64  # graph rows speculation may add beyond max_num_seqs (graph_rows)
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     """Powers of two up to max_batch, and max_batch itself: [1, 2, 4, ..., max_batch]."""
@@ -57,6 +59,17 @@ def batch_buckets(max_batch: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [max_batch]
+
+
+def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int = 0) -> int:
+    """Rows of the largest graph: one per sequence; with speculation (spec_tokens guesses at most
+    a request), room for a few requests' guesses too where max_num_seqs alone leaves little,
+    within the step's token budget and at most MAX_SPEC_ROWS (graphs cost capture time and
+    memory; the scheduler's default of 256 sequences already leaves 256 rows)."""
+    rows = max_num_seqs
+    if spec_tokens:
+        rows = max(rows, min(max_num_seqs * (1 + spec_tokens), MAX_SPEC_ROWS))
+    return min(rows, max(max_num_batched_tokens, max_num_seqs))
 
 
 def bucket_for(n: int, buckets: list[int]) -> int | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
-from hetero.engine.cuda_graph import capture_decode_graphs
+from hetero.engine.cuda_graph import capture_decode_graphs, graph_rows
 from hetero.engine.json_mask import Constraints
 from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
 from hetero.engine.kv_tiered import build_tiers
@@ -106,8 +106,11 @@ class Engine:
         self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
         self.runner = ModelRunner(self.model, self.pool)
         if not cfg.enforce_eager and self.runtime.device.startswith("cuda"):
+            sc = self.scheduler.config
+            k = 0 if self.spec is None else cfg.num_speculative_tokens
+            rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, k)
             self.runner.graphs = capture_decode_graphs(
-                self.model, self.pool, self.scheduler.config.max_num_seqs, self.max_model_len
+                self.model, self.pool, rows, self.max_model_len
             )
         self.sampler = Sampler(cfg.seed)
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
