@@ -234,3 +234,27 @@ def test_auto_guesses_on_cuda_where_guesses_pay_for_the_verify_step():
     assert gpu.adapt.min_gain == SPEC_CUDA_MIN_GAIN and cpu.adapt.min_gain == 0
     assert spec("ngram", "cuda").max_decodes is None
     assert spec("off", "cuda") is None and spec("off", "cpu") is None
+
+
+def test_bench_spec_ab_prints_one_line_per_workload_and_concurrency(tiny):
+    """`hetero bench --spec-ab`: both sides run on one loaded engine, each pair one line with
+    the speeds, the speedup, the acceptance and the step times; without speculation it says so."""
+    import re
+
+    from click.testing import CliRunner
+
+    from hetero.cli import main
+
+    base = ["bench", str(tiny[0]), "--input-len", "24", "--output-len", "12", "--num-kv-blocks",
+            "64", "--spec-ab", "-c", "1", "-c", "2", "--workload", "random"]  # fmt: skip
+    res = CliRunner().invoke(main, [*base, "--speculative", "ngram"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("random c=")]
+    assert [ln.split(":")[0] for ln in lines] == ["random c=1", "random c=2"]
+    pattern = (
+        r"off [\d.]+ tok/s \| ngram [\d.]+ tok/s, [\d.]+x; accepted \d+/\d+ \(\d+%\); "
+        r"step ms: plain (-|[\d.]+ \([\d.]+ rows\)), verify (-|[\d.]+ \([\d.]+ rows\))"
+    )
+    assert all(re.search(pattern, ln) for ln in lines), lines
+    res = CliRunner().invoke(main, [*base, "--speculative", "off"])
+    assert res.exit_code != 0 and "speculative decoding is off" in res.output

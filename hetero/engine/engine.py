@@ -330,14 +330,26 @@ def token_output(req: Request, p: SamplingParams, i: int, ids, lps, tops) -> Ste
 
 
 class EngineStats:
-    """Counters the bench and the server's /metrics read."""
+    """Counters the bench and the server's /metrics read.
+
+    Decode-only steps are also counted apart, plain ones and verify ones (some request carried
+    guesses; rows: tokens computed), so a benchmark can price a verify step against a plain one.
+    """
 
     def __init__(self) -> None:
         self.steps = 0
         self.tokens = 0
         self.busy_s = 0.0
+        self.decode = [0, 0, 0.0]  # plain decode steps: steps, rows, seconds
+        self.verify = [0, 0, 0.0]  # decode steps with guesses: steps, rows, seconds
 
     def record(self, out, seconds: float) -> None:
         self.steps += 1
         self.tokens += out.num_batched_tokens
         self.busy_s += seconds
+        sched = out.scheduled
+        if all(s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids) for s in sched):
+            kind = self.verify if any(s.spec_ids for s in sched) else self.decode
+            kind[0] += 1
+            kind[1] += out.num_batched_tokens
+            kind[2] += seconds
