@@ -3,9 +3,10 @@
 One loaded engine serves every run (on a GPU the load and the graph capture dominate a short
 run); a short run of each workload and concurrency warms it up first. Before each run the
 prefix cache is emptied, so both sides prefill their prompts, and the n-gram speculator starts
-fresh (no n-grams of the runs before). Each pair prints one line:
+fresh (no n-grams of the runs before). The "on" side is the configured mode, and under "auto"
+plain "ngram" too (auto stops guessing past a few decoding requests). Each prints one line:
 
-    WORKLOAD c=C: off A tok/s | MODE B tok/s, (B/A)x; accepted a/p (a/p %);
+    WORKLOAD c=C MODE: off A tok/s, on B tok/s, (B/A)x; accepted a/p (a/p %);
         step ms: plain T (R rows), verify T (R rows)
 
 tok/s is output tokens over the run's wall time; the step times are decode-only steps of the
@@ -15,11 +16,12 @@ step against a plain one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetero.bench import BenchResult, run_bench
 from hetero.engine.engine import Engine
-from hetero.engine.spec import make_speculator
+from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, ngram_speculator
 
 
 @dataclass
@@ -38,10 +40,11 @@ class SpecPair:
     def line(self) -> str:
         on = self.on
         return (
-            f"{self.workload} c={self.concurrency}: off {self.off.output_tok_s:.1f} tok/s | "
-            f"{on.spec_mode} {on.output_tok_s:.1f} tok/s, {self.speedup:.2f}x; accepted "
-            f"{on.spec_accepted}/{on.spec_proposed} ({on.acceptance_rate:.0%}); step ms: "
-            f"plain {_per_step(self.plain)}, verify {_per_step(self.verify)}"
+            f"{self.workload} c={self.concurrency} {on.spec_mode}: off "
+            f"{self.off.output_tok_s:.1f} tok/s, on {on.output_tok_s:.1f} tok/s, "
+            f"{self.speedup:.2f}x; accepted {on.spec_accepted}/{on.spec_proposed} "
+            f"({on.acceptance_rate:.0%}); step ms: plain {_per_step(self.plain)}, "
+            f"verify {_per_step(self.verify)}"
         )
 
 
@@ -52,11 +55,29 @@ def _per_step(kind: tuple[int, int, float]) -> str:
     return f"{seconds / steps * 1e3:.2f} ({rows / steps:.1f} rows)"
 
 
-def _fresh_speculator(engine: Engine, spec):
-    """A new n-gram speculator (empty cache); a draft model's is kept (it holds no n-grams)."""
-    if engine.config.speculative in ("ngram", "auto"):
-        return make_speculator(engine)
-    return spec
+def speculators(engine: Engine) -> dict[str, Callable[[], object]]:
+    """The "on" sides, each a maker of a fresh speculator (an n-gram one starts with an empty
+    cache; a draft model's is kept): the configured mode, and under "auto" also plain "ngram"
+    (guessing at any batch size), which shows what the auto limit saves or costs."""
+    mode, spec = engine.config.speculative, engine.spec
+    if spec is None:
+        raise ValueError("speculative decoding is off: pass --speculative ngram, auto or draft")
+    if mode == "draft":
+        return {"draft": lambda: spec}
+    out = {"ngram": lambda: ngram_speculator(engine, None)}
+    if mode == "auto":
+        out = {"auto": lambda: ngram_speculator(engine, SPEC_AUTO_MAX_DECODES), **out}
+    return out
+
+
+def _run(engine: Engine, c: int, input_len: int, output_len: int, seed: int, workload: str):
+    """One measured run from an empty prefix cache; with the decode step counters it moved."""
+    engine.block_manager.reset_prefix_cache()
+    before = [list(engine.stats.decode), list(engine.stats.verify)]
+    r = run_bench(engine, c, c, input_len, output_len, seed, workload=workload)
+    now = (engine.stats.decode, engine.stats.verify)
+    plain, verify = (tuple(a - b for a, b in zip(n, w)) for n, w in zip(now, before))
+    return r, plain, verify
 
 
 def spec_ab(
@@ -67,10 +88,8 @@ def spec_ab(
     output_len: int,
     seed: int = 0,
 ) -> list[SpecPair]:
-    """Every (workload, concurrency): c requests at once, speculation off then on."""
-    spec = engine.spec
-    if spec is None:
-        raise ValueError("speculative decoding is off: pass --speculative ngram, auto or draft")
+    """Every (workload, concurrency): c requests at once, speculation off, then each "on" mode."""
+    spec, makers = engine.spec, speculators(engine)
     pairs = []
     try:
         for workload in workloads:  # warm-up at the measured shapes (kernels compile lazily)
@@ -78,18 +97,13 @@ def spec_ab(
                 run_bench(engine, c, c, input_len, 4, seed, workload=workload)
         for workload in workloads:
             for c in concurrencies:
-                runs = []
-                for on in (False, True):
-                    engine.spec = _fresh_speculator(engine, spec) if on else None
-                    engine.block_manager.reset_prefix_cache()
-                    before = [list(engine.stats.decode), list(engine.stats.verify)]
-                    r = run_bench(engine, c, c, input_len, output_len, seed, workload=workload)
-                    runs.append(r)
-                plain, verify = (
-                    tuple(a - b for a, b in zip(now, was))
-                    for now, was in zip((engine.stats.decode, engine.stats.verify), before)
-                )
-                pairs.append(SpecPair(workload, c, runs[0], runs[1], plain, verify))
+                engine.spec = None
+                off, _, _ = _run(engine, c, input_len, output_len, seed, workload)
+                for mode, make in makers.items():
+                    engine.spec = make()
+                    on, plain, verify = _run(engine, c, input_len, output_len, seed, workload)
+                    on.spec_mode = mode
+                    pairs.append(SpecPair(workload, c, off, on, plain, verify))
     finally:
         engine.spec = spec
     return pairs

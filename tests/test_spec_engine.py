@@ -219,19 +219,20 @@ def test_auto_guesses_on_the_cpu_only_while_few_requests_decode(tiny):
 
 def test_auto_guesses_on_cuda_where_guesses_pay_for_the_verify_step():
     """On CUDA "auto" is ngram too (verify steps replay the decode graphs), with the off-switch
-    priced for the GPU's costlier verify step; "off" is off everywhere."""
+    priced for the GPU's costlier verify step by weights mode; "off" is off everywhere."""
     from types import SimpleNamespace
 
-    from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, SPEC_CUDA_MIN_GAIN, make_speculator
+    from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, SPEC_CUDA_VERIFY_COST, make_speculator
 
-    def spec(mode: str, device: str):
-        return make_speculator(
-            SimpleNamespace(config=EngineConfig(speculative=mode), runtime=RuntimeConfig(device))
-        )
+    def spec(mode: str, device: str, weights: str = "auto"):
+        rt = RuntimeConfig(device, weights=weights)
+        return make_speculator(SimpleNamespace(config=EngineConfig(speculative=mode), runtime=rt))
 
-    gpu, cpu = spec("auto", "cuda:0"), spec("auto", "cpu")
+    gpu, cpu = spec("auto", "cuda:0", "quant"), spec("auto", "cpu")
     assert gpu.max_decodes == cpu.max_decodes == SPEC_AUTO_MAX_DECODES
-    assert gpu.adapt.min_gain == SPEC_CUDA_MIN_GAIN and cpu.adapt.min_gain == 0
+    assert gpu.adapt.min_gain == pytest.approx(SPEC_CUDA_VERIFY_COST["quant"] - 1)
+    assert spec("auto", "cuda").adapt.min_gain == pytest.approx(SPEC_CUDA_VERIFY_COST["dense"] - 1)
+    assert cpu.adapt.min_gain == 0
     assert spec("ngram", "cuda").max_decodes is None
     assert spec("off", "cuda") is None and spec("off", "cpu") is None
 
@@ -250,11 +251,15 @@ def test_bench_spec_ab_prints_one_line_per_workload_and_concurrency(tiny):
     res = CliRunner().invoke(main, [*base, "--speculative", "ngram"])
     assert res.exit_code == 0, res.output
     lines = [ln for ln in res.output.splitlines() if ln.startswith("random c=")]
-    assert [ln.split(":")[0] for ln in lines] == ["random c=1", "random c=2"]
+    assert [ln.split(":")[0] for ln in lines] == ["random c=1 ngram", "random c=2 ngram"]
     pattern = (
-        r"off [\d.]+ tok/s \| ngram [\d.]+ tok/s, [\d.]+x; accepted \d+/\d+ \(\d+%\); "
+        r"off [\d.]+ tok/s, on [\d.]+ tok/s, [\d.]+x; accepted \d+/\d+ \(\d+%\); "
         r"step ms: plain (-|[\d.]+ \([\d.]+ rows\)), verify (-|[\d.]+ \([\d.]+ rows\))"
     )
     assert all(re.search(pattern, ln) for ln in lines), lines
+    res = CliRunner().invoke(main, [*base[:-4], "--speculative", "auto"])  # auto and ngram
+    assert res.exit_code == 0, res.output
+    modes = [ln.split(":")[0] for ln in res.output.splitlines() if ln.startswith("random c=")]
+    assert modes == ["random c=1 auto", "random c=1 ngram"]
     res = CliRunner().invoke(main, [*base, "--speculative", "off"])
     assert res.exit_code != 0 and "speculative decoding is off" in res.output

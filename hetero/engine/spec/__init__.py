@@ -11,32 +11,49 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hetero.config import RuntimeConfig
     from hetero.engine.engine import Engine
+    from hetero.engine.spec.speculator import NgramSpeculator
 
 
 # "auto" guesses only while at most this many requests decode (engine/config.py says why)
 SPEC_AUTO_MAX_DECODES = 4
-# On CUDA a verify step replays the decode graphs (cuda_graph.py: 1 + k rows a request) but with
-# one stream it leaves the GEMV kernels for the tensor-core ones, ~1.6x the time per linear on an
-# H200 (T=1 22.6 us, T=2..16 ~36 us, Q4_K 4096x14336: BENCHMARKS.md). So there a request keeps
-# guessing only while its verified steps average more than 0.6 accepted tokens (adapt.py).
-SPEC_CUDA_MIN_GAIN = 0.6
+# What a one-stream verify step costs in plain decode steps on CUDA, by weights mode; a request
+# keeps guessing only while its verified steps average more than cost - 1 accepted tokens
+# (adapt.py). The steps replay the decode graphs (cuda_graph.py: 1 + k rows a request), but:
+#   quant  a plain step's T = 1 runs the GEMV kernels, a verify step's T = 3..16 the tensor-core
+#          one: ~1.6x a linear on an H200 (Q4_K 4096x14336 22.6 us vs ~36 us, BENCHMARKS.md)
+#   dense  cuBLAS bf16 reads the weights once for T = 1 or 16 (both bandwidth-bound): ~1.2x, the
+#          rest being the rows' attention, logits and sampling (an estimate, to be measured:
+#          `hetero bench --spec-ab` prints plain and verify step times)
+SPEC_CUDA_VERIFY_COST = {"quant": 1.6, "dense": 1.2}
+
+
+def verify_cost(runtime: RuntimeConfig) -> float:
+    """A verify step's cost in plain steps where it matters (1.0: priced in proportion, as on a
+    CPU, where a step's time grows with its rows and the acceptance rule alone decides)."""
+    if not runtime.device.startswith("cuda"):
+        return 1.0
+    return SPEC_CUDA_VERIFY_COST.get(runtime.weights_mode(), 1.0)
+
+
+def ngram_speculator(engine: Engine, max_decodes: int | None) -> NgramSpeculator:
+    """N-gram guesses, the off-switch priced for the engine's device (verify_cost)."""
+    from hetero.engine.spec.speculator import NgramSpeculator
+
+    spec = NgramSpeculator(engine.config.num_speculative_tokens)
+    spec.max_decodes = max_decodes
+    spec.adapt = replace(spec.adapt, min_gain=verify_cost(engine.runtime) - 1.0)
+    return spec
 
 
 def make_speculator(engine: Engine):
     """The speculator an engine's config asks for, or None when speculation is off."""
-    cfg = engine.config
-    auto = cfg.speculative == "auto"
-    if cfg.speculative == "off":
+    mode = engine.config.speculative
+    if mode == "off":
         return None
-    if cfg.speculative == "ngram" or auto:
-        from hetero.engine.spec.speculator import NgramSpeculator
-
-        spec = NgramSpeculator(cfg.num_speculative_tokens)
-        spec.max_decodes = SPEC_AUTO_MAX_DECODES if auto else None
-        if engine.runtime.device.startswith("cuda"):
-            spec.adapt = replace(spec.adapt, min_gain=SPEC_CUDA_MIN_GAIN)
-        return spec
+    if mode in ("ngram", "auto"):
+        return ngram_speculator(engine, SPEC_AUTO_MAX_DECODES if mode == "auto" else None)
     from hetero.engine.spec.draft import DraftSpeculator
 
     return DraftSpeculator(engine)
