@@ -152,8 +152,8 @@ def _compare_spec(tiny, capture: bool, kv_dtype: str, prompts, rows: int) -> Non
 @pytest.mark.parametrize("n", [1, 4])
 def test_static_buffer_path_with_guesses_equals_plain_decoding(tiny, n: int) -> None:
     """Verify steps (each decode 1 + k rows, k <= 6) through the static buffers: greedy tokens
-    and logprobs equal plain decoding's, alone and 4 at once (16 rows at most: steps of more
-    rows run eagerly, so both paths take turns)."""
+    and logprobs equal plain decoding's, alone and 4 at once (the engine trims guesses to the
+    16 rows of the largest graph; prefill steps run eagerly)."""
     _compare_spec(tiny, False, "fp32", REPEATS[:n], 16)
 
 

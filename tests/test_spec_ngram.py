@@ -124,3 +124,12 @@ def test_min_gain_switches_off_guesses_that_do_not_pay_for_the_step():
                 break
             s.observe(1 if accepted == (0, 1, 0) else 2, accepted[i % 3])
         assert s.active == stays, (min_gain, accepted)
+
+
+def test_fit_rows_keeps_guesses_within_the_room_left():
+    from hetero.engine.spec.speculator import fit_rows
+
+    g = {"a": [1, 2, 3], "b": [4, 5], "c": [6]}
+    assert fit_rows(g, 10) == g
+    assert fit_rows(g, 4) == {"a": [1, 2, 3], "b": [4]}
+    assert fit_rows(g, 0) == {}

@@ -19,6 +19,7 @@ from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
 from hetero.engine.spec import make_speculator
+from hetero.engine.spec.speculator import fit_rows
 from hetero.engine.spec.verify import accept_rows, expand_rows
 from hetero.gguf_loader import GGUFModel
 from hetero.model.llama import LlamaModel, load_model
@@ -289,7 +290,12 @@ class Engine:
         if limit is not None and len(decoding) > limit:
             return None  # "auto": a full batch keeps the device busy without guesses
         free = [r for r in decoding if not self.constraints.has(r.request_id)]
-        return self.spec.propose(free)
+        guesses = self.spec.propose(free)
+        graphs = self.runner.graphs
+        if graphs is None:
+            return guesses
+        # a step of more rows than the largest graph would run eagerly (several times slower)
+        return fit_rows(guesses, graphs.buckets[-1] - len(decoding))
 
     def _final(self, req: Request) -> StepOutput:
         self.params.pop(req.request_id, None)
