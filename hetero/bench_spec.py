@@ -4,7 +4,8 @@ One loaded engine serves every run (on a GPU the load and the graph capture domi
 run); a short run of each workload and concurrency warms it up first. Before each run the
 prefix cache is emptied, so both sides prefill their prompts, and the n-gram speculator starts
 fresh (no n-grams of the runs before). The "on" side is the configured mode, and under "auto"
-plain "ngram" too (auto stops guessing past a few decoding requests). Each prints one line:
+plain "ngram" too (auto stops guessing past a few decoding requests), and optionally oracles
+of set acceptance (OracleSpeculator: for models with random weights). Each prints one line:
 
     WORKLOAD c=C MODE: off A tok/s, on B tok/s, (B/A)x; accepted a/p (a/p %);
         step ms: plain T (R rows), verify T (R rows)
@@ -16,12 +17,15 @@ step against a plain one.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetero.bench import BenchResult, run_bench
 from hetero.engine.engine import Engine
-from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, ngram_speculator
+from hetero.engine.request import Request
+from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, ngram_speculator, verify_cost
+from hetero.engine.spec.speculator import Speculator
 
 
 @dataclass
@@ -55,6 +59,32 @@ def _per_step(kind: tuple[int, int, float]) -> str:
     return f"{seconds / steps * 1e3:.2f} ({rows / steps:.1f} rows)"
 
 
+class OracleSpeculator(Speculator):
+    """Guesses from the recorded answers of the run without speculation: each guessed token is
+    the recorded one with probability p, else a wrong one. The acceptance is then set by p, not
+    by how a model copies its prompt: a model with random weights (`hetero synth`) copies
+    nothing, so only this shows what a verify step of a given acceptance costs and pays on its
+    shapes (p = 1: an answer that copies throughout; p = 0: every guess wrong, the worst case,
+    which the off-switch must bound). Same per-request control as the n-gram speculator."""
+
+    def __init__(self, engine: Engine, answers: dict[str, list[int]], p: float) -> None:
+        super().__init__(engine.config.num_speculative_tokens)
+        self.adapt = replace(self.adapt, min_gain=verify_cost(engine.runtime) - 1.0)
+        self.answers, self.p = answers, p
+        self.vocab = engine.model_config.vocab_size
+        self.rng = random.Random(0)
+
+    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
+        out = {}
+        for req, state in self.active(requests):
+            n = len(req.output_ids)
+            want = self.answers.get(req.request_id, [])[n : n + state.k]
+            guess = [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in want]
+            if guess:
+                out[req.request_id] = guess
+        return out
+
+
 def speculators(engine: Engine) -> dict[str, Callable[[], object]]:
     """The "on" sides, each a maker of a fresh speculator (an n-gram one starts with an empty
     cache; a draft model's is kept): the configured mode, and under "auto" also plain "ngram"
@@ -70,11 +100,11 @@ def speculators(engine: Engine) -> dict[str, Callable[[], object]]:
     return out
 
 
-def _run(engine: Engine, c: int, input_len: int, output_len: int, seed: int, workload: str):
+def _run(engine: Engine, c, input_len, output_len, seed, workload, outputs=None):
     """One measured run from an empty prefix cache; with the decode step counters it moved."""
     engine.block_manager.reset_prefix_cache()
     before = [list(engine.stats.decode), list(engine.stats.verify)]
-    r = run_bench(engine, c, c, input_len, output_len, seed, workload=workload)
+    r = run_bench(engine, c, c, input_len, output_len, seed, workload=workload, outputs=outputs)
     now = (engine.stats.decode, engine.stats.verify)
     plain, verify = (tuple(a - b for a, b in zip(n, w)) for n, w in zip(now, before))
     return r, plain, verify
@@ -87,8 +117,10 @@ def spec_ab(
     input_len: int,
     output_len: int,
     seed: int = 0,
+    oracles: tuple[float, ...] = (),
 ) -> list[SpecPair]:
-    """Every (workload, concurrency): c requests at once, speculation off, then each "on" mode."""
+    """Every (workload, concurrency): c requests at once, speculation off, then each "on" mode
+    (and an OracleSpeculator per probability in `oracles`)."""
     spec, makers = engine.spec, speculators(engine)
     pairs = []
     try:
@@ -97,9 +129,12 @@ def spec_ab(
                 run_bench(engine, c, c, input_len, 4, seed, workload=workload)
         for workload in workloads:
             for c in concurrencies:
-                engine.spec = None
-                off, _, _ = _run(engine, c, input_len, output_len, seed, workload)
-                for mode, make in makers.items():
+                engine.spec, answers = None, {}
+                off, _, _ = _run(engine, c, input_len, output_len, seed, workload, answers)
+                modes = dict(makers)
+                for p in oracles:
+                    modes[f"oracle-{p:.0%}"] = lambda p=p, a=answers: OracleSpeculator(engine, a, p)
+                for mode, make in modes.items():
                     engine.spec = make()
                     on, plain, verify = _run(engine, c, input_len, output_len, seed, workload)
                     on.spec_mode = mode

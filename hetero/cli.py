@@ -178,10 +178,17 @@ def quantize(src, dst, qtype):
     help="each workload and concurrency twice, speculation off then on (--speculative): one "
     "line each with both speeds, the speedup, the acceptance and the step times",
 )
+@click.option(
+    "--spec-oracle",
+    type=click.FloatRange(0.0, 1.0),
+    multiple=True,
+    help="with --spec-ab, also guess from the plain run's answers, each token right with this "
+    "probability (a set acceptance, for models with random weights); repeatable",
+)
 @engine_options
 def bench(
     model, num_requests, concurrency, input_len, output_len, warmup, seed, workload, spec_ab,
-    **options,
+    spec_oracle, **options,
 ):  # fmt: skip
     """Offline throughput and latency: N requests, C at a time."""
     from hetero.bench import run_bench
@@ -196,7 +203,9 @@ def bench(
     click.echo(engine.describe_kv(), err=True)
     try:
         if spec_ab:
-            _spec_ab(engine, list(workload), list(concurrency), input_len, output_len, seed)
+            _spec_ab(
+                engine, list(workload), list(concurrency), input_len, output_len, seed, spec_oracle
+            )
             return
         if warmup:
             run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
@@ -210,11 +219,11 @@ def bench(
         engine.close()  # a pipeline's stage processes
 
 
-def _spec_ab(engine, workloads, concurrencies, input_len, output_len, seed) -> None:
+def _spec_ab(engine, workloads, concurrencies, input_len, output_len, seed, oracles) -> None:
     from hetero.bench_spec import spec_ab
 
     try:
-        pairs = spec_ab(engine, workloads, concurrencies, input_len, output_len, seed)
+        pairs = spec_ab(engine, workloads, concurrencies, input_len, output_len, seed, oracles)
     except ValueError as e:
         _fail(e)
     for pair in pairs:

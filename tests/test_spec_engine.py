@@ -257,9 +257,12 @@ def test_bench_spec_ab_prints_one_line_per_workload_and_concurrency(tiny):
         r"step ms: plain (-|[\d.]+ \([\d.]+ rows\)), verify (-|[\d.]+ \([\d.]+ rows\))"
     )
     assert all(re.search(pattern, ln) for ln in lines), lines
-    res = CliRunner().invoke(main, [*base[:-4], "--speculative", "auto"])  # auto and ngram
+    oracle = ["--spec-oracle", "1", "--spec-oracle", "0"]  # every guess right, every one wrong
+    res = CliRunner().invoke(main, [*base[:-4], "--speculative", "auto", *oracle])
     assert res.exit_code == 0, res.output
-    modes = [ln.split(":")[0] for ln in res.output.splitlines() if ln.startswith("random c=")]
-    assert modes == ["random c=1 auto", "random c=1 ngram"]
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("random c=")]
+    modes = [ln.split(":")[0] for ln in lines]
+    assert modes == [f"random c=1 {m}" for m in ("auto", "ngram", "oracle-100%", "oracle-0%")]
+    assert "accepted 0/" in lines[3] and re.search(r"accepted (\d+)/\1 ", lines[2]), lines
     res = CliRunner().invoke(main, [*base, "--speculative", "off"])
     assert res.exit_code != 0 and "speculative decoding is off" in res.output
