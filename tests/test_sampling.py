@@ -182,6 +182,9 @@ def test_token_tensors_out_of_range_ids_and_tiny_temperature() -> None:
     assert torch.equal(Sampler()(logits, odd).token_ids, logits.argmax(-1))
 
 
+# ---------------------------------------------------------------- seeds
+
+
 def _mixed_requests(vocab: int) -> tuple[list[SamplingParams], list, list]:
     kinds = [
         SamplingParams(temperature=0),
