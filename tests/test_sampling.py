@@ -17,15 +17,7 @@ from hetero.sampling import (
     sample_next,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are small: intra-op threads only add barrier waits (seconds on a busy
-    2-core machine). Restored after the module so other test files keep their setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------- validation
