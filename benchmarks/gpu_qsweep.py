@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--budget", type=float, default=270.0, help="seconds for the whole run")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -46,6 +46,7 @@ def _variants(t: int) -> list[tv.Variant]:
         for kern in ("gemv", "gemv_pipe"):
             out += [V(kern, bn=bn, ctas=c) for bn in (32, 64) for c in (4, 8)]
             out += [V(kern, bn=64, step=128, ctas=8), V(kern, bn=128, warps=8, ctas=4)]
+        out += [V("gemv_pipe", bn=32, ctas=16), V("gemv_pipe", bn=16, ctas=8)]
     if 2 <= t <= 64:
         bt = _mm_tile(t)
         out += [V("mm", bn=64, bt=bt, step=128, ctas=4, stages=3)]
