@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hetero.bench import BenchResult, run_bench
 from hetero.engine.engine import Engine
 from hetero.engine.request import Request
-from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, ngram_speculator, verify_cost
+from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, ngram_speculator, priced
 from hetero.engine.spec.speculator import Speculator
 
 
@@ -69,7 +69,7 @@ class OracleSpeculator(Speculator):
 
     def __init__(self, engine: Engine, answers: dict[str, list[int]], p: float) -> None:
         super().__init__(engine.config.num_speculative_tokens)
-        self.adapt = replace(self.adapt, min_gain=verify_cost(engine.runtime) - 1.0)
+        self.adapt = priced(self.adapt, engine.runtime)
         self.answers, self.p = answers, p
         self.vocab = engine.model_config.vocab_size
         self.rng = random.Random(0)

@@ -133,3 +133,14 @@ def test_fit_rows_keeps_guesses_within_the_room_left():
     assert fit_rows(g, 10) == g
     assert fit_rows(g, 4) == {"a": [1, 2, 3], "b": [4]}
     assert fit_rows(g, 0) == {}
+
+
+def test_k_min_keeps_guesses_long_after_a_rejection():
+    """Where rows cost the same up to the graph bucket (CUDA), a rejection does not shrink k."""
+    s = SpecState(AdaptConfig(k_max=8, k_min=8))
+    assert s.k == 8
+    s.observe(8, 1)
+    assert s.k == 8
+    s = SpecState(AdaptConfig(k_max=8, k_min=3))
+    s.observe(s.k, 0)
+    assert s.k == 3

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hetero.config import RuntimeConfig
     from hetero.engine.engine import Engine
+    from hetero.engine.spec.adapt import AdaptConfig
     from hetero.engine.spec.speculator import NgramSpeculator
 
 
@@ -37,13 +38,24 @@ def verify_cost(runtime: RuntimeConfig) -> float:
     return SPEC_CUDA_VERIFY_COST.get(runtime.weights_mode(), 1.0)
 
 
+def priced(adapt: AdaptConfig, runtime: RuntimeConfig) -> AdaptConfig:
+    """The per-request control for the engine's device: where a verify step costs more than a
+    plain one but the same whatever its rows (CUDA: the tensor-core kernels take T = 3 .. 16 in
+    the same time, and the graph bucket pads the rows anyway), guesses must pay for the step
+    (min_gain) and a rejection does not shrink k (a shorter guess would save nothing)."""
+    cost = verify_cost(runtime)
+    if cost <= 1.0:
+        return adapt
+    return replace(adapt, min_gain=cost - 1.0, k_min=adapt.k_max)
+
+
 def ngram_speculator(engine: Engine, max_decodes: int | None) -> NgramSpeculator:
-    """N-gram guesses, the off-switch priced for the engine's device (verify_cost)."""
+    """N-gram guesses, the control priced for the engine's device (priced)."""
     from hetero.engine.spec.speculator import NgramSpeculator
 
     spec = NgramSpeculator(engine.config.num_speculative_tokens)
     spec.max_decodes = max_decodes
-    spec.adapt = replace(spec.adapt, min_gain=verify_cost(engine.runtime) - 1.0)
+    spec.adapt = priced(spec.adapt, engine.runtime)
     return spec
 
 
