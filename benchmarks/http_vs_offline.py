@@ -141,7 +141,8 @@ def http_side(url: str, vocab: int, cs: list[int], offline: dict, inp: int, outp
 def run_offline_child(ctx: click.Context, model: str, budget: float) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    args = [sys.argv[0], model, "--side", "offline", "--out", path, *serve_flags(ctx)]
+    args = [str(Path(__file__).resolve()), model, "--side", "offline", "--out", path]
+    args += serve_flags(ctx)
     args += ["-c", ctx.params["concurrency"], "--seconds", str(ctx.params["seconds"])]
     args += ["--input-len", str(ctx.params["input_len"])]
     args += ["--output-len", str(ctx.params["output_len"])]
