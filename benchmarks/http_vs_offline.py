@@ -171,6 +171,7 @@ def run_offline_child(ctx: click.Context, model: str, budget: float) -> dict:
 def main(ctx, model, concurrency, seconds, input_len, output_len, modes, start_timeout, port,
          side, out, **options) -> None:  # fmt: skip
     cs = [int(c) for c in concurrency.split(",")]
+    model = str(Path(model).resolve())  # the daemon and the offline side run from the repository
     if side == "offline":
         result = offline_side(model, cs, seconds, input_len, output_len, options)
         Path(out).write_text(json.dumps(result))
