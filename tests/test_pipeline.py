@@ -88,6 +88,34 @@ def test_three_stages_tied_embeddings_uneven_split(tiny_qwen2):
     check_outputs(loaded, prompts, outs, GREEDY.max_tokens, set())
 
 
+@pytest.mark.parametrize("split", ["cpu=0-1,cpu=2-3", "cpu=0-0,cpu=1-2,cpu=3-3"])
+def test_stages_decode_through_the_static_graph_buffers(tiny_llama, split, caplog):
+    """The path a GPU stage replays from CUDA graphs, run uncaptured on the CPU: first stage
+    tokens in / hidden out, middle hidden in / out, last hidden in / logits. The forced reference
+    kernels (which read the buffers' tensor metadata) reach the stage processes; decode batches
+    of 1..3 pad to buckets 1, 2, 4 (max_num_seqs 8 over 2 or 3 groups)."""
+    import logging
+
+    from hetero.kernels.registry import forcing
+
+    caplog.set_level(logging.INFO, logger="hetero.dist")
+    prompts = synth_prompts(6, seed=8)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12, 7, 10)
+    ]
+    with forcing({"kv_write": "torch", "paged_attention": "torch"}):
+        outs, _ = run_pipeline(
+            tiny_llama, prompts, params, split=split, num_kv_blocks=64, max_num_seqs=8,
+            max_model_len=96,
+        )  # fmt: skip
+    n, top = split.count(",") + 1, 4 if "0-1" in split else 3
+    paths = "; ".join([f"static buffers up to batch {top}"] * n)
+    assert f"decode steps per stage: {paths}" in caplog.text
+    loaded = load_model(tiny_llama, RuntimeConfig(weights="dense"))
+    for prompt, out, p in zip(prompts, outs, params):
+        check_outputs(loaded, [prompt], [out], p.max_tokens, set())
+
+
 @pytest.fixture(scope="module")
 def smollm2_refs(smollm2_path, smollm2):
     """The prompts, the one-process model and its greedy outputs (computed once: slow here)."""

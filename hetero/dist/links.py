@@ -48,11 +48,11 @@ class Links:
                     self.nccl[i] = group
         self._pending: list = []  # (works, buffers) of the last send, kept alive until done
 
-    def min_all(self, value: int) -> list[int]:
-        """Every stage's value, gathered on every stage."""
+    def gather_all(self, value) -> list:
+        """Every stage's (picklable) value, gathered on every stage."""
         out: list = [None] * self.world
         dist.all_gather_object(out, value)
-        return [int(v) for v in out]
+        return out
 
     def send_next(self, payload: bytes, hidden: torch.Tensor | None) -> None:
         self._send(self.rank + 1, payload, hidden, self.nccl.get(self.rank))

@@ -23,6 +23,7 @@ from hetero.dist.startup import StartWatch
 from hetero.dist.step import StepPlan, StepResult
 from hetero.dist.worker import STOP, StageArgs, stage_main
 from hetero.engine.config import EngineConfig
+from hetero.kernels.registry import forced
 
 log = logging.getLogger("hetero.dist")
 
@@ -71,10 +72,13 @@ class Pipeline:
             raise ValueError(f"--remote-stages {pc.remote_stages}: only {len(stages)} stages")
         self.procs: dict[int, mp.Process] = {}  # rank -> the stages started here
         self._errors = []  # a status pipe per local stage: its phases, and why it failed
+        kernels = forced()  # a test's (or a comparison's) kernel choices hold in every stage
         for rank in sorted(set(range(len(stages))) - remote):
             errors, err_child = ctx.Pipe(duplex=False)
             self._errors.append(errors)
-            args = StageArgs(rank, tuple(stages), init, str(model_path), runtime, engine, progress)
+            args = StageArgs(
+                rank, tuple(stages), init, str(model_path), runtime, engine, progress, kernels
+            )
             conn = child if rank == 0 else None
             p = ctx.Process(
                 target=stage_main, args=(args, conn, err_child), name=f"hetero-stage-{rank}"
@@ -102,15 +106,16 @@ class Pipeline:
             )
         if how == "died":
             raise self._failure(f"a stage died while starting; {w.stuck()}")
-        kind, self.capacities = self._receive("starting")
+        kind, self.capacities, self.decode_paths = self._receive("starting")
         if kind != "ready":
             raise self._failure(f"stage 0 answered {kind!r} instead of ready")
         log.info("pipeline: %d stages ready in %.1f s", len(self.stages), took)
+        log.info("pipeline: decode steps per stage: %s", "; ".join(self.decode_paths))
 
     def describe(self) -> str:
         per = "; ".join(
-            f"stage {i} ({s.describe()}): {n} blocks"
-            for i, (s, n) in enumerate(zip(self.stages, self.capacities))
+            f"stage {i} ({s.describe()}): {n} blocks, {how}"
+            for i, (s, n, how) in enumerate(zip(self.stages, self.capacities, self.decode_paths))
         )
         return (
             f"pipeline of {len(self.stages)} stages, {per}; shared block table: {self.num_blocks}"

@@ -2,8 +2,11 @@
 
 Stage 0 takes steps from the engine over a pipe; stage i > 0 takes them (with stage i-1's
 activations) from stage i-1. Each stage runs its layers through the ordinary ModelRunner over
-its own KV pool; the last stage also runs the sampler and sends the token ids back to stage 0,
-whose result thread hands them to the engine. Steps flow in order through every stage, so KV
+its own KV pool, with the one-device engine's fast path on its device: the same weights mode
+("auto" resolved per device) and, on a GPU, decode steps replayed from CUDA graphs of its layer
+range (tokens or hidden states in, hidden states or logits out; the sends stay outside). The
+last stage also runs the sampler and sends the token ids back to stage 0, whose result thread
+hands them to the engine. Steps flow in order through every stage, so KV
 writes of one micro-batch always land before a later micro-batch reads them.
 """
 
@@ -24,6 +27,7 @@ from hetero.dist.stages import StageSpec, device_key
 from hetero.dist.startup import StageStatus
 from hetero.dist.step import StepPlan, StepResult
 from hetero.engine.config import EngineConfig
+from hetero.engine.cuda_graph import DecodeGraphs, capture_decode_graphs
 from hetero.engine.kv_cache import KVPool, resolve_kv_dtype, size_pool
 from hetero.engine.runner import ModelRunner
 from hetero.sampling import Sampler, make_batch
@@ -40,6 +44,7 @@ class StageArgs:
     runtime: RuntimeConfig
     engine: EngineConfig
     progress: bool = False
+    kernels: dict[str, str] | None = None  # registry choices the engine's process forces
 
     @property
     def spec(self) -> StageSpec:
@@ -90,19 +95,48 @@ class Stage:
         dist_barrier()  # every stage's weights are in memory before any sizes its pool
         pool = self._make_pool(gm.config)
         self.runner = ModelRunner(self.model, pool)
+        self.runner.graphs = self._decode_graphs(pool)
+        self.decode_paths = self.links.gather_all(self._decode_path())
         self.sampler = Sampler(args.engine.seed) if self.last else None
         status.phase("KV pool allocated; ready")
 
     def _make_pool(self, config) -> KVPool:
         """The KV pool every stage agrees on: the smallest stage's block count."""
         self.status.phase(f"all stages loaded; sizing the KV pool{_memory(self.device)}")
-        self.capacities = self.links.min_all(self._own_blocks())
+        self.capacities = [int(n) for n in self.links.gather_all(self._own_blocks())]
         self.num_blocks = min(self.capacities)
         self.status.phase(f"KV sized: {self.num_blocks} blocks (stages: {self.capacities})")
         spec, block_size = self.args.spec, self.args.engine.block_size
         return KVPool(
             config, len(spec.layers), self.num_blocks, block_size, self.kv_dtype, spec.device
         )
+
+    def _decode_graphs(self, pool: KVPool) -> DecodeGraphs | None:
+        """As the one-device engine: decode graphs on a GPU unless --enforce-eager. Elsewhere the
+        same static buffers run uncaptured where the kernels read tensor metadata (the
+        references: how tests walk this path on a CPU); the CPU kernels keep the eager path.
+        Buckets end at a micro-batch group's share of max_num_seqs, the most a step carries."""
+        ecfg = self.args.engine
+        if ecfg.enforce_eager:
+            self.status.phase("decode runs eagerly (--enforce-eager)")
+            return None
+        groups = ecfg.pipeline.micro_batches or len(self.args.stages)
+        max_batch = -(-ecfg.scheduler.max_num_seqs // groups)
+        max_len = ecfg.scheduler.max_model_len or self.model.config.context_length
+        if self.device.type == "cuda":
+            self.status.phase(f"capturing decode CUDA graphs (batches up to {max_batch})")
+            graphs = capture_decode_graphs(self.model, pool, max_batch, max_len)
+            return graphs
+        try:
+            return DecodeGraphs(self.model, pool, max_batch, max_len)
+        except ValueError:
+            return None  # the CPU's kernels read host lists: its eager path
+
+    def _decode_path(self) -> str:
+        g = self.runner.graphs
+        if g is None:
+            return "eager"
+        return f"{'CUDA graphs' if g.graphs else 'static buffers'} up to batch {g.buckets[-1]}"
 
     def _own_blocks(self) -> int:
         """Blocks this stage's own free memory holds; stages sharing a device share it."""
@@ -149,7 +183,7 @@ class Stage:
         reply = thread = None
         if self.first:
             reply = _Reply(conn)
-            reply.send(pickle.dumps(("ready", self.capacities)))
+            reply.send(pickle.dumps(("ready", self.capacities, self.decode_paths)))
             if not self.last:
                 thread = threading.Thread(target=self._forward_results, args=(reply,), daemon=True)
                 thread.start()
@@ -217,9 +251,12 @@ def stage_main(args: StageArgs, conn=None, status_conn=None) -> None:
     """Process entry point (spawned by the engine, or started by `hetero stage` on a host)."""
     if args.spec.mps_percentage is not None:  # read when this process first touches CUDA
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.spec.mps_percentage)
+    from hetero.kernels.registry import forcing
+
     status = StageStatus(args.rank, status_conn)
     try:
-        Stage(args, status).serve(conn)
+        with forcing(args.kernels or {}):
+            Stage(args, status).serve(conn)
     except BaseException as e:  # the engine reads the reason; the exit code marks the death
         what = f"stage {args.rank} ({args.spec.describe()}): {type(e).__name__}: {e}"
         traceback.print_exc()

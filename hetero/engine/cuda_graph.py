@@ -9,6 +9,11 @@ sized for the largest captured batch:
     tokens, positions, slots [Bmax] int64; block_tables [Bmax, max_blocks] int32;
     seq_lens [Bmax] int32; q_start_loc [Bmax + 1] int32 (0, 1, 2, ...: one query a sequence)
 
+A pipeline stage after the first starts from the previous stage's hidden states, so it has one
+more static buffer, hidden [Bmax, C]; a stage before the last returns its hidden states [n, C]
+instead of logits (the model's layer range decides both). Sending and receiving them stay
+outside the graph.
+
 A step of n sequences runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
 scheduler's max_num_seqs); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and
 seq_len 0 (attention gives 0), their logits dropped. Steps with prefill tokens, more sequences
@@ -81,6 +86,10 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.q_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(bmax, dtype=torch.long, device=dev)
+        self.hidden = None  # [Bmax, C]: the previous stage's activations (a later stage only)
+        if not model.is_first:
+            dtype = model.runtime.torch_dtype()
+            self.hidden = torch.zeros(bmax, model.config.d_model, dtype=dtype, device=dev)
         self.scale = model.config.head_dim**-0.5
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -96,11 +105,18 @@ class DecodeGraphs:
             and all(s.start_pos < self.max_blocks * self.block_size for s in sched)
         )
 
-    def run(self, sched: list[ScheduledRequest]) -> torch.Tensor:
-        """Logits [n, V] float32 of a decode step of n = len(sched) sequences."""
+    def run(
+        self, sched: list[ScheduledRequest], hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [n, V] float32 of a decode step of n = len(sched) sequences (a stage before the
+        last: its hidden states [n, C]); a later stage passes the previous one's `hidden` [n, C]."""
         n = len(sched)
         b = bucket_for(n, self.buckets)
         self._fill(sched, b)
+        if (hidden is None) != (self.hidden is None):
+            raise ValueError("a pipeline stage after the first (only) takes hidden states")
+        if hidden is not None:  # rows n .. b - 1 keep stale finite values: padding, dropped
+            self.hidden[:n].copy_(hidden)
         self.steps += 1
         if b in self.graphs:
             self.graphs[b].replay()
@@ -145,7 +161,8 @@ class DecodeGraphs:
         first = self.model.layer_range.start
         attn = PagedAttention(self.pool, first, self.slots[:b], meta, self.scale)
         batch = ForwardBatch(self.positions[:b], self.rows[:b], attn)
-        return self.model(self.tokens[:b], batch)
+        hidden = None if self.hidden is None else self.hidden[:b]
+        return self.model(self.tokens[:b], batch, hidden)
 
     def capture(self) -> DecodeGraphs:
         """Record one graph per bucket, largest first (the smaller ones reuse its memory pool).

@@ -82,12 +82,11 @@ class _Setup:
 
     def stage_s(self, i: int, a: int, b: int, m: int) -> float:
         c, n = self.costs[i], self.desc.n_layers
-        # Only a one-stage plan runs in the engine's process, which replays CUDA graphs; the
-        # pipeline's stage processes run eagerly.
-        replay = a == 0 and b == n
-        prefix = self._decode_prefix(i, m, replay)
+        # Pipeline stages replay decode CUDA graphs of their layers as the one-process engine
+        # does (hetero/dist/worker.py), unless --enforce-eager (DeviceCost.graphs).
+        prefix = self._decode_prefix(i, m, True)
         work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
-        t = c.step_seconds(b - a, work, c.eager(m, replay))
+        t = c.step_seconds(b - a, work, c.eager(m, True))
         if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
