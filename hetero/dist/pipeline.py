@@ -9,10 +9,14 @@ stage_timeout: the engine gets a StageFailure naming the stage, never a hang.
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import pickle
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
@@ -51,6 +55,52 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def mps_running() -> bool:
+    """Whether an MPS control daemon runs: its control socket in the pipe directory, or (where
+    that is elsewhere) its process. CUDA connects to it when a process first initializes."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    if os.path.exists(os.path.join(pipes, "control")):
+        return True
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                if f.read().startswith("nvidia-cuda-mps"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def check_mps(stages: list[StageSpec]) -> None:
+    """Stages with an MPS share need the daemon: without it the share is silently ignored (both
+    stages get the whole GPU), so refuse at once instead of measuring something else."""
+    shared = [s.describe() for s in stages if s.mps_percentage is not None]
+    if shared and not mps_running():
+        raise ValueError(
+            f"stages {', '.join(shared)} ask for MPS shares but no MPS daemon is running: start "
+            "it with `nvidia-cuda-mps-control -d` (stop: `echo quit | nvidia-cuda-mps-control`)"
+        )
+
+
+@contextmanager
+def _spawn_env(spec: StageSpec) -> Iterator[None]:
+    """The stage's MPS share in its environment from the first instruction of its process on:
+    CUDA reads it when the process first touches the GPU, which an import may already do."""
+    if spec.mps_percentage is None:
+        yield
+        return
+    key = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+    saved = os.environ.get(key)
+    os.environ[key] = str(spec.mps_percentage)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
 class Pipeline:
     def __init__(
         self,
@@ -73,7 +123,9 @@ class Pipeline:
         self.procs: dict[int, mp.Process] = {}  # rank -> the stages started here
         self._errors = []  # a status pipe per local stage: its phases, and why it failed
         kernels = forced()  # a test's (or a comparison's) kernel choices hold in every stage
-        for rank in sorted(set(range(len(stages))) - remote):
+        local = sorted(set(range(len(stages))) - remote)
+        check_mps([stages[r] for r in local])
+        for rank in local:
             errors, err_child = ctx.Pipe(duplex=False)
             self._errors.append(errors)
             args = StageArgs(
@@ -84,7 +136,8 @@ class Pipeline:
                 target=stage_main, args=(args, conn, err_child), name=f"hetero-stage-{rank}"
             )
             p.daemon = True  # never outlive the engine's process
-            p.start()
+            with _spawn_env(stages[rank]):
+                p.start()
             self.procs[rank] = p
             err_child.close()
         child.close()
