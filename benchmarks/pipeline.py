@@ -84,6 +84,7 @@ def measure(model: str, label: str, options: dict, args, reference, stages) -> d
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         row = {"config": label, "start_s": round(start_s, 1)}
         row["greedy"] = "reference" if reference is None else agreement(reference, outs)
+        row["greedy_tokens"] = outs
         run_bench(eng, 1, 1, 16, 4, seed=1)  # warm-up
         say(f"{label}: greedy check done")
         w = options.get("weights", args.weights)
@@ -103,7 +104,7 @@ def measure(model: str, label: str, options: dict, args, reference, stages) -> d
 
 def compact(row: dict, base: dict | None, streams: list[int]) -> str:
     """One line: decode tok/s per stream count, against the first row and the planner."""
-    cells = [f"{row['config'][:58]:58s}"]
+    cells = [f"{row['config'][:64]:64s}"]
     for c in streams:
         got, pred = row.get(f"decode tok/s @{c}"), row.get(f"planned tok/s @{c}")
         ref = base.get(f"decode tok/s @{c}") if base else None
@@ -151,6 +152,11 @@ def main() -> None:
         help="run only these rows of the preset, 1-based (e.g. 2 or 1,2)",
     )
     ap.add_argument("--json", default=None, help="write the rows here too")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="an earlier --json: its first row is the reference (greedy tokens, tok/s ratios)",
+    )
     args = ap.parse_args()
     args.engine = {
         "kv_dtype": args.kv_dtype,
@@ -165,7 +171,11 @@ def main() -> None:
     from hetero.gguf_loader import load_gguf
 
     n_layers = load_gguf(args.model).config.n_layers
-    out, reference = [], None
+    out, reference, base = [], None, None
+    if args.baseline:  # an earlier run's first row (e.g. the one-GPU row of --preset gpus)
+        with open(args.baseline) as f:
+            base = json.load(f)[0]
+        reference = base["greedy_tokens"]
     table = rows(args.preset, args.model, n_layers, args)
     for i in args.rows or range(1, len(table) + 1):
         if not 1 <= i <= len(table):
@@ -182,7 +192,8 @@ def main() -> None:
         reference = reference or outs
         out.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-        print(compact(row, out[0] if len(out) > 1 else None, args.streams), flush=True)
+        base = base or (row if len(out) == 1 else None)
+        print(compact(row, None if row is base else base, args.streams), flush=True)
         say(f"row {i} ({label}) finished")
         release()
     if args.json:

@@ -71,7 +71,7 @@ def rows(name: str, model: str, n: int, args) -> list[tuple[str, dict, list[Stag
 
     def pipe(label: str, stages: list[Stage]):
         cuts = "/".join(f"{a}-{b - 1}" for _, a, b, _ in stages)
-        return (f"{label} [{cuts}]", {"plan": plan_file(stages, w)}, stages)
+        return (f"[{cuts}] {label}", {"plan": plan_file(stages, w)}, stages)
 
     if name == "gpus":  # two real GPUs over NCCL; the planned split prices cuda:1 as slower
         slow = args.slow

@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, replace
 
@@ -187,6 +188,7 @@ class Stage:
             if not self.last:
                 thread = threading.Thread(target=self._forward_results, args=(reply,), daemon=True)
                 thread.start()
+        clock = _Clock()
         while True:
             if self.first:
                 payload, hidden = conn.recv_bytes(), None
@@ -196,14 +198,21 @@ class Stage:
             if plan is None:
                 self._pass_on(STOP, None, reply)
                 break
+            clock.lap("waiting")
             out = self.run(plan, hidden)
+            clock.lap("running")
             if self.last:
                 self._pass_on(pickle.dumps(out), None, reply)
             else:
                 self.links.send_next(payload, out)
+            clock.lap("passing on")
         if thread is not None:
             thread.join()  # the stop message came back round: every result is delivered
         self.links.flush()
+        graphs = self.runner.graphs
+        replayed = f", {graphs.steps} through the decode graphs" if graphs else ""
+        print(f"stage {self.args.rank} ({self.args.spec.describe()}): {clock.report()}{replayed}",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def _pass_on(self, payload: bytes, hidden, reply) -> None:
         if not self.last:
@@ -220,6 +229,28 @@ class Stage:
             reply.send(payload)
             if payload == STOP:
                 return
+
+
+class _Clock:
+    """Where a stage's time goes, per step: waiting for work (and the previous stage's
+    activations), running it (on a GPU the host's share: launches, and the last stage's wait for
+    its tokens), passing it on (which waits until the previous send is taken: the next stage's
+    backpressure). Printed when the stage stops."""
+
+    def __init__(self):
+        self.t, self.spent, self.steps = time.perf_counter(), {}, 0
+
+    def lap(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.steps or what != "waiting":  # not the idle time before the first step
+            self.spent[what] = self.spent.get(what, 0.0) + now - self.t
+        self.t = now
+        self.steps += what == "waiting"
+
+    def report(self) -> str:
+        n = max(self.steps, 1)
+        per = ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in self.spent.items())
+        return f"{self.steps} steps, ms per step: {per}"
 
 
 class _Reply:
