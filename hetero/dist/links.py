@@ -10,8 +10,9 @@ too). A message from stage i to stage i+1 is
     rest    uint8 [n - 16384]: the rest of a longer payload (JSON-mode masks), when there is one
     hidden  [T, C]:    activations, over NCCL between two GPUs, else over gloo (through the CPU)
 
-Results go from the last stage back to stage 0 over a second gloo group, so stage 0's result
-thread never shares a group with its forward sends. Sends are asynchronous (isend): a stage
+A last stage on another host sends its results back to stage 0 over a second gloo group, so
+stage 0's result thread never shares a group with its forward sends (a last stage beside the
+engine writes them to the engine's pipe instead). Sends are asynchronous (isend): a stage
 starts its next micro-batch while the previous one's activations are still on the wire, and
 waits for them only before its next send.
 """

@@ -1,10 +1,11 @@
 """The engine's side of a pipeline: start the stage processes, feed them, watch them.
 
 Stages are spawned (torch.multiprocessing, "spawn": CUDA cannot be forked) on this machine,
-rank i holding stages[i]. The engine talks to stage 0 alone, over a pipe: steps go in, results
-come back in the order the steps went. Every wait watches the pipe and every stage's process
-sentinel together, with a deadline, so a killed stage is seen at once and a hung one after
-stage_timeout: the engine gets a StageFailure naming the stage, never a hang.
+rank i holding stages[i]. Steps go to stage 0 over a pipe; results come back in the order the
+steps went over a second pipe, written by the last stage (or, when that one runs on another
+host, by stage 0 forwarding what it sends over gloo). Every wait watches the pipe and every
+stage's process sentinel together, with a deadline, so a killed stage is seen at once and a hung
+one after stage_timeout: the engine gets a StageFailure naming the stage, never a hang.
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ class Pipeline:
     ):
         self.stages, self.timeout = stages, engine.pipeline.stage_timeout
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
+        self._conn, child = ctx.Pipe()  # stage 0: steps in, its ready message out
+        # results from the last stage straight to the engine when it runs here (else stage 0
+        # forwards them from a remote last stage)
+        self._results, results_child = ctx.Pipe(duplex=False)
         pc = engine.pipeline
         init = pc.dist_init or f"tcp://127.0.0.1:{free_port()}"
         remote = pc.remote_ranks()
@@ -132,8 +136,11 @@ class Pipeline:
                 rank, tuple(stages), init, str(model_path), runtime, engine, progress, kernels
             )
             conn = child if rank == 0 else None
+            carries = rank == (len(stages) - 1 if len(stages) - 1 in local else 0)
             p = ctx.Process(
-                target=stage_main, args=(args, conn, err_child), name=f"hetero-stage-{rank}"
+                target=stage_main,
+                args=(args, conn, err_child, results_child if carries else None),
+                name=f"hetero-stage-{rank}",
             )
             p.daemon = True  # never outlive the engine's process
             with _spawn_env(stages[rank]):
@@ -141,6 +148,7 @@ class Pipeline:
             self.procs[rank] = p
             err_child.close()
         child.close()
+        results_child.close()
         self.closed = False
         names = [s.describe() for s in stages]
         self._watch = StartWatch(sorted(self.procs), self._errors, names)
@@ -184,21 +192,24 @@ class Pipeline:
 
     def result(self) -> StepResult:
         """The next micro-batch's result, in submission order."""
-        return self._receive("running a step")
+        return self._receive("running a step", self._results)
 
-    def _receive(self, doing: str):
+    def _receive(self, doing: str, conn=None):
+        conn = conn or self._conn
         deadline = time.monotonic() + self.timeout
         sentinels = [p.sentinel for p in self.procs.values()]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._failure(f"no answer within {self.timeout:.0f} s while {doing}")
-            ready = wait([self._conn, *sentinels], timeout=left)
-            if self._conn in ready:
+            ready = wait([conn, *sentinels], timeout=left)
+            if conn in ready:
                 try:
-                    return pickle.loads(self._conn.recv_bytes())
+                    return pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError) as e:
-                    raise self._failure(f"stage 0's pipe closed while {doing} ({e})") from e
+                    raise self._failure(
+                        f"the pipe from the stages closed while {doing} ({e})"
+                    ) from e
             if ready:
                 raise self._failure(f"a stage died while {doing}")
 
@@ -239,5 +250,6 @@ class Pipeline:
                 p.kill()
                 p.join(5.0)
         self._conn.close()
+        self._results.close()
         for e in self._errors:
             e.close()

@@ -179,15 +179,19 @@ class Stage:
         ids, lps, tops = sampled_lists(self.sampler(y, state))
         return StepResult(plan.micro_batch, ids, lps, tops)
 
-    def serve(self, conn) -> None:
-        """The stage's loop: take a step, run it, pass it on; until the stop message."""
-        reply = thread = None
+    def serve(self, conn, results=None) -> None:
+        """The stage's loop: take a step, run it, pass it on; until the stop message.
+
+        conn (stage 0): steps from the engine, and the ready message to it. results: the pipe
+        to the engine that results go into, held by the last stage when it runs beside the
+        engine (one hop, no gloo message and no thread), else by stage 0, whose result thread
+        forwards what a remote last stage sends over gloo."""
+        thread = None
         if self.first:
-            reply = _Reply(conn)
-            reply.send(pickle.dumps(("ready", self.capacities, self.decode_paths)))
-            if not self.last:
-                thread = threading.Thread(target=self._forward_results, args=(reply,), daemon=True)
-                thread.start()
+            conn.send_bytes(pickle.dumps(("ready", self.capacities, self.decode_paths)))
+        if results is not None and not self.last:
+            thread = threading.Thread(target=self._forward_results, args=(results,), daemon=True)
+            thread.start()
         clock = _Clock()
         while True:
             if self.first:
@@ -196,13 +200,13 @@ class Stage:
                 payload, hidden = self.links.recv_prev(self.device, self.dtype)
             plan = pickle.loads(payload)
             if plan is None:
-                self._pass_on(STOP, None, reply)
+                self._pass_on(STOP, results)
                 break
             clock.lap("waiting")
             out = self.run(plan, hidden)
             clock.lap("running")
             if self.last:
-                self._pass_on(pickle.dumps(out), None, reply)
+                self._pass_on(pickle.dumps(out), results)
             else:
                 self.links.send_next(payload, out)
             clock.lap("passing on")
@@ -214,19 +218,19 @@ class Stage:
         print(f"stage {self.args.rank} ({self.args.spec.describe()}): {clock.report()}{replayed}",
               file=sys.stderr, flush=True)  # fmt: skip
 
-    def _pass_on(self, payload: bytes, hidden, reply) -> None:
+    def _pass_on(self, payload: bytes, results) -> None:
         if not self.last:
-            self.links.send_next(payload, hidden)
-        elif self.first:
-            reply.send(payload)
+            self.links.send_next(payload, None)
+        elif results is not None:
+            results.send_bytes(payload)
         else:
             self.links.send_result(payload)
 
-    def _forward_results(self, reply: _Reply) -> None:
-        """Stage 0's result thread: the last stage's answers, back to the engine in order."""
+    def _forward_results(self, results) -> None:
+        """Stage 0's result thread: a remote last stage's answers, to the engine in order."""
         while True:
             payload = self.links.recv_result()
-            reply.send(payload)
+            results.send_bytes(payload)
             if payload == STOP:
                 return
 
@@ -253,17 +257,6 @@ class _Clock:
         return f"{self.steps} steps, ms per step: {per}"
 
 
-class _Reply:
-    """Stage 0's pipe to the engine, written by the loop (ready) and the result thread."""
-
-    def __init__(self, conn):
-        self.conn, self.lock = conn, threading.Lock()
-
-    def send(self, payload: bytes) -> None:
-        with self.lock:
-            self.conn.send_bytes(payload)
-
-
 def _memory(device: torch.device) -> str:
     """The GPU's free memory after the load (what the KV pool is sized from), for the log."""
     if device.type != "cuda":
@@ -278,7 +271,7 @@ def dist_barrier() -> None:
     dist.barrier()
 
 
-def stage_main(args: StageArgs, conn=None, status_conn=None) -> None:
+def stage_main(args: StageArgs, conn=None, status_conn=None, results=None) -> None:
     """Process entry point (spawned by the engine, or started by `hetero stage` on a host)."""
     if args.spec.mps_percentage is not None:  # read when this process first touches CUDA
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.spec.mps_percentage)
@@ -287,7 +280,7 @@ def stage_main(args: StageArgs, conn=None, status_conn=None) -> None:
     status = StageStatus(args.rank, status_conn)
     try:
         with forcing(args.kernels or {}):
-            Stage(args, status).serve(conn)
+            Stage(args, status).serve(conn, results)
     except BaseException as e:  # the engine reads the reason; the exit code marks the death
         what = f"stage {args.rank} ({args.spec.describe()}): {type(e).__name__}: {e}"
         traceback.print_exc()
