@@ -51,9 +51,9 @@ base() { [ -s "$OUT/gpus.json" ] && echo "--baseline $OUT/gpus.json --rows $1"; 
 synth() {
   [ -f "$MODEL" ] || run synth 90 "$PY" -m hetero.cli synth "$MODEL" --shape llama3-8b --quant q4_k_m
 }
-profile() { run profile 150 "$PY" -m hetero.cli profile; }
+profile() { run profile 120 "$PY" -m hetero.cli profile; }
 gpus() {
-  run gpus 170 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpus --streams 1,16,64 \
+  run gpus 200 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpus --streams 1,16,64 \
     "${COMMON[@]}" --json "$OUT/gpus.json"
 }
 gpucpu() {

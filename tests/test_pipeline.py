@@ -244,10 +244,16 @@ def test_daemon_on_two_stages_serves_the_openai_client(smollm2_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", ["cuda:0=0-1,cpu=2-3", "cuda:0=0-1,cuda:0=2-3"])
-def test_gpu_stages_match_the_cpu(tiny_llama, split):
-    """GPU+CPU (a bf16-or-fp32 GPU hands fp32 to the CPU) and two stages on one GPU (gloo)."""
+def test_gpu_stages_match_the_cpu(tiny_llama, split, caplog):
+    """GPU+CPU (a bf16-or-fp32 GPU hands fp32 to the CPU) and two stages on one GPU (gloo); GPU
+    stages replay decode CUDA graphs, the CPU stage keeps its own eager path."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hetero.dist")
     prompts = synth_prompts(8, seed=7)
     outs, _ = run_pipeline(tiny_llama, prompts, split=split, dtype="fp32", num_kv_blocks=64)
+    want = "CUDA graphs up to batch 128; " + ("eager" if "cpu" in split else "CUDA graphs")
+    assert f"decode steps per stage: {want}" in caplog.text
     loaded = load_model(tiny_llama, RuntimeConfig(weights="dense"))
     check_outputs(loaded, prompts, outs, GREEDY.max_tokens, set())
 

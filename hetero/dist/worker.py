@@ -5,9 +5,9 @@ activations) from stage i-1. Each stage runs its layers through the ordinary Mod
 its own KV pool, with the one-device engine's fast path on its device: the same weights mode
 ("auto" resolved per device) and, on a GPU, decode steps replayed from CUDA graphs of its layer
 range (tokens or hidden states in, hidden states or logits out; the sends stay outside). The
-last stage also runs the sampler and sends the token ids back to stage 0, whose result thread
-hands them to the engine. Steps flow in order through every stage, so KV
-writes of one micro-batch always land before a later micro-batch reads them.
+last stage also runs the sampler and sends the token ids to the engine. Steps flow in order
+through every stage, so KV writes of one micro-batch always land before a later micro-batch
+reads them.
 """
 
 from __future__ import annotations
@@ -126,8 +126,7 @@ class Stage:
         max_len = ecfg.scheduler.max_model_len or self.model.config.context_length
         if self.device.type == "cuda":
             self.status.phase(f"capturing decode CUDA graphs (batches up to {max_batch})")
-            graphs = capture_decode_graphs(self.model, pool, max_batch, max_len)
-            return graphs
+            return capture_decode_graphs(self.model, pool, max_batch, max_len)
         try:
             return DecodeGraphs(self.model, pool, max_batch, max_len)
         except ValueError:
