@@ -21,13 +21,13 @@ if TYPE_CHECKING:
 SPEC_AUTO_MAX_DECODES = 4
 # What a one-stream verify step costs in plain decode steps on CUDA, by weights mode; a request
 # keeps guessing only while its verified steps average more than cost - 1 accepted tokens
-# (adapt.py). The steps replay the decode graphs (cuda_graph.py: 1 + k rows a request), but:
-#   quant  a plain step's T = 1 runs the GEMV kernels, a verify step's T = 3..16 the tensor-core
-#          one: ~1.6x a linear on an H200 (Q4_K 4096x14336 22.6 us vs ~36 us, BENCHMARKS.md)
-#   dense  cuBLAS bf16 reads the weights once for T = 1 or 16 (both bandwidth-bound): ~1.2x, the
-#          rest being the rows' attention, logits and sampling (an estimate, to be measured:
-#          `hetero bench --spec-ab` prints plain and verify step times)
-SPEC_CUDA_VERIFY_COST = {"quant": 1.6, "dense": 1.2}
+# (adapt.py). The steps replay the decode graphs (cuda_graph.py: 1 + k rows a request). Measured
+# on an H200 with `hetero bench --spec-ab` (BENCHMARKS.md, issue 9 rows), one stream, ~9 rows:
+#   quant  Llama-3-8B Q4_K_M: verify 6.66 ms vs plain 4.32 ms (1.54x): a plain step's T = 1 runs
+#          the GEMV kernels, a verify step's T = 9 the tensor-core one
+#   dense  SmolLM2-135M: verify 1.68-1.70 ms vs plain 1.50-1.57 ms (1.08-1.13x): cuBLAS reads
+#          the weights once for T = 1 or 9
+SPEC_CUDA_VERIFY_COST = {"quant": 1.55, "dense": 1.1}
 
 
 def verify_cost(runtime: RuntimeConfig) -> float:
