@@ -88,7 +88,8 @@ def launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
         ("qgemv_tokens", lambda: tq.qgemv_tokens(x(5), pw)),
         ("qmm", lambda: tq.qmm(x(8), pw)),
         ("qdequant", lambda: tq.qdequant(pw, torch.bfloat16)),
-        ("gemv_pipe", lambda: tv.run(x(1), pw, tv.Variant("gemv_pipe", bn=32))),
+        ("gemv_pipe", lambda: tv.run(x(1), pw, tv.Variant("gemv_pipe", bn=16, ctas=8))),
+        ("tokens_bn16", lambda: tv.run(x(4), pw, tv.Variant("tokens", bn=16))),
         ("mm_pipe", lambda: tv.run(x(4), pw, tv.Variant("mm_pipe", bt=16, step=128, stages=3))),
     ]
 
