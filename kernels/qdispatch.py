@@ -20,6 +20,9 @@ bf16 activations, timed from CUDA-graph replays over weights rotated through L2;
     any   T = 33-159  small    dense               k/v T=64 10.4 vs 15.2 (Q4_K), 10.5 vs 15.4,
                                                     10.7 vs 16.2, 10.4 vs 16.6 (Q8_0)
 
+At T >= 160 (DENSE_MIN_T) the default path is dequantize + cuBLAS already, which the sweep
+confirmed at T = 512 on every shape (within 1% of the best candidate).
+
 Shape classes by weight elements N x K: small < 12M (k/v 1024 x 4096, fused k+v), mid < 32M
 (q/o 4096 x 4096, fused q+k+v 6144 x 4096), large (gate/up, down, fused gate+up, lm_head).
 The fused shapes were not in the sweep: they take their class's rules until measured.
