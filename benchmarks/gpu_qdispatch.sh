@@ -11,7 +11,8 @@
 #   4. the engine on Llama-3-8B Q4_K_M: decode B = 1, 8, 32, 64, prefill 512 and 4096, and
 #      on Q6_K: decode B = 1; ceilings (copy GB/s, bf16 TFLOP/s) measured in each run  <= 200 s
 #
-#   benchmarks/gpu_qdispatch.sh            files go to $OUT (default bench_out/), PY (python3)
+#   benchmarks/gpu_qdispatch.sh   files go to $OUT (default bench_out/); PY (python3); Q4, Q6:
+#                                 the 8B files (default $OUT/llama3-8b-{q4_k_m,q6_k}.gguf)
 #
 # Every stage has its own timeout; a stage that fails or times out is reported and the next
 # one runs. Full logs: $OUT/*.log; every sweep measurement: $OUT/qsweep2.json.
@@ -20,8 +21,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
-Q4="$OUT/llama3-8b-q4_k_m.gguf"
-Q6="$OUT/llama3-8b-q6_k.gguf"
+Q4=${Q4:-$OUT/llama3-8b-q4_k_m.gguf}  # written when missing
+Q6=${Q6:-$OUT/llama3-8b-q6_k.gguf}
 
 stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
   local name=$1 secs=$2
