@@ -60,6 +60,19 @@ def test_cache_learns_across_sequences_and_stays_bounded():
     assert cache.lookup([99, 11, 12], 4, 2) == []
 
 
+def test_cache_keeps_the_latest_unindexed_sequences_only():
+    """Sequences are indexed at the next lookup (nothing is spent while nobody guesses); until
+    then only the latest `pending` are kept."""
+    cache = NgramCache(2, 3, width=4, capacity=1000, pending=2)
+    for s in range(3):
+        cache.add([50 + s, 60 + s, 70 + s, 80 + s])
+    assert cache.lookup([1, 50, 60], 4, 2) == []  # the first fell out before it was indexed
+    assert cache.lookup([1, 51, 61], 4, 2) == [71, 81]
+    assert cache.lookup([1, 52, 62], 4, 2) == [72, 82]
+    cache.add([90, 91, 92])  # indexed by len() as well
+    assert len(cache) > 0 and cache.lookup([90, 91], 4, 2) == [92]
+
+
 def test_accept_takes_samples_up_to_the_first_mismatch():
     assert accept_sampled([5], []) == [5]
     assert accept_sampled([1, 2, 3], [1, 2]) == [1, 2, 3]  # all accepted + the bonus token
