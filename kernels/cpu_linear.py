@@ -48,11 +48,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from hetero.kernels import cpu_qdot
 from hetero.quant import QuantType, dequantize, get_quant
 from hetero.quant.bits import f16_field, low_high_nibbles
 
 _T = GGMLQuantizationType
-SCHEMES = ("fp32", "bf16", "fp16", "int8", "int4", "w8a8")
+SCHEMES = ("fp32", "bf16", "fp16", "int8", "int4", "w8a8", "qdot")
 INT4_GROUP = 32  # the legacy quant block: one (scale, zero) pair per 32 weights of a row
 _K_ALIGN = 32  # the int8/int4 kernels read x rows with aligned 16-byte loads in steps of 8-32
 _N_ALIGN = 16  # the int4 packer wants N % 16 == 0
@@ -69,6 +70,10 @@ def available_schemes() -> tuple[str, ...]:
     """The schemes whose kernels this torch build has (fbgemm ones are deprecated upstream)."""
     ok = []
     for s in SCHEMES:
+        if s == "qdot":
+            if cpu_qdot.available():
+                ok.append(s)
+            continue
         ns, name = _OPS.get(s, ("aten", "linear"))
         if hasattr(getattr(torch.ops, ns), name):
             ok.append(s)
@@ -84,6 +89,7 @@ class PackedLinear:
     in_features: int  # K
     weight: Any  # a tensor, or an fbgemm packed-params object (fp16, w8a8)
     scales: torch.Tensor | None = None  # int8: bf16 [N]; int4: bf16 [K/32, N, 2] (scale, zero)
+    zeros: torch.Tensor | None = None  # qdot Q4: m float32 [N, K/32] (scales: d [N, K/32])
     k_padded: int = 0  # K and N as the kernel sees them (zero padding to its alignment)
     n_padded: int = 0
 
@@ -96,6 +102,9 @@ class PackedLinear:
     def nbytes(self) -> int:
         """Bytes of weight data one call reads."""
         n, k = self.n_padded, self.k_padded
+        if self.scheme == "qdot":
+            extra = self.zeros.nbytes if self.zeros is not None else 0
+            return int(self.weight.nbytes + self.scales.nbytes + extra)
         per = {"fp32": 4 * n * k, "bf16": 2 * n * k, "fp16": 2 * n * k, "w8a8": n * k + 8 * n}
         if self.scheme in per:
             return per[self.scheme]
@@ -138,6 +147,8 @@ def pack_linear(
     n, k = _check_shape(raw, qt, tuple(shape))
     if scheme == "int4":
         return _pack_int4(raw, qt, n, k)
+    if scheme == "qdot":
+        return _pack_qdot(raw, qt, n, k)
     w = dequantize(raw, qt.ggml_type, (n, k)).contiguous()  # [N, K] float32, exact
     if not torch.isfinite(w).all():
         raise ValueError(f"{qt.name} {n}x{k}: weights hold inf/nan")
@@ -237,6 +248,18 @@ def _pack_int4(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> PackedLinear
     return PackedLinear("int4", n, k, packed, sz, k_padded=kp, n_padded=np_)
 
 
+def _pack_qdot(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> PackedLinear:
+    if qt.ggml_type not in cpu_qdot.NATIVE_TYPES:
+        w = dequantize(raw, qt.ggml_type, (n, k))
+        if not torch.isfinite(w).all():
+            raise ValueError(f"{qt.name} {n}x{k}: weights hold inf/nan")
+    is_q4, (qs, d, m) = cpu_qdot.pack(raw, qt, n, k)
+    if not torch.isfinite(d).all() or (m is not None and not torch.isfinite(m).all()):
+        raise ValueError(f"{qt.name} {n}x{k}: block scales hold inf/nan")
+    # Q4 layouts carry their zero points in `zeros`; Q8 ones have none
+    return PackedLinear("qdot", n, k, qs, d, m, k_padded=d.shape[1] * cpu_qdot.QK, n_padded=n)
+
+
 _PACKERS = {
     "fp32": _pack_fp32,
     "bf16": _pack_bf16,
@@ -252,6 +275,8 @@ def packed_linear(x: torch.Tensor, p: PackedLinear) -> torch.Tensor:
         raise ValueError(f"x must be float32 [T, {p.in_features}], got {x.dtype} {tuple(x.shape)}")
     if p.scheme == "fp32":
         return F.linear(x, p.weight)
+    if p.scheme == "qdot":
+        return cpu_qdot.qdot_linear(x, p.zeros is not None, p.weight, p.scales, p.zeros)
     if p.scheme == "fp16":
         return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), p.weight)
     if p.scheme == "w8a8":
@@ -276,6 +301,8 @@ def unpack(p: PackedLinear) -> torch.Tensor:
     n, k = p.out_features, p.in_features
     if p.scheme in ("fp32", "bf16"):
         return p.weight.float()
+    if p.scheme == "qdot":
+        return cpu_qdot.unpack(p.zeros is not None, p.weight, p.scales, p.zeros)[:, :k]
     if p.scheme == "fp16":
         return torch.ops.quantized.linear_unpack_fp16(p.weight)[0]
     if p.scheme == "w8a8":

@@ -104,6 +104,9 @@ class QuantLinear(nn.Module):
         self.splits, self.parts = [self.out_features], None
         if self.mode == "dense":
             self.weight = embedding.weight
+        elif self.mode == "qdot":  # the table's own blocks (Q8_0 stays Q8_0)
+            raw = embedding.table.torch()
+            self.packed = pack_linear(raw, embedding.ggml_type, embedding.shape, self.mode)
         elif self.mode != "quant":  # packed from the embedding's exact fp32 table
             f32 = int(GGMLQuantizationType.F32)
             self.packed = pack_linear(embedding.weight.float(), f32, embedding.shape, self.mode)
@@ -146,6 +149,7 @@ class QuantEmbedding(nn.Module):
         self.dtype = rt.torch_dtype()
         if self.mode != "quant":  # dense, or packed linears: rows are looked up from fp32
             self.weight = nn.Parameter(_dense(table, rt), requires_grad=False)
+            self.table = table  # the mapped GGUF tensor, for a tied head that packs its blocks
         else:
             self.qweight = table.torch().to(rt.device)
             self._embed = select("embed", torch.device(rt.device)).fn
