@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -169,6 +170,27 @@ void qdot_gemm(int q4, int64_t N, int64_t K, int64_t T, const uint8_t *wq, const
         const int64_t n1 = n1e < N ? n1e : N;
         if (n0 < n1) gemm_rows(q4, n0, n1, N, K, T, wq, wd, wm, xq, xd, xs, y);
     }
+}
+
+/* x [T, K] float32 -> y [T, N]: quantize x into a per-thread scratch, then qdot_gemm.
+ * Returns 0, or -1 when the scratch cannot be allocated. */
+int qdot_linear(int q4, int64_t N, int64_t K, int64_t T, const uint8_t *wq, const float *wd,
+                const float *wm, const float *x, float *y, int nthreads) {
+    static __thread void *scratch = 0;
+    static __thread size_t cap = 0;
+    const int64_t nb = K / QK;
+    const size_t need = (size_t)(T * K) + 2 * sizeof(float) * (size_t)(T * nb) + 64;
+    if (need > cap) {
+        free(scratch);
+        scratch = malloc(need);
+        cap = scratch ? need : 0;
+        if (!scratch) return -1;
+    }
+    float *xd = (float *)scratch, *xs = xd + T * nb;
+    int8_t *xq = (int8_t *)(xs + T * nb);
+    qdot_quantize(x, T, K, xq, xd, xs);
+    qdot_gemm(q4, N, K, T, wq, wd, wm, xq, xd, xs, y, nthreads);
+    return 0;
 }
 
 int qdot_has_avx2(void) {

@@ -2,10 +2,9 @@
 
 llama.cpp's CPU path: weights stay in 32-weight blocks (0.56-1.06 bytes per weight instead of
 fp16's 2), each 32-block of x is rounded to int8 with a float32 scale, and blocks multiply as
-integers (kernels/cpu_qdot.c: AVX2 maddubs/madd, a plain C loop elsewhere). The C source is
-compiled at first use with the system compiler into a per-user cache, keyed by a hash of the
-source, the compiler and the flags; `load()` returns None (and logs one line) when that fails,
-and the CPU linears fall back to fp16.
+integers (kernels/cpu_qdot.c: AVX2 maddubs/madd, a plain C loop elsewhere), built at first use
+(kernels/native.py); where no compiler builds it, `available()` is False and the CPU linears
+stay fp16.
 
     kind  GGUF types          qs                    d, m (float32 [N, K/32])   bytes/w
     q4    Q4_0, Q4_1          uint8 [N, K/32, 16]   w = d*q + m (Q4_0: m=-8d)  0.75
@@ -19,89 +18,25 @@ exact dequantized weights, and its only rounding is the int8 activations' (x ~ x
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from hetero.kernels import native
 from hetero.quant import QuantType, dequantize
 from hetero.quant.bits import f16_field
 
 _T = GGMLQuantizationType
 QK = 32
-SOURCE = Path(__file__).with_name("cpu_qdot.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 NATIVE_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q8_0)
-log = logging.getLogger(__name__)
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "hetero" / "cpu_qdot"
-
-
-def _compile(cc: str, flags: tuple[str, ...], out: Path) -> bool:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name  # built aside, then renamed: concurrent loads never see half
-        cmd = [cc, *flags, str(SOURCE), "-o", str(part), "-lm"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            log.debug("%s failed: %s", " ".join(cmd), r.stderr[-2000:])
-            return False
-        os.replace(part, out)
-    return True
-
-
-def _build() -> Path | None:
-    """The compiled library (from the cache or built now); OpenMP if the compiler has it."""
-    cc = _compiler()
-    if cc is None:
-        return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    for flags in (FLAGS + ("-fopenmp",), FLAGS):
-        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode())
-        out = _cache_dir() / f"cpu_qdot-{key.hexdigest()[:16]}.so"
-        if out.exists() or _compile(cc, flags, out):
-            return out
-    return None
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None when it cannot be built here (one log line says why)."""
-    try:
-        path = _build()
-        if path is None:
-            log.warning("qdot CPU kernel unavailable (no working C compiler): using fp16 linears")
-            return None
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("qdot CPU kernel unavailable (%s): using fp16 linears", e)
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.qdot_quantize.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
-    lib.qdot_quantize.restype = None
-    lib.qdot_gemm.argtypes = [ctypes.c_int, i64, i64, i64, *([ptr] * 7), ctypes.c_int]
-    lib.qdot_gemm.restype = None
-    return lib
+def load():
+    return native.load()
 
 
 def available() -> bool:
-    return load() is not None
+    return native.available()
 
 
 def pack(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> tuple[bool, tuple[torch.Tensor, ...]]:
@@ -163,22 +98,25 @@ def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def qdot_linear(x: torch.Tensor, is_q4: bool, qs, d, m, threads: int = 0) -> torch.Tensor:
-    """x [T, K] float32 -> y [T, N] float32 through the native kernel."""
-    lib = load()
+    """x [T, K] float32 -> y [T, N] float32 through the native kernel (x quantized inside)."""
     n, nb = d.shape
-    t = x.shape[0]
     if x.shape[1] != nb * QK:  # requantized weights with K padded to whole blocks
         x = F.pad(x, (0, nb * QK - x.shape[1]))
-    xq, xd, xs = quantize_x(x)
-    y = torch.empty(t, n)
-    if t == 0:
+    return linear_ptrs(x, is_q4, n, nb * QK, qs.data_ptr(), d.data_ptr(), m, threads)
+
+
+def linear_ptrs(x: torch.Tensor, is_q4: bool, n: int, k: int, wq: int, wd: int, m, threads=0):
+    """qdot_linear on weight pointers taken once (the model's per-call fast path)."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n)
+    if x.shape[0] == 0:
         return y
-    mp = m.data_ptr() if m is not None else None
+    mp = m if isinstance(m, int) or m is None else m.data_ptr()
     threads = threads or torch.get_num_threads()
-    lib.qdot_gemm(
-        int(is_q4), n, nb * QK, t, qs.data_ptr(), d.data_ptr(), mp,
-        xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), y.data_ptr(), threads,
-    )  # fmt: skip
+    if native.load().qdot_linear(
+        int(is_q4), n, k, x.shape[0], wq, wd, mp, x.data_ptr(), y.data_ptr(), threads
+    ):
+        raise MemoryError("qdot: no memory for the quantized activations")
     return y
 
 
