@@ -89,7 +89,6 @@ class PackedLinear:
     in_features: int  # K
     weight: Any  # a tensor, or an fbgemm packed-params object (fp16, w8a8)
     scales: torch.Tensor | None = None  # int8: bf16 [N]; int4: bf16 [K/32, N, 2] (scale, zero)
-    zeros: torch.Tensor | None = None  # qdot Q4: m float32 [N, K/32] (scales: d [N, K/32])
     k_padded: int = 0  # K and N as the kernel sees them (zero padding to its alignment)
     n_padded: int = 0
 
@@ -103,8 +102,7 @@ class PackedLinear:
         """Bytes of weight data one call reads."""
         n, k = self.n_padded, self.k_padded
         if self.scheme == "qdot":
-            extra = self.zeros.nbytes if self.zeros is not None else 0
-            return int(self.weight.nbytes + self.scales.nbytes + extra)
+            return self.weight.nbytes
         per = {"fp32": 4 * n * k, "bf16": 2 * n * k, "fp16": 2 * n * k, "w8a8": n * k + 8 * n}
         if self.scheme in per:
             return per[self.scheme]
@@ -253,11 +251,10 @@ def _pack_qdot(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> PackedLinear
         w = dequantize(raw, qt.ggml_type, (n, k))
         if not torch.isfinite(w).all():
             raise ValueError(f"{qt.name} {n}x{k}: weights hold inf/nan")
-    is_q4, (qs, d, m) = cpu_qdot.pack(raw, qt, n, k)
-    if not torch.isfinite(d).all() or (m is not None and not torch.isfinite(m).all()):
+    w = cpu_qdot.pack(raw, qt, n, k)
+    if not torch.isfinite(w.d).all() or (w.m is not None and not torch.isfinite(w.m).all()):
         raise ValueError(f"{qt.name} {n}x{k}: block scales hold inf/nan")
-    # Q4 layouts carry their zero points in `zeros`; Q8 ones have none
-    return PackedLinear("qdot", n, k, qs, d, m, k_padded=d.shape[1] * cpu_qdot.QK, n_padded=n)
+    return PackedLinear("qdot", n, k, w, k_padded=w.k, n_padded=n)
 
 
 _PACKERS = {
@@ -276,7 +273,7 @@ def packed_linear(x: torch.Tensor, p: PackedLinear) -> torch.Tensor:
     if p.scheme == "fp32":
         return F.linear(x, p.weight)
     if p.scheme == "qdot":
-        return cpu_qdot.qdot_linear(x, p.zeros is not None, p.weight, p.scales, p.zeros)
+        return cpu_qdot.qdot_linear(x, p.weight)
     if p.scheme == "fp16":
         return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), p.weight)
     if p.scheme == "w8a8":
@@ -302,7 +299,7 @@ def unpack(p: PackedLinear) -> torch.Tensor:
     if p.scheme in ("fp32", "bf16"):
         return p.weight.float()
     if p.scheme == "qdot":
-        return cpu_qdot.unpack(p.zeros is not None, p.weight, p.scales, p.zeros)[:, :k]
+        return cpu_qdot.unpack(p.weight)[:, :k]
     if p.scheme == "fp16":
         return torch.ops.quantized.linear_unpack_fp16(p.weight)[0]
     if p.scheme == "w8a8":

@@ -101,13 +101,13 @@ class QuantLinear(nn.Module):
 
     def _set_packed(self, packed: PackedLinear) -> None:
         self.packed, self._fast = packed, None
-        if packed.scheme == "qdot" and packed.k_padded == packed.in_features:
+        w = packed.weight
+        if packed.scheme == "qdot" and w.k == packed.in_features:
             # pointers taken once: a decode step makes ~120 of these calls
-            q4, m = packed.zeros is not None, packed.zeros
+            m = w.m.data_ptr() if w.m is not None else None
             self._fast = functools.partial(
-                cpu_qdot.linear_ptrs, is_q4=q4, n=packed.out_features, k=packed.in_features,
-                wq=packed.weight.data_ptr(), wd=packed.scales.data_ptr(),
-                m=m.data_ptr() if q4 else None,
+                cpu_qdot.linear_ptrs, is_q4=w.is_q4, n=w.n, k=w.k, wq=w.qs.data_ptr(),
+                wd=w.d.data_ptr(), m=m,
             )  # fmt: skip
 
     @classmethod
