@@ -13,6 +13,8 @@ the result.
     int8    int8 [N, K], bf16 scale per row    bfloat16        _weight_int8pack_mm      1
     int4    uint4, bf16 (scale, zero) per 32   bfloat16        _weight_int4pack_mm_*    0.625
     w8a8    int8 [N, K], scale per row         uint8 per call  fbgemm dynamic int8      1
+    qdot    GGUF Q4_0/Q4_1/Q8_0 blocks         int8 per 32     C, AVX2 maddubs/madd     0.75-1.1
+            (other types: 8-bit per 32)
 
 Measured on the 2-core AVX2 machine, SmolLM2-135M's linears streamed in model order, 2 threads
 (shared machine: medians, +-30%): fp16 is nearly exact (weights rounded to fp16: 2e-4 relative;
@@ -22,6 +24,12 @@ linears and wins by ~10% on whole-model decode in 3.2x less memory, for logits w
 Q4_1 (bf16 activations); from T=4 it falls behind: its AVX2 kernel is compute-bound (~3 GB/s of
 weights against ~17 GB/s of bandwidth). bf16 matmul has no fast AVX2 path (4-10x slower from
 T=4). w8a8 is fastest from T=4 on but quantizes x per tensor to 7 bits: logits off by up to 17.
+
+qdot is llama.cpp's CPU scheme (kernels/cpu_qdot.py): the weights stay in their GGUF blocks and
+x is rounded to int8 per 32 with a float scale (~5e-3 relative error per product, logits within
+the BENCHMARKS.md figures). It reads 2.7x fewer bytes than fp16 on Q4_1 and is the CPU default
+where a C compiler builds it: 2.6x faster than fp16 over SmolLM2's linears at T=1, on par at
+T=16, ~15% slower at T=64 (1 thread, shared machine).
 
 The int8/int4 kernels have AVX2 code for bfloat16 activations only (float32 goes down a scalar
 loop, 10-50x slower), so they round x to bf16 and return bf16 outputs: the outputs carry bf16's
@@ -332,10 +340,14 @@ def pack_error(raw: torch.Tensor, ggml_type, shape, scheme: str) -> float:
 # decode, 30-35 vs 35-39 ms per token; T=4: fp16 37, int4 66, fp32 126; T=16: fp16 87, int8 198,
 # int4 204, fp32 245; T=64: fp16 271, fp32 507, int8 621, int4 756). w8a8 is left out: its
 # per-tensor 7-bit activations cost whole logits on a real model.
+# qdot (kernels/cpu_qdot.py), measured later the same way with 1 thread on the shared machine:
+# T=1 14 vs fp16 37 ms, T=16 94 vs 92, T=64 365 vs 311 (its int8 dot products are bound by
+# maddubs throughput without AVX-VNNI); its pack_error counts the weights only (0 for
+# Q4_0/Q4_1/Q8_0), not its int8 activations (~5e-3 relative per product).
 SPEED_ORDER: tuple[tuple[int, tuple[str, ...]], ...] = (
-    (1, ("int4", "fp16", "int8", "bf16", "fp32")),
-    (16, ("fp16", "int4", "int8", "fp32", "bf16")),
-    (1 << 62, ("fp16", "fp32", "int8", "int4", "bf16")),
+    (1, ("qdot", "int4", "fp16", "int8", "bf16", "fp32")),
+    (16, ("qdot", "fp16", "int4", "int8", "fp32", "bf16")),
+    (1 << 62, ("fp16", "qdot", "fp32", "int8", "int4", "bf16")),
 )
 # Relative RMS weight error admitted by default: int4 on Q4_0/Q4_1 (~2e-3), bf16, fp16 pass;
 # per-row int8 (~1e-2) and 4-bit requantization of 5-8-bit types (>= 1e-2) do not.

@@ -199,17 +199,25 @@ def test_bad_input_raises_value_error():
 def test_choose_scheme_prefers_fast_schemes_within_the_error_budget():
     shape = (32, 256)
     q4, q8, f16 = (make_weight(t, *shape) for t in ("Q4_1", "Q8_0", "F16"))
+    if "qdot" in available_schemes():  # keeps the blocks (weight error 0): fastest up to T=16
+        for tokens in (1, 2, 16):
+            assert choose_scheme(q4, "Q4_1", shape, tokens=tokens) == "qdot"
+            assert choose_scheme(q8, "Q8_0", shape, tokens=tokens) == "qdot"
+        assert choose_scheme(q4, "Q4_1", shape, tokens=512) == "fp16"
+        # F16 requantized to 8 bits (~5e-3) is over the budget
+        assert choose_scheme(f16, "F16", shape, tokens=1) == "fp16"
+    no_qdot = ("fp32", "bf16", "fp16", "int8", "int4")
     # int4 keeps Q4_1's codes (error ~2e-3): measured fastest for one token, fp16 beyond
-    assert choose_scheme(q4, "Q4_1", shape, tokens=1) == "int4"
+    assert choose_scheme(q4, "Q4_1", shape, tokens=1, candidates=no_qdot) == "int4"
     for tokens in (2, 16, 512):
-        assert choose_scheme(q4, "Q4_1", shape, tokens=tokens) == "fp16"
+        assert choose_scheme(q4, "Q4_1", shape, tokens=tokens, candidates=no_qdot) == "fp16"
     # int4 requantizes Q8_0 (~6%): over the budget, so fp16, the next fastest
-    assert choose_scheme(q8, "Q8_0", shape, tokens=1) == "fp16"
+    assert choose_scheme(q8, "Q8_0", shape, tokens=1, candidates=no_qdot) == "fp16"
     # without fp16 (its ops gone from a later torch, say): per-row int8 is over the budget too
     no_fp16 = ("fp32", "bf16", "int8", "int4")
     assert choose_scheme(q8, "Q8_0", shape, tokens=1, candidates=no_fp16) == "bf16"
     assert choose_scheme(q8, "Q8_0", shape, tokens=64, candidates=no_fp16) == "fp32"
-    assert choose_scheme(q8, "Q8_0", shape, tokens=1, max_error=0.0) == "fp32"
+    assert choose_scheme(q8, "Q8_0", shape, tokens=1, max_error=0.0, candidates=no_qdot) == "fp32"
     assert choose_scheme(f16, "F16", shape, tokens=1, max_error=0.0) == "fp16"  # lossless
     big = torch.randn(*shape) * 1e5  # beyond fp16's range: packing it raises, so it is skipped
-    assert choose_scheme(big, "F32", shape, tokens=1) == "bf16"
+    assert choose_scheme(big, "F32", shape, tokens=1, candidates=no_qdot) == "bf16"
