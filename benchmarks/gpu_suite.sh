@@ -9,6 +9,8 @@
 #   benchmarks/gpu_suite.sh synth    write llama3-8b Q4_K_M and Q6_K files (hetero synth)
 #   benchmarks/gpu_suite.sh bench    decode B = 1/8/32/64, prefill 512/4096 on Q4_K_M, rooflines
 #   benchmarks/gpu_suite.sh extra    Q6_K batch-1 decode, and Q4_K_M batch 1 without CUDA graphs
+#   benchmarks/gpu_suite.sh spec     speculative decoding A/B on Q4_K_M: code-edit and chat, 1 and
+#                                    16 streams, off vs auto / ngram / oracles of set acceptance
 #   benchmarks/gpu_suite.sh all      every stage in turn
 #
 # Files go to $OUT (default bench_out/); PY picks the interpreter (default python).
@@ -40,11 +42,18 @@ extra() {
   "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1,8 --prefill 512 2>&1 | grep -v "it/s]"
   "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" --enforce-eager 2>&1 | grep -v "it/s]"
 }
+spec() {
+  # one process (load + graph capture once); bounded: a run that hangs is cut at 5 minutes
+  timeout 300 "$PY" -m hetero.cli bench "$Q4" --device cuda --weights quant --kv-ram-gb 0 \
+    --num-kv-blocks 4096 --spec-ab --speculative auto --spec-oracle 1 --spec-oracle 0.9 \
+    --spec-oracle 0 --workload code-edit --workload chat -c 1 -c 16 --input-len 400 \
+    --output-len 128 2>&1 | grep -v "it/s]"
+}
 
 stage=${1:-all}
 case "$stage" in
-  tests|kernels|micro|check|synth|bench|extra) "$stage" ;;
-  all) tests; kernels; micro; check; synth; bench; extra ;;
-  *) echo "unknown stage $stage: tests | kernels | micro | check | synth | bench | extra | all" >&2
+  tests|kernels|micro|check|synth|bench|extra|spec) "$stage" ;;
+  all) tests; kernels; micro; check; synth; bench; extra; spec ;;
+  *) echo "unknown stage $stage: tests | kernels | micro | check | synth | bench | extra | spec | all" >&2
      exit 2 ;;
 esac

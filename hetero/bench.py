@@ -118,7 +118,9 @@ def run_bench(
     seed: int = 0,
     params: SamplingParams | None = None,
     workload: str = "random",
+    outputs: dict[str, list[int]] | None = None,
 ) -> BenchResult:
+    """`outputs`, when given, collects each request's output token ids by request id."""
     prompts = make_prompts(engine, workload, num_requests, input_len, seed)
     ignore_eos = workload == "random"  # text workloads end where the model ends them
     params = params or SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
@@ -140,6 +142,8 @@ def run_bench(
         for out in engine.step():
             now = time.perf_counter()
             lines[out.request_id].tokens.extend([now] * len(out.new_token_ids))
+            if outputs is not None:
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished and pending:
                 submit()
     wall = time.perf_counter() - t0

@@ -150,7 +150,15 @@ def quantize(src, dst, qtype):
     default=None,
     help="requests in all (default: the concurrency)",
 )
-@click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(1),
+    multiple=True,
+    default=(1,),
+    show_default=True,
+    help="requests in flight (repeat for several runs on one loaded model)",
+)
 @click.option("--input-len", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--warmup/--no-warmup", default=True, help="one short untimed run first")
@@ -158,15 +166,30 @@ def quantize(src, dst, qtype):
 @click.option(
     "--workload",
     type=click.Choice(["random", "code-edit", "chat"]),
-    default="random",
+    multiple=True,
+    default=("random",),
     show_default=True,
     help="random token prompts; code-edit: a source file asked back with a rename (much to "
-    "copy); chat: open questions (nothing to copy)",
+    "copy); chat: open questions (nothing to copy). Repeat for several runs",
+)
+@click.option(
+    "--spec-ab",
+    is_flag=True,
+    help="each workload and concurrency twice, speculation off then on (--speculative): one "
+    "line each with both speeds, the speedup, the acceptance and the step times",
+)
+@click.option(
+    "--spec-oracle",
+    type=click.FloatRange(0.0, 1.0),
+    multiple=True,
+    help="with --spec-ab, also guess from the plain run's answers, each token right with this "
+    "probability (a set acceptance, for models with random weights); repeatable",
 )
 @engine_options
 def bench(
-    model, num_requests, concurrency, input_len, output_len, warmup, seed, workload, **options
-):
+    model, num_requests, concurrency, input_len, output_len, warmup, seed, workload, spec_ab,
+    spec_oracle, **options,
+):  # fmt: skip
     """Offline throughput and latency: N requests, C at a time."""
     from hetero.bench import run_bench
     from hetero.engine.engine import Engine
@@ -178,21 +201,33 @@ def bench(
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: a failed stage
         _fail(e)
     click.echo(engine.describe_kv(), err=True)
-    if warmup:
-        run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
     try:
-        result = run_bench(
-            engine,
-            num_requests or concurrency,
-            concurrency,
-            input_len,
-            output_len,
-            seed=seed,
-            workload=workload,
-        )
+        if spec_ab:
+            _spec_ab(
+                engine, list(workload), list(concurrency), input_len, output_len, seed, spec_oracle
+            )
+            return
+        if warmup:
+            run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
+        for w in workload:
+            for c in concurrency:
+                result = run_bench(
+                    engine, num_requests or c, c, input_len, output_len, seed=seed, workload=w
+                )
+                click.echo("\n".join([*result.lines(), result.spec_line()]))
     finally:
         engine.close()  # a pipeline's stage processes
-    click.echo("\n".join([*result.lines(), result.spec_line()]))
+
+
+def _spec_ab(engine, workloads, concurrencies, input_len, output_len, seed, oracles) -> None:
+    from hetero.bench_spec import spec_ab
+
+    try:
+        pairs = spec_ab(engine, workloads, concurrencies, input_len, output_len, seed, oracles)
+    except ValueError as e:
+        _fail(e)
+    for pair in pairs:
+        click.echo(pair.line())
 
 
 @main.command()

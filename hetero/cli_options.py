@@ -159,7 +159,7 @@ def speculative_options(f):
             show_default=True,
             help="guess tokens and verify them in one pass: ngram (prompt lookup; a request "
             "that gets its guesses rejected stops guessing), draft (--draft-model), off; auto: "
-            "ngram on a CPU while few requests decode, off on CUDA (decode graphs pay more)",
+            "ngram while few requests decode",
         ),
         click.option(
             "--num-speculative-tokens",

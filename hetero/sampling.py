@@ -2,8 +2,9 @@
 
 `SamplingParams` is the per-request contract (vLLM's field names and meanings). `make_batch`
 turns a step's requests into a `SamplingState` of a few device tensors plus host-side flags, and
-`Sampler` picks one token per row for the whole batch in one call without a host sync. The text
-side's stop strings live in `StopChecker`.
+`Sampler` picks one token per row for the whole batch in one call without a host sync. The
+distribution a row draws from (penalties, temperature, top-k/p, min-p) is built in
+hetero.sampling_filters; the text side's stop strings live in `StopChecker`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from hetero.penalties import PAD_ID, apply_penalties
+from hetero.penalties import PAD_ID
 from hetero.rng import gumbel, mix64, random_keys, stream_key
+from hetero.sampling_filters import filtered, penalized
 
 MAX_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs
 SEED_RANGE = (-(1 << 63), 1 << 64)  # int64 (the OpenAI API) or uint64 (splitmix64 state)
@@ -308,7 +310,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != state.batch_size:
             raise ValueError(f"logits must be [{state.batch_size}, V], got {tuple(logits.shape)}")
         logits = logits.float()
-        x = _penalized(logits, state)
+        x = penalized(logits, state)
         if state.all_greedy:
             ids = x.argmax(-1)
         else:
@@ -320,7 +322,7 @@ class Sampler:
     def _sample(self, x: torch.Tensor, state: SamplingState) -> torch.Tensor:
         """x [B, V] penalized logits -> [B] sampled ids (greedy rows' ids are discarded)."""
         batch, vocab = x.shape
-        x = _filtered(x, state)
+        x = filtered(x, state)
         return (x + gumbel(self.row_keys(state, x.device), vocab)).argmax(-1)
 
     def row_keys(self, state: SamplingState, device: torch.device) -> torch.Tensor:
@@ -330,73 +332,6 @@ class Sampler:
             fresh = random_keys(state.batch_size, self._generator(device), device)
             keys = torch.where(state.seeded, keys, fresh) if state.any_seeded else fresh
         return keys
-
-
-def _penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """Penalties, then the allowed-token masks (before temperature and top-k/p: they see
-    allowed tokens only)."""
-    x = logits
-    if state.any_repetition or state.any_presence or state.any_frequency:
-        x = apply_penalties(
-            x,
-            state.prompt_ids,
-            state.output_ids,
-            state.repetition if state.any_repetition else None,
-            state.presence if state.any_presence else None,
-            state.frequency if state.any_frequency else None,
-        )
-    if state.allowed is not None:
-        x = x.masked_fill(~state.allowed, -math.inf)
-    return x
-
-
-def _filtered(x: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """Penalized logits [B, V] -> temperature-scaled, -inf outside top-k / top-p / min-p."""
-    x = x / state.temperature[:, None]
-    if state.max_top_k or state.any_top_p:
-        x = _mask_top_k_top_p(x, state)
-    if state.any_min_p:
-        # p_v < min_p * p_max  <=>  x_v < x_max + log(min_p); log(0) = -inf keeps all.
-        floor = x.amax(-1, keepdim=True) + torch.log(state.min_p)[:, None]
-        x = x.masked_fill(x < floor, -math.inf)
-    return x
-
-
-def probabilities(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """The distribution [B, V] a sampled row draws from (penalties, temperature, top-k, top-p,
-    min-p): what speculative verification compares a draft's distribution with. Greedy rows
-    get a point mass on their argmax."""
-    x = _penalized(logits.float(), state)
-    p = _filtered(x, state).softmax(-1)
-    if state.any_greedy:
-        hot = torch.nn.functional.one_hot(x.argmax(-1), x.shape[1]).to(p.dtype)
-        p = torch.where(state.greedy[:, None], hot, p)
-    return p
-
-
-def _mask_top_k_top_p(x: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """x [B, V] scaled logits -> x with -inf outside each row's top-k / top-p set.
-
-    Both cuts become one logit threshold per row, and every token tied with the threshold stays,
-    so the result never depends on how a sort orders ties. top-p without top-p rows, or top-k
-    on rows with k off, leave the row exactly as it was.
-    """
-    vocab = x.shape[1]
-    neg_inf = torch.full_like(state.top_p, -math.inf)
-    if state.any_top_p:
-        ranked = x.sort(dim=-1, descending=True, stable=True).values  # [B, V]
-    else:  # top-k alone needs only the largest max_top_k values
-        ranked = x.topk(min(state.max_top_k, vocab), dim=-1).values
-    k = state.top_k.clamp(min=1, max=ranked.shape[1])
-    kth = ranked.gather(1, (k - 1)[:, None]).squeeze(1)
-    threshold = torch.where(state.top_k > 0, kth, neg_inf)  # [B]
-    if state.any_top_p:
-        probs = ranked.masked_fill(ranked < threshold[:, None], -math.inf).softmax(-1)
-        before = torch.nn.functional.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass ahead of each
-        kept = (before < state.top_p[:, None]).sum(-1)  # a prefix, >= 1 (before[0] = 0)
-        cut = ranked.gather(1, (kept - 1)[:, None]).squeeze(1)
-        threshold = torch.maximum(threshold, torch.where(state.top_p < 1, cut, neg_inf))
-    return x.masked_fill(x < threshold[:, None], -math.inf)
 
 
 def _with_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int | None) -> SamplerOutput:

@@ -88,7 +88,9 @@ def _qgemv_tokens_kernel(
     nxt_words, nxt_high = _load_step(
         codes_ptr, high_ptr, rows, rmask, c_begin, c_end, code_stride, S, LB, HB
     )
-    for c0 in range(c_begin, c_begin + chunks_per_split, S):  # the last split may run short
+    # To c_end: a short last split runs no empty steps (whose scale loads, masked by the row
+    # only, read d / dmin past the plane for the last row)
+    for c0 in range(c_begin, c_end, S):
         words, high = nxt_words, nxt_high
         nxt_words, nxt_high = _load_step(
             codes_ptr, high_ptr, rows, rmask, c0 + S, c_end, code_stride, S, LB, HB

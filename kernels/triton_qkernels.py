@@ -280,7 +280,9 @@ def _qgemv_kernel(
     nxt_words, nxt_high = _load_step(
         codes_ptr, high_ptr, rows, rmask, c_begin, c_end, code_stride, S, LB, HB
     )
-    for c0 in range(c_begin, c_begin + chunks_per_split, S):  # the last split may run short
+    # To c_end: a short last split runs no empty steps (whose scale loads, masked by the row
+    # only, read d / dmin past the plane for the last row)
+    for c0 in range(c_begin, c_end, S):
         words, high = nxt_words, nxt_high
         nxt_words, nxt_high = _load_step(
             codes_ptr, high_ptr, rows, rmask, c0 + S, c_end, code_stride, S, LB, HB
@@ -341,7 +343,7 @@ def _qmm_kernel(
     c_end = tl.minimum(c_begin + chunks_per_split, n_chunks)
     kk = tl.arange(0, S * E)
     acc = tl.zeros([BN, BT], dtype=tl.float32)
-    for c0 in range(c_begin, c_begin + chunks_per_split, S):
+    for c0 in range(c_begin, c_end, S):  # not past c_end: see _qgemv_kernel
         ch = c0 + tl.arange(0, S)
         cmask = ch < c_end
         words, high = _load_step(

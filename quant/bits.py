@@ -33,8 +33,13 @@ def low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def crumbs(qs: torch.Tensor) -> torch.Tensor:
-    """(n, k, m) uint8 -> (n, k, 4, m): 2-bit fields at shifts 0, 2, 4, 6 (element s*m + l)."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(4, 1)
+    """(n, k, m) uint8 -> (n, k, 4, m): 2-bit fields at shifts 0, 2, 4, 6 (element s*m + l).
+
+    The shifts are made on the device (arange), not copied from a host list: a host-to-device
+    copy is not allowed while a CUDA graph captures, and Q6_K / Q3_K / Q2_K token embeddings
+    dequantize through here inside the captured decode step.
+    """
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=qs.device).view(4, 1)
     return (qs.contiguous().unsqueeze(-2) >> shifts) & 0x03
 
 

@@ -24,6 +24,16 @@ def smollm2_file() -> Path | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of small tensors, where intra-op threads only add barrier waits (seconds on
+    a busy 2-core machine). Restored after the module so other files keep their setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     path = smollm2_file()

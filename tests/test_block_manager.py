@@ -1,8 +1,7 @@
-"""Block manager: allocation, prefix caching, LRU eviction, copy-on-write forks, slot mapping.
+"""Block manager: allocation, prefix caching, LRU eviction, slot mapping, bad input.
 
-A CheckedBlockManager runs check() after every call, and a simulated KV pool (each slot holds
-the (position, token) written into it) proves that what a request reads back through its block
-table is its own tokens, whatever sharing, eviction and copying happened on the way.
+Forks with copy-on-write and the random-operation property test are in
+test_block_manager_forks.py; the checked manager and simulated KV pool in block_sim.py.
 """
 
 from __future__ import annotations
@@ -11,90 +10,11 @@ import hashlib
 import struct
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from block_sim import CheckedBlockManager, SimKV, compute, prefill, snapshot
 
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.prefix_cache import _ROOT, block_hash
 from hetero.engine.request import Request, RequestStatus
-
-
-class CheckedBlockManager(BlockManager):
-    """The real manager, checking its invariants after every mutating call."""
-
-    def allocate(self, req, num_new_tokens=None):
-        ok = super().allocate(req, num_new_tokens)
-        self.check()
-        return ok
-
-    def append_slots(self, req, num_new_tokens):
-        ok = super().append_slots(req, num_new_tokens)
-        self.check()
-        return ok
-
-    def commit(self, req):
-        super().commit(req)
-        self.check()
-
-    def fork(self, parent, child):
-        super().fork(parent, child)
-        self.check()
-
-    def free(self, req):
-        super().free(req)
-        self.check()
-
-
-class SimKV:
-    """A KV pool whose slots hold (position, token): enough to catch any misplaced block."""
-
-    def __init__(self, bm: BlockManager) -> None:
-        self.bm = bm
-        self.slots: list[tuple[int, int] | None] = [None] * (bm.num_blocks * bm.block_size)
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        bs = self.bm.block_size
-        gathered = [self.slots[s * bs : (s + 1) * bs] for s, _ in copies]  # gather, then scatter
-        for (_, d), data in zip(copies, gathered, strict=True):
-            self.slots[d * bs : (d + 1) * bs] = data
-
-    def write(self, req: Request, start: int, n: int) -> None:
-        slots = self.bm.slot_mapping(req, start, start + n)
-        for p, (slot, tok) in enumerate(zip(slots, req.tokens(start, start + n), strict=True)):
-            self.slots[slot] = (start + p, tok)
-
-    def read(self, req: Request, end: int) -> list[int]:
-        seen = [self.slots[s] for s in self.bm.slot_mapping(req, 0, end)]
-        assert [s[0] if s else None for s in seen] == list(range(end)), "a slot of another position"
-        return [s[1] for s in seen]
-
-
-def compute(bm: BlockManager, kv: SimKV | None, req: Request, n: int) -> None:
-    """One model step over req's next n tokens: slots, copies, KV writes, commit."""
-    assert bm.append_slots(req, n)
-    if kv is not None:
-        kv.copy_blocks(bm.take_copies())
-        kv.write(req, req.num_computed_tokens, n)
-    req.num_computed_tokens += n
-    bm.commit(req)
-    if kv is not None:
-        assert kv.read(req, req.num_computed_tokens) == req.tokens(0, req.num_computed_tokens)
-
-
-def prefill(bm: BlockManager, req: Request, kv: SimKV | None = None) -> None:
-    """Admit req and compute its whole prompt (after whatever prefix hit it gets)."""
-    assert bm.allocate(req)
-    compute(bm, kv, req, req.num_tokens - req.num_computed_tokens)
-
-
-def snapshot(bm: BlockManager, *reqs: Request) -> tuple:
-    return (
-        bm.num_free_blocks,
-        bm.num_cached_blocks,
-        [bm.ref_count(b) for b in range(bm.num_blocks)],
-        [(list(r.block_table), r.num_computed_tokens, r.num_cached_tokens) for r in reqs],
-        bm.take_copies(),
-    )
 
 
 def test_allocate_and_free() -> None:
@@ -254,84 +174,6 @@ def test_freed_cached_blocks_are_reused() -> None:
     assert all(bm.ref_count(x) == 1 for x in named)
 
 
-def test_fork_copy_on_write_at_partial_block() -> None:
-    bm = CheckedBlockManager(8, 4)
-    kv = SimKV(bm)
-    parent = Request("p", list(range(10)))
-    prefill(bm, parent, kv)  # blocks: 4 + 4 + 2 (partial)
-    parent.output_ids.append(77)
-    child = Request("c", list(range(10)))
-    child.output_ids.append(88)  # another sample from the same logits
-    free_before = bm.num_free_blocks
-    bm.fork(parent, child)
-    assert child.block_table == parent.block_table and child.num_computed_tokens == 10
-    assert bm.num_free_blocks == free_before and all(
-        bm.ref_count(b) == 2 for b in child.block_table
-    )
-    partial = parent.block_table[2]
-    compute(bm, kv, child, 1)  # first write into the shared partial block copies it
-    assert child.block_table[2] != partial and parent.block_table[2] == partial
-    assert bm.ref_count(partial) == 1 and bm.ref_count(child.block_table[0]) == 2
-    assert bm.take_copies() == []  # compute() took the copy
-    compute(bm, kv, parent, 1)  # the parent is alone on it now: no copy
-    assert parent.block_table[2] == partial
-    assert kv.read(parent, 11)[-1] == 77 and kv.read(child, 11)[-1] == 88
-    bm.free(parent)
-    bm.free(child)
-    assert bm.num_free_blocks == 8
-
-
-def test_fork_copy_recorded_and_dropped_with_its_request() -> None:
-    bm = CheckedBlockManager(8, 4)
-    parent = Request("p", list(range(6)))
-    prefill(bm, parent)
-    parent.output_ids.append(1)
-    child = Request("c", list(range(6)) + [2])
-    bm.fork(parent, child)
-    assert bm.append_slots(child, 1)
-    ((src, dst),) = bm._copies
-    assert src == parent.block_table[1] and dst == child.block_table[1]
-    bm.free(child)  # a copy into a block nobody holds is moot
-    assert bm.take_copies() == []
-
-
-def test_fork_at_block_boundary_copies_nothing() -> None:
-    bm = CheckedBlockManager(8, 4)
-    parent = Request("p", list(range(8)))
-    prefill(bm, parent)
-    child = Request("c", list(range(8)) + [5])
-    parent.output_ids.append(4)
-    bm.fork(parent, child)
-    assert bm.append_slots(child, 1) and bm.take_copies() == []
-    assert len(child.block_table) == 3 and child.block_table[:2] == parent.block_table
-
-
-def test_copy_on_write_needs_a_free_block() -> None:
-    bm = CheckedBlockManager(3, 4)
-    parent = Request("p", list(range(6)))
-    prefill(bm, parent)
-    parent.output_ids.append(1)
-    child = Request("c", list(range(6)) + [2])
-    bm.fork(parent, child)
-    filler = Request("f", [9])
-    assert bm.allocate(filler)
-    before = snapshot(bm, parent, child)
-    assert not bm.append_slots(child, 1)
-    assert snapshot(bm, parent, child) == before
-
-
-def test_fork_rejects_a_child_that_disagrees() -> None:
-    bm = CheckedBlockManager(8, 4)
-    parent = Request("p", list(range(6)))
-    prefill(bm, parent)
-    with pytest.raises(ValueError, match="extend"):
-        bm.fork(parent, Request("c", [0, 1, 2, 3, 4, 9, 9]))
-    with pytest.raises(ValueError, match="extend"):
-        bm.fork(parent, Request("c", list(range(6))))  # nothing left to compute
-    with pytest.raises(ValueError, match="holds no KV"):
-        bm.fork(Request("x", [1, 2]), Request("y", [1, 2, 3]))
-
-
 def test_slot_mapping() -> None:
     bm = CheckedBlockManager(8, 4)
     filler, req = Request("f", list(range(5))), Request("a", list(range(10)))
@@ -396,63 +238,3 @@ def test_bad_input() -> None:
         bm.allocate(req)
     with pytest.raises(ValueError, match=">= 0"):
         bm.append_slots(req, -1)
-
-
-# -- property: random allocate / compute / fork / free over a small pool ----------------------
-
-OPS = st.lists(
-    st.tuples(
-        st.sampled_from(
-            ["new", "new", "compute", "compute", "compute", "fork", "fork", "free", "free"]
-        ),
-        st.integers(0, 50),
-        st.integers(1, 12),
-    ),
-    min_size=5,
-    max_size=60,
-)
-
-
-@settings(max_examples=120, deadline=None)
-@given(num_blocks=st.integers(2, 24), block_size=st.integers(1, 4), ops=OPS)
-def test_random_operations_keep_invariants(num_blocks: int, block_size: int, ops) -> None:
-    bm = CheckedBlockManager(num_blocks, block_size)
-    kv, live, counter = SimKV(bm), [], 0
-    prefixes = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 6]]
-
-    def run(req: Request, n: int) -> None:  # one model step over n tokens, if they fit
-        if bm.append_slots(req, n):
-            kv.copy_blocks(bm.take_copies())
-            kv.write(req, req.num_computed_tokens, n)
-            req.num_computed_tokens += n
-            bm.commit(req)
-
-    for op, pick, length in ops:
-        counter += 1
-        if op == "new":
-            tokens = prefixes[pick % 3][:length] + [pick + 100] * (length % 5)
-            req = Request(f"r{counter}", tokens or [pick])
-            n = min(length, req.num_tokens - bm.cached_prefix_len(req))
-            if bm.allocate(req, n):  # admitted with its first chunk, computed at once
-                live.append(req)
-                run(req, n)
-        elif live and op == "compute":
-            req = live[pick % len(live)]
-            if req.num_computed_tokens == req.num_tokens:
-                req.output_ids.append(pick)
-            run(req, min(length, req.num_tokens - req.num_computed_tokens))
-        elif live and op == "fork":
-            parent = live[pick % len(live)]
-            c = parent.num_computed_tokens
-            child = Request(f"r{counter}", parent.tokens(0, c) + [length])
-            bm.fork(parent, child)
-            live.append(child)
-        elif live and op == "free":
-            bm.free(live.pop(pick % len(live)))
-        for req in live:  # every live request reads its own tokens back
-            end = req.num_computed_tokens
-            assert kv.read(req, end) == req.tokens(0, end)
-    for req in live:
-        bm.free(req)
-    assert bm.num_free_blocks == num_blocks
-    assert all(bm.ref_count(b) == 0 for b in range(num_blocks))

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from hetero.config import RuntimeConfig
-from hetero.engine.cuda_graph import DecodeGraphs, batch_buckets, bucket_for
+from hetero.engine.cuda_graph import (
+    MAX_SPEC_ROWS,
+    DecodeGraphs,
+    batch_buckets,
+    bucket_for,
+    graph_rows,
+)
 from hetero.kernels.registry import forcing
 from hetero.llm import LLM
 from hetero.model.llama import load_model
@@ -38,6 +44,14 @@ def test_buckets_cover_every_batch_size() -> None:
         batch_buckets(0)
 
 
+def test_graph_rows_leave_room_for_guesses() -> None:
+    assert graph_rows(256, 2048) == graph_rows(256, 2048, 8) == 256  # already room
+    assert graph_rows(4, 2048) == 4
+    assert graph_rows(4, 2048, 8) == 36  # 4 requests x (1 + 8) rows
+    assert graph_rows(16, 2048, 8) == MAX_SPEC_ROWS
+    assert graph_rows(4, 20, 8) == 20  # never more rows than the step's token budget
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("graphs")
@@ -52,18 +66,22 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PARAMS = [replace(GREEDY, max_tokens=n) for n in (4, 12, 8, 10, 16)]
 
 
-def _generate(tiny, graphs: bool, capture: bool, kv_dtype: str):
+def _generate(
+    tiny, graphs: bool, capture: bool, kv_dtype: str, spec: str = "off", rows: int = 4,
+    prompts=PROMPTS, params=PARAMS,
+):  # fmt: skip
     llm = LLM(
         loaded=tiny, kv_dtype=kv_dtype, num_kv_blocks=48, block_size=16, max_model_len=128,
-        max_num_seqs=5, enforce_eager=True, device=tiny[1].runtime.device,
+        max_num_seqs=5, enforce_eager=True, device=tiny[1].runtime.device, speculative=spec,
+        num_speculative_tokens=6,
     )  # fmt: skip
     runner = llm.engine.runner
     if graphs:  # max batch 4: steps of 3 pad to 4, steps of 5 are too many (eager)
-        runner.graphs = DecodeGraphs(tiny[1], llm.engine.pool, 4, 128)
+        runner.graphs = DecodeGraphs(tiny[1], llm.engine.pool, rows, 128)
         if capture:
             runner.graphs.capture()
-    outs = llm.generate(PROMPTS, PARAMS)
-    return outs, runner.graphs
+    outs = llm.generate(prompts, params)
+    return outs, runner.graphs, llm.engine.spec
 
 
 def _compare(tiny, capture: bool, kv_dtype: str) -> None:
@@ -71,10 +89,15 @@ def _compare(tiny, capture: bool, kv_dtype: str) -> None:
     # both paths run the kernels the device selects.
     refs = {} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}
     with forcing(refs):
-        eager, _ = _generate(tiny, False, False, kv_dtype)
-        static, graphs = _generate(tiny, True, capture, kv_dtype)
+        eager, _, _ = _generate(tiny, False, False, kv_dtype)
+        static, graphs, _ = _generate(tiny, True, capture, kv_dtype)
     assert graphs.steps > 0
-    for a, b in zip(eager, static):
+    _same(eager, static, kv_dtype)
+
+
+def _same(want, got, kv_dtype: str) -> None:
+    """Same greedy tokens, and logprobs of them within the KV dtype's rounding."""
+    for a, b in zip(want, got, strict=True):
         ca, cb = a.outputs[0], b.outputs[0]
         assert ca.token_ids == cb.token_ids
         la = torch.tensor([lp.logprob for lp in ca.logprobs])
@@ -106,3 +129,67 @@ def test_fits_only_decode_steps_and_needs_tensor_kernels(tiny) -> None:
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
 def test_gpu_captured_graphs_equal_eager(tiny, kv_dtype: str) -> None:
     _compare(tiny, capture=True, kv_dtype=kv_dtype)
+
+
+# prompts that repeat a run: n-gram lookup guesses from the first step of the answer
+REPEATS = [[(7 * j + 3 * i) % 200 + 5 for j in range(6 + i)] * 3 for i in range(4)]
+LONG = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+
+def _compare_spec(tiny, capture: bool, kv_dtype: str, prompts, rows: int) -> None:
+    refs = {} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}
+    params = [LONG] * len(prompts)
+    with forcing(refs):
+        plain, _, _ = _generate(tiny, False, False, kv_dtype, prompts=prompts, params=params)
+        got, graphs, spec = _generate(
+            tiny, True, capture, kv_dtype, "ngram", rows, prompts=prompts, params=params
+        )
+    assert spec.proposed > 0 and spec.accepted > 0
+    assert graphs.rows_run > graphs.steps, "verify steps ran through the static buffers"
+    _same(plain, got, kv_dtype)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_static_buffer_path_with_guesses_equals_plain_decoding(tiny, n: int) -> None:
+    """Verify steps (each decode 1 + k rows, k <= 6) through the static buffers: greedy tokens
+    and logprobs equal plain decoding's, alone and 4 at once (the engine trims guesses to the
+    16 rows of the largest graph; prefill steps run eagerly)."""
+    _compare_spec(tiny, False, "fp32", REPEATS[:n], 16)
+
+
+def test_guess_rows_of_one_request_attend_causally(tiny) -> None:
+    """One verify step by hand: its rows' logits equal those of the eager step (the prefill
+    kernel's causal attention over the 1 + k new tokens), padding rows dropped."""
+    refs = {} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}
+    with forcing(refs):
+        llm = LLM(
+            loaded=tiny, kv_dtype="fp32", num_kv_blocks=48, block_size=16, max_model_len=128,
+            enforce_eager=True, device=tiny[1].runtime.device, speculative="off",
+        )  # fmt: skip
+        eng = llm.engine
+        graphs = DecodeGraphs(tiny[1], eng.pool, 8, 128)
+        eng.add_request("a", list(range(5, 35)), GREEDY)
+        eng.step()  # the prompt
+        guess = {"a": [40, 41, 42, 43, 44]}  # 6 rows: pads to the bucket of 8
+        out = eng.scheduler.schedule(guess)
+        assert out.scheduled[0].spec_ids == (40, 41, 42, 43, 44) and graphs.fits(out)
+        static = graphs.run(out.scheduled)
+        eager, _ = eng.runner.run(out)
+    assert static.shape == eager.shape == (6, tiny[1].config.vocab_size)
+    assert torch.allclose(static, eager, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny32(tiny):
+    """tiny with float32 activations on CUDA too: verify rows run other matmul shapes (T = 1 + k
+    per request, padded to the bucket) than plain decode, so bf16 rounding could flip a greedy
+    near-tie; in float32 the outputs must be equal."""
+    if not CUDA:
+        return tiny
+    return load_model(tiny[0].path, RuntimeConfig(device="cuda", dtype="fp32"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])
+def test_gpu_captured_graphs_with_guesses_equal_plain(tiny32, kv_dtype: str) -> None:
+    _compare_spec(tiny32, True, kv_dtype, REPEATS, 16)

@@ -1,107 +1,17 @@
 """Scheduler: token budget, chunked prefill, decode priority, preemption, aborts, forks.
 
-A simulated engine drives it: a KV pool whose slots hold (position, token), written through the
-block manager's slot mapping and read back through each request's block table, and a "model"
-that picks the next token as a fixed function of the tokens it reads from that pool. So a
-request's output matches the output of a plain loop over its own token ids only if its KV was
-placed, shared, copied, evicted and recomputed correctly.
+A simulated engine (sched_sim.py) drives it; random traffic is in test_scheduler_random.py.
 """
 
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from sched_sim import EOS, VOCAB, Engine, next_token, params, reference
 
-from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.request import Request, RequestStatus
-from hetero.engine.scheduler import Scheduler, SchedulerOutput
-
-VOCAB, EOS = 64, 0
-
-
-def next_token(seq: list[int]) -> int:
-    """The simulated model: a deterministic, order-sensitive function of the whole context."""
-    acc = len(seq)
-    for t in seq:
-        acc = (acc * 1_000_003 + t + 1) % 2_147_483_647
-    return acc % VOCAB
-
-
-def reference(prompt: list[int], outputs: list[int], max_tokens: int, eos: int | None) -> list:
-    """What a request must generate: the model applied to its own tokens, no engine."""
-    out = list(outputs)
-    while len(out) < max_tokens:
-        out.append(next_token(prompt + out))
-        if out[-1] == eos:
-            break
-    return out
-
-
-def params(max_tokens: int, **kw) -> SimpleNamespace:
-    return SimpleNamespace(max_tokens=max_tokens, **kw)
-
-
-class Engine:
-    """The scheduler, the block manager and a simulated KV pool and model, stepped together."""
-
-    def __init__(self, num_blocks: int, block_size: int, config: SchedulerConfig) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(config, self.bm)
-        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
-        self.steps = 0
-
-    def step(self) -> tuple[SchedulerOutput, list[Request]]:
-        was_running = {r.request_id for r in self.sched.running}
-        out = self.sched.schedule()
-        ids = {s.req.request_id for s in out.scheduled}
-        assert not ids & {r.request_id for r in out.preempted}
-        if out.preempted:  # no admissions in a step short of blocks (they would thrash)
-            assert ids <= was_running
-        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
-        assert len(out.scheduled) <= self.sched.config.max_num_seqs
-        bs = self.bm.block_size
-        gathered = [self.kv[s * bs : (s + 1) * bs] for s, _ in out.copies]
-        for (_, d), data in zip(out.copies, gathered, strict=True):
-            self.kv[d * bs : (d + 1) * bs] = data
-        for s in out.scheduled:  # every KV write of the step lands before any read
-            end = s.start_pos + s.num_new_tokens
-            slots = self.bm.slot_mapping(s.req, s.start_pos, end)
-            for pos, slot in enumerate(slots, start=s.start_pos):
-                self.kv[slot] = (pos, s.req.tokens(pos, pos + 1)[0])
-        sampled = {}
-        for s in out.scheduled:
-            end = s.start_pos + s.num_new_tokens
-            seen = [self.kv[slot] for slot in self.bm.slot_mapping(s.req, 0, end)]
-            assert seen == list(enumerate(s.req.tokens(0, end))), s.req
-            if s.produces_token:
-                sampled[s.req.request_id] = next_token([t for _, t in seen])
-        finished = self.sched.update(out, sampled)
-        self.bm.check()
-        self.check_scheduler()
-        self.steps += 1
-        return out, finished
-
-    def check_scheduler(self) -> None:
-        sched = self.sched
-        assert len(sched.running) <= sched.config.max_num_seqs
-        assert [r.order for r in sched.running] == sorted(r.order for r in sched.running)
-        for r in sched.running:
-            assert r.status is RequestStatus.RUNNING and r.num_computed_tokens < r.num_tokens
-        for r in sched.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.block_table == []
-
-    def run(self, max_steps: int = 10_000) -> None:
-        while self.sched.has_work():
-            self.step()
-            assert self.steps < max_steps, "the scheduler made no progress"
-        assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert all(self.bm.ref_count(b) == 0 for b in range(self.bm.num_blocks))
 
 
 def test_chunked_prefill_never_starves_decodes() -> None:
@@ -352,64 +262,3 @@ def test_config_validation() -> None:
 
 
 # -- property: random add / step / abort / fork over small pools ------------------------------
-
-OPS = st.lists(
-    st.tuples(
-        st.sampled_from(["add", "add", "add", "step", "step", "abort", "fork", "fork"]),
-        st.integers(0, 999),
-    ),
-    min_size=5,
-    max_size=60,
-)
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    num_blocks=st.integers(4, 16),
-    block_size=st.integers(1, 4),
-    max_num_seqs=st.integers(1, 4),
-    budget_extra=st.integers(0, 12),
-    ops=OPS,
-)
-def test_random_traffic_never_leaks(num_blocks, block_size, max_num_seqs, budget_extra, ops):
-    config = SchedulerConfig(max_num_seqs, max_num_seqs + budget_extra)
-    eng = Engine(num_blocks, block_size, config)
-    capacity = num_blocks * block_size
-    prefix = [7, 7, 8, 8, 9, 9, 1, 2]
-    reqs, expected_start, aborted = [], {}, set()
-    for i, (op, x) in enumerate(ops):
-        sched = eng.sched
-        if op == "add":
-            prompt = prefix[: x % 9] + [x % VOCAB + 1] * (x % 5 + 1)
-            max_tokens = min(x % 13 + 1, capacity - len(prompt))
-            if max_tokens < 1:
-                continue
-            reqs.append(Request(f"r{i}", prompt, params(max_tokens), eos_token_id=EOS))
-            sched.add(reqs[-1])
-            expected_start[reqs[-1].request_id] = []
-        elif op == "step":
-            eng.step()
-        elif op == "abort" and reqs:
-            victim = reqs[x % len(reqs)]
-            if sched.abort(victim.request_id):
-                aborted.add(victim.request_id)
-        elif op == "fork" and sched.running:
-            parent = sched.running[x % len(sched.running)]
-            c = parent.num_computed_tokens
-            child = Request(f"r{i}", parent.prompt_ids, params(parent.max_tokens), eos_token_id=EOS)
-            child.output_ids = parent.tokens(parent.num_prompt_tokens, c) + [x % (VOCAB - 1) + 1]
-            if c < parent.num_prompt_tokens:  # mid-prefill: the child is the prompt alone
-                child.output_ids = []
-            if len(child.output_ids) >= child.max_tokens:
-                continue
-            sched.fork(parent.request_id, child)
-            reqs.append(child)
-            expected_start[child.request_id] = list(child.output_ids)
-        eng.bm.check()
-        eng.check_scheduler()
-    eng.run(max_steps=eng.steps + 2_000)
-    for r in reqs:
-        assert r.is_finished
-        if r.request_id not in aborted:
-            start = expected_start[r.request_id]
-            assert r.output_ids == reference(r.prompt_ids, start, r.max_tokens, EOS)

@@ -215,3 +215,55 @@ def test_auto_guesses_on_the_cpu_only_while_few_requests_decode(tiny):
     while len(eng.scheduler.decoding()) <= SPEC_AUTO_MAX_DECODES:
         eng.step()
     assert eng._guesses() is None
+
+
+def test_auto_guesses_on_cuda_where_guesses_pay_for_the_verify_step():
+    """On CUDA "auto" is ngram too (verify steps replay the decode graphs), with the off-switch
+    priced for the GPU's costlier verify step by weights mode; "off" is off everywhere."""
+    from types import SimpleNamespace
+
+    from hetero.engine.spec import SPEC_AUTO_MAX_DECODES, SPEC_CUDA_VERIFY_COST, make_speculator
+
+    def spec(mode: str, device: str, weights: str = "auto"):
+        rt = RuntimeConfig(device, weights=weights)
+        return make_speculator(SimpleNamespace(config=EngineConfig(speculative=mode), runtime=rt))
+
+    gpu, cpu = spec("auto", "cuda:0", "quant"), spec("auto", "cpu")
+    assert gpu.max_decodes == cpu.max_decodes == SPEC_AUTO_MAX_DECODES
+    assert gpu.adapt.min_gain == pytest.approx(SPEC_CUDA_VERIFY_COST["quant"] - 1)
+    assert gpu.adapt.k_min == gpu.adapt.k_max and cpu.adapt.k_min == 1
+    assert spec("auto", "cuda").adapt.min_gain == pytest.approx(SPEC_CUDA_VERIFY_COST["dense"] - 1)
+    assert cpu.adapt.min_gain == 0
+    assert spec("ngram", "cuda").max_decodes is None
+    assert spec("off", "cuda") is None and spec("off", "cpu") is None
+
+
+def test_bench_spec_ab_prints_one_line_per_workload_and_concurrency(tiny):
+    """`hetero bench --spec-ab`: both sides run on one loaded engine, each pair one line with
+    the speeds, the speedup, the acceptance and the step times; without speculation it says so."""
+    import re
+
+    from click.testing import CliRunner
+
+    from hetero.cli import main
+
+    base = ["bench", str(tiny[0]), "--input-len", "24", "--output-len", "12", "--num-kv-blocks",
+            "64", "--spec-ab", "-c", "1", "-c", "2", "--workload", "random"]  # fmt: skip
+    res = CliRunner().invoke(main, [*base, "--speculative", "ngram"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("random c=")]
+    assert [ln.split(":")[0] for ln in lines] == ["random c=1 ngram", "random c=2 ngram"]
+    pattern = (
+        r"off [\d.]+ tok/s, on [\d.]+ tok/s, [\d.]+x; accepted \d+/\d+ \(\d+%\); "
+        r"step ms: plain (-|[\d.]+ \([\d.]+ rows\)), verify (-|[\d.]+ \([\d.]+ rows\))"
+    )
+    assert all(re.search(pattern, ln) for ln in lines), lines
+    oracle = ["--spec-oracle", "1", "--spec-oracle", "0"]  # every guess right, every one wrong
+    res = CliRunner().invoke(main, [*base[:-4], "--speculative", "auto", *oracle])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("random c=")]
+    modes = [ln.split(":")[0] for ln in lines]
+    assert modes == [f"random c=1 {m}" for m in ("auto", "ngram", "oracle-100%", "oracle-0%")]
+    assert "accepted 0/" in lines[3] and re.search(r"accepted (\d+)/\1 ", lines[2]), lines
+    res = CliRunner().invoke(main, [*base, "--speculative", "off"])
+    assert res.exit_code != 0 and "speculative decoding is off" in res.output

@@ -110,3 +110,37 @@ def test_poor_acceptance_asks_for_longer_matches():
     for _ in range(6):
         s.observe(4, 4)
     assert s.min_n == 2
+
+
+def test_min_gain_switches_off_guesses_that_do_not_pay_for_the_step():
+    """A request accepting one guess in three (a 33% rate, above off_below) averages 0.33
+    accepted tokens a step: where a verify step costs 1.6 plain ones (min_gain 0.6) it stops;
+    with min_gain 0 (a CPU) it keeps guessing; one that accepts 1 of 2 a step keeps guessing."""
+    for min_gain, accepted, stays in ((0.6, (0, 1, 0), False), (0.0, (0, 1, 0), True),
+                                      (0.6, (1, 1, 1), True)):  # fmt: skip
+        s = SpecState(AdaptConfig(k_max=8, min_gain=min_gain, off_below=0.15))
+        for i in range(12):
+            if not s.active:
+                break
+            s.observe(1 if accepted == (0, 1, 0) else 2, accepted[i % 3])
+        assert s.active == stays, (min_gain, accepted)
+
+
+def test_fit_rows_keeps_guesses_within_the_room_left():
+    from hetero.engine.spec.speculator import fit_rows
+
+    g = {"a": [1, 2, 3], "b": [4, 5], "c": [6]}
+    assert fit_rows(g, 10) == g
+    assert fit_rows(g, 4) == {"a": [1, 2, 3], "b": [4]}
+    assert fit_rows(g, 0) == {}
+
+
+def test_k_min_keeps_guesses_long_after_a_rejection():
+    """Where rows cost the same up to the graph bucket (CUDA), a rejection does not shrink k."""
+    s = SpecState(AdaptConfig(k_max=8, k_min=8))
+    assert s.k == 8
+    s.observe(8, 1)
+    assert s.k == 8
+    s = SpecState(AdaptConfig(k_max=8, k_min=3))
+    s.observe(s.k, 0)
+    assert s.k == 3

@@ -82,3 +82,34 @@ def test_tied_head_with_triton_kernels_equals_reference(tied_file) -> None:
     for (tg, lg), (tw, lw) in zip(got, want):
         assert tg == tw
         assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=2e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_verify_step_through_decode_buffers_with_triton_attention(model_file, monkeypatch, splits):
+    """A speculative verify step as decode rows (cuda_graph.py): the fused KV write stores all
+    6 rows before the decode kernel (split-K too) lets row i attend over the prefix and rows
+    0 .. i; its logits equal the reference's eager step (causal attention over the new tokens)."""
+    from hetero.engine.cuda_graph import DecodeGraphs
+    from hetero.kernels import triton_paged
+
+    monkeypatch.setattr(triton_paged, "decode_splits", lambda *a: splits)
+    loaded = load_model(
+        model_file, RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32")
+    )
+    logits = []
+    for kernels in ({"kv_write": "torch", "paged_attention": "torch"}, TRITON):
+        with forcing(kernels):
+            llm = LLM(loaded=loaded, kv_dtype="fp16", num_kv_blocks=16, block_size=8,
+                      max_model_len=64, enforce_eager=True, device=str(DEVICE),
+                      speculative="off")  # fmt: skip
+            eng = llm.engine
+            long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            eng.add_request("a", PROMPTS[0] * 2, long)  # 22 tokens: the guesses cross a block
+            eng.step()
+            out = eng.scheduler.schedule({"a": [5, 6, 7, 8, 9]})
+            graphs = DecodeGraphs(loaded[1], eng.pool, 8, 64)
+            assert graphs.fits(out)
+            fn = graphs.run if kernels is TRITON else lambda s: eng.runner.run(out)[0]
+            logits.append(fn(out.scheduled).float().cpu())
+    assert logits[1].shape == (6, SHAPE.vocab_size)
+    assert torch.allclose(logits[1], logits[0], atol=1e-4)

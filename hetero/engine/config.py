@@ -69,10 +69,11 @@ class EngineConfig:
     seed: int | None = None  # for requests without a seed of their own
     # speculative decoding (engine/spec/): "ngram" guesses tokens from n-grams of the request
     # and of earlier requests, "draft" runs draft_model; each request stops speculating while
-    # its guesses are rejected too often. "auto" (where it pays): ngram on a CPU while at most
+    # its guesses are rejected too often. "auto" (where it pays): ngram while at most
     # SPEC_AUTO_MAX_DECODES requests decode (past that the batch keeps the device busy and
-    # guess rows cost real compute: 0.8x measured at 16 streams), off on CUDA (a guessing step
-    # cannot replay the captured decode graphs, which make batch-1 decode 6x faster)
+    # guess rows cost real compute: 0.8x measured at 16 streams on a CPU); on CUDA the verify
+    # steps replay the decode graphs (cuda_graph.py) and a request must average enough accepted
+    # guesses to pay for the costlier step (spec/__init__.py)
     speculative: str = "auto"
     num_speculative_tokens: int = 8  # the most tokens proposed per request and step
     draft_model: str | None = None  # a small GGUF with the target's vocabulary

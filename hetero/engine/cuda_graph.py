@@ -9,10 +9,22 @@ sized for the largest captured batch:
     tokens, positions, slots [Bmax] int64; block_tables [Bmax, max_blocks] int32;
     seq_lens [Bmax] int32; q_start_loc [Bmax + 1] int32 (0, 1, 2, ...: one query a sequence)
 
-A step of n sequences runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
-scheduler's max_num_seqs); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and
-seq_len 0 (attention gives 0), their logits dropped. Steps with prefill tokens, more sequences
-than the largest bucket or a context past max_blocks run eagerly.
+A step of n rows runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
+largest captured); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and seq_len 0
+(attention gives 0), their logits dropped. Steps with prefill tokens, more rows than the largest
+bucket or a context past max_blocks run eagerly.
+
+A speculative verify step (engine/spec/) fits too: a decode with guesses g_1 .. g_k at position p
+is k + 1 rows, each a one-query decode of the same sequence:
+
+    row i (0 <= i <= k)   token t_i (t_0 the last known token, then the guesses)
+                          position p + i, slot of p + i, the request's block table,
+                          seq_len p + i + 1
+
+Each layer writes the KV of all rows (kv_write, one launch) before any row attends (the attention
+launch after it), so row i attends over the prefix and t_0 .. t_i: exactly the causal attention
+the eager step's prefill kernel gives the k + 1 queries. Its logits rows come back in that order,
+what spec/verify.py reads.
 
 Without capture (a CPU, or graphs turned off) `run` takes the same static-buffer path eagerly:
 that is how the padding and bucketing are tested on a machine without CUDA.
@@ -35,6 +47,8 @@ from hetero.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
+MAX_SPEC_ROWS = 64  # graph rows speculation may add beyond max_num_seqs (graph_rows)
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     """Powers of two up to max_batch, and max_batch itself: [1, 2, 4, ..., max_batch]."""
@@ -47,9 +61,25 @@ def batch_buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int = 0) -> int:
+    """Rows of the largest graph: one per sequence; with speculation (spec_tokens guesses at most
+    a request), room for a few requests' guesses too where max_num_seqs alone leaves little,
+    within the step's token budget and at most MAX_SPEC_ROWS (graphs cost capture time and
+    memory; the scheduler's default of 256 sequences already leaves 256 rows)."""
+    rows = max_num_seqs
+    if spec_tokens:
+        rows = max(rows, min(max_num_seqs * (1 + spec_tokens), MAX_SPEC_ROWS))
+    return min(rows, max(max_num_batched_tokens, max_num_seqs))
+
+
 def bucket_for(n: int, buckets: list[int]) -> int | None:
     """The smallest bucket that holds n sequences (None: more than the largest)."""
     return next((b for b in buckets if b >= n), None)
+
+
+def _is_decode(s: ScheduledRequest) -> bool:
+    """One known token (the last), then any guesses: a row each, no prefill chunk."""
+    return s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids)
 
 
 def _check_kernels(device: torch.device) -> bool:
@@ -86,22 +116,23 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self._ref_attention = _check_kernels(self.device)
         self.steps = 0  # decode steps run through the static buffers (replayed or not)
+        self.rows_run = 0  # their rows (sequences, plus guesses)
 
     def fits(self, out: SchedulerOutput) -> bool:
-        """A decode-only step these buffers hold."""
-        sched = out.scheduled
-        return (
-            0 < len(sched) <= self.buckets[-1]
-            and all(s.num_new_tokens == 1 and s.produces_token for s in sched)
-            and all(s.start_pos < self.max_blocks * self.block_size for s in sched)
+        """A step of decodes only (each one known token, plus its guesses) these buffers hold."""
+        sched, cap = out.scheduled, self.max_blocks * self.block_size
+        return 0 < sum(s.num_new_tokens for s in sched) <= self.buckets[-1] and all(
+            _is_decode(s) and s.start_pos + s.num_new_tokens <= cap for s in sched
         )
 
     def run(self, sched: list[ScheduledRequest]) -> torch.Tensor:
-        """Logits [n, V] float32 of a decode step of n = len(sched) sequences."""
-        n = len(sched)
+        """Logits [n, V] float32 of a decode step of n rows (one a sequence, 1 + k for one that
+        speculates k tokens), in the order of `sched`."""
+        n = sum(s.num_new_tokens for s in sched)
         b = bucket_for(n, self.buckets)
         self._fill(sched, b)
         self.steps += 1
+        self.rows_run += n
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n].clone()  # the graph's buffer is rewritten next replay
@@ -110,21 +141,26 @@ class DecodeGraphs:
     def _fill(self, sched: list[ScheduledRequest], b: int) -> None:
         """Host values of the step into the static buffers, rows n .. b - 1 as padding."""
         bs = self.block_size
-        tokens = torch.zeros(b, dtype=torch.long)
-        positions = torch.zeros(b, dtype=torch.long)
-        slots = torch.full((b,), -1, dtype=torch.long)
-        lens = torch.zeros(b, dtype=torch.int32)
+        tokens, positions = [], []
         tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
-        for i, s in enumerate(sched):
-            pos = s.start_pos
-            tokens[i] = s.req.tokens(pos, pos + 1)[0]
-            positions[i], lens[i] = pos, pos + 1
-            table = s.req.block_table[: pos // bs + 1]
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            slots[i] = table[pos // bs] * bs + pos % bs
+        row = 0
+        for s in sched:
+            pos, m = s.start_pos, s.num_new_tokens
+            tokens += [s.req.tokens(pos, pos + 1)[0], *s.spec_ids]
+            positions += range(pos, pos + m)
+            table = s.req.block_table[: (pos + m - 1) // bs + 1]
+            tables[row : row + m, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            row += m
+        pad = b - row
+        pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
+        lens = torch.where(torch.arange(b) < row, pos_t + 1, 0).to(torch.int32)
+        blocks = tables.gather(
+            1, (pos_t // bs)[:, None].to(torch.long).clamp_max(self.max_blocks - 1)
+        )
+        slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
         for host, static in (
-            (tokens, self.tokens),
-            (positions, self.positions),
+            (torch.tensor(tokens + [0] * pad, dtype=torch.long), self.tokens),
+            (pos_t, self.positions),
             (slots, self.slots),
             (lens, self.seq_lens),
             (tables, self.block_tables),

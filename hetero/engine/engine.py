@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hetero.config import RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
-from hetero.engine.cuda_graph import capture_decode_graphs
+from hetero.engine.cuda_graph import capture_decode_graphs, graph_rows
 from hetero.engine.json_mask import Constraints
 from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
 from hetero.engine.kv_tiered import build_tiers
@@ -19,6 +19,7 @@ from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import Scheduler
 from hetero.engine.spec import make_speculator
+from hetero.engine.spec.speculator import fit_rows
 from hetero.engine.spec.verify import accept_rows, expand_rows
 from hetero.gguf_loader import GGUFModel
 from hetero.model.llama import LlamaModel, load_model
@@ -106,8 +107,11 @@ class Engine:
         self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
         self.runner = ModelRunner(self.model, self.pool)
         if not cfg.enforce_eager and self.runtime.device.startswith("cuda"):
+            sc = self.scheduler.config
+            k = 0 if self.spec is None else cfg.num_speculative_tokens
+            rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, k)
             self.runner.graphs = capture_decode_graphs(
-                self.model, self.pool, self.scheduler.config.max_num_seqs, self.max_model_len
+                self.model, self.pool, rows, self.max_model_len
             )
         self.sampler = Sampler(cfg.seed)
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
@@ -286,7 +290,12 @@ class Engine:
         if limit is not None and len(decoding) > limit:
             return None  # "auto": a full batch keeps the device busy without guesses
         free = [r for r in decoding if not self.constraints.has(r.request_id)]
-        return self.spec.propose(free)
+        guesses = self.spec.propose(free)
+        graphs = self.runner.graphs
+        if graphs is None:
+            return guesses
+        # a step of more rows than the largest graph would run eagerly (several times slower)
+        return fit_rows(guesses, graphs.buckets[-1] - len(decoding))
 
     def _final(self, req: Request) -> StepOutput:
         self.params.pop(req.request_id, None)
@@ -327,14 +336,26 @@ def token_output(req: Request, p: SamplingParams, i: int, ids, lps, tops) -> Ste
 
 
 class EngineStats:
-    """Counters the bench and the server's /metrics read."""
+    """Counters the bench and the server's /metrics read.
+
+    Decode-only steps are also counted apart, plain ones and verify ones (some request carried
+    guesses; rows: tokens computed), so a benchmark can price a verify step against a plain one.
+    """
 
     def __init__(self) -> None:
         self.steps = 0
         self.tokens = 0
         self.busy_s = 0.0
+        self.decode = [0, 0, 0.0]  # plain decode steps: steps, rows, seconds
+        self.verify = [0, 0, 0.0]  # decode steps with guesses: steps, rows, seconds
 
     def record(self, out, seconds: float) -> None:
         self.steps += 1
         self.tokens += out.num_batched_tokens
         self.busy_s += seconds
+        sched = out.scheduled
+        if all(s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids) for s in sched):
+            kind = self.verify if any(s.spec_ids for s in sched) else self.decode
+            kind[0] += 1
+            kind[1] += out.num_batched_tokens
+            kind[2] += seconds

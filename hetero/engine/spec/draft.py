@@ -28,7 +28,8 @@ from hetero.engine.spec.speculator import Speculator
 from hetero.engine.spec.verify import accept_draft, accept_sampled, draft_rule
 from hetero.model.llama import load_model
 from hetero.rng import gumbel, random_keys
-from hetero.sampling import make_batch, probabilities
+from hetero.sampling import make_batch
+from hetero.sampling_filters import probabilities
 
 DRAFT_KV_FRACTION = 0.1  # of the memory free after the draft's weights, before the target's KV
 

@@ -19,6 +19,18 @@ from hetero.engine.spec.ngram import NgramCache, NgramIndex
 from hetero.engine.spec.verify import accept_rows
 
 
+def fit_rows(guesses: dict[str, list[int]], room: int) -> dict[str, list[int]]:
+    """At most `room` guessed tokens in all, the first requests' guesses kept whole (a verify
+    step's rows must fit the largest decode graph: engine._guesses)."""
+    out = {}
+    for rid, guess in guesses.items():
+        if room <= 0:
+            break
+        out[rid] = guess[:room]
+        room -= len(out[rid])
+    return out
+
+
 class Speculator:
     """Bookkeeping shared by the proposers: per-request control and the counters."""
 

@@ -1,0 +1,268 @@
+"""The cells of benchmarks/gpu_qsweep.py: candidates per T, weights, one worker's measurements.
+
+A candidate is a `triton_qvariants.Variant` name (kernel:tile:step:split:warps:stages), `auto`
+(qlinear's own dispatch) or `dense` (dequantize to bf16 + cuBLAS, T >= 64).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from hetero.kernels import triton_qmatmul as tq
+from hetero.kernels import triton_qvariants as tv
+from hetero.kernels.repack import PackedWeight, repack
+from hetero.quant import get_quant, random_blocks
+
+SHAPES = {  # name -> (N, K): y [T, N] = x [T, K] @ W^T; measured in this order (a budget cut
+    "gateup": (14336, 4096),  # drops the last)
+    "down": (4096, 14336),
+    "qo": (4096, 4096),
+    "kv": (1024, 4096),
+    "lmhead": (128256, 4096),
+}
+LMHEAD_T = (1, 16, 512)  # the output projection runs once a step: a few T say enough
+ROTATE_BYTES = 160 << 20  # weights a replay streams: 3x the L2, as layers rotate through it
+REPLAYS = 5
+RISKY = ("tokens",)  # run last in a cell: the kernel last seen before an illegal access
+DEVICE = "cuda"  # a CPU smoke run under TRITON_INTERPRET=1 sets "cpu" (and times nothing real)
+X_DTYPE = torch.bfloat16  # the smoke run: float16 (the interpreter's bf16 tl.dot is not exact)
+
+
+def _mm_tile(t: int) -> int:
+    return min(64, max(16, 1 << (t - 1).bit_length()))
+
+
+def _variants(t: int) -> list[tv.Variant]:
+    V = tv.Variant
+    out: list[tv.Variant] = []
+    if t <= 2:
+        for kern in ("gemv", "gemv_pipe"):
+            out += [V(kern, bn=bn, ctas=c) for bn in (32, 64) for c in (4, 8)]
+            out += [V(kern, bn=64, step=128, ctas=8), V(kern, bn=128, warps=8, ctas=4)]
+        out += [V("gemv_pipe", bn=32, ctas=16), V("gemv_pipe", bn=16, ctas=8)]
+    if 2 <= t <= 64:
+        bt = _mm_tile(t)
+        out += [V("mm", bn=64, bt=bt, step=128, ctas=4, stages=3)]
+        out += [V("mm", bn=32, bt=bt, step=128, ctas=8, stages=3)]
+        out += [V("mm_pipe", bn=64, bt=bt, step=128, ctas=4, stages=s) for s in (1, 3)]
+        out += [V("mm_pipe", bn=32, bt=bt, step=128, ctas=8, stages=3)]
+        out += [V("mm_pipe", bn=64, bt=bt, step=256, ctas=4, stages=3)]
+        out += [V("mm_pipe", bn=32, bt=bt, step=256, ctas=8, stages=3)]
+        out += [V("mm_pipe", bn=128, bt=bt, step=128, ctas=2, warps=8, stages=3)]
+    if t >= 128:
+        out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]
+        out += [V("mm", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]
+        out += [V("mm_pipe", bn=128, bt=128, step=128, ctas=1, warps=8, stages=s) for s in (2, 3)]
+        out += [V("mm_pipe", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]
+        out += [V("mm_pipe", bn=64, bt=128, step=128, ctas=1, warps=4, stages=3)]
+    if 2 <= t <= 16:
+        out += [V("tokens", bn=bn, ctas=c) for bn in (16, 32) for c in (4, 8)]
+    return out
+
+
+ALL_VARIANTS = {v.name: v for t in (1, 2, 4, 8, 16, 32, 64, 512) for v in _variants(t)}
+
+
+def candidates(t: int) -> list[str]:
+    names = ["auto"] + [v.name for v in _variants(t)]
+    if t >= 64:
+        names.append("dense")
+    return sorted(names, key=lambda n: n.split(":")[0] in RISKY)  # risky ones last, else as is
+
+
+def run_candidate(name: str, x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    if name == "auto":
+        return tq.qlinear_triton(x, pw, int(pw.ggml_type), tuple(pw.shape))
+    if name == "dense":
+        return tq.dense_mm(x, pw)
+    return tv.run(x, pw, ALL_VARIANTS[name])
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(ggml_type: str) -> torch.Tensor:
+    """65536 random blocks of the type (the project's generator), on the GPU: weights tile it
+    (the bytes, not their values, set the timing)."""
+    blocks = random_blocks(ggml_type, 1 << 16, np.random.default_rng(0))
+    return torch.from_numpy(blocks).to(DEVICE)
+
+
+def make_weight(ggml_type: str, n: int, k: int) -> PackedWeight:
+    qt = get_quant(ggml_type)
+    n_blocks = n * k // qt.block_size
+    pool = _pool(ggml_type)
+    blocks = pool.repeat(math.ceil(n_blocks / pool.shape[0]), 1)[:n_blocks]
+    return repack(blocks.reshape(n, -1), ggml_type, (n, k))
+
+
+def _clone(pw: PackedWeight) -> PackedWeight:
+    f = ("codes", "scale", "high", "minv", "d", "dmin")
+    return PackedWeight(pw.ggml_type, pw.shape, **{a: _maybe_clone(getattr(pw, a)) for a in f})
+
+
+def _maybe_clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+def cell_jobs(ggml_type: str, shapes: list[str], tokens: list[int]) -> list[tuple[int, dict]]:
+    """(id, cell) for every shape x T x candidate of a type: a shape's cells together (its
+    weights are built once)."""
+    jobs = []
+    for shape in shapes:
+        for t in tokens:
+            if shape == "lmhead" and t not in LMHEAD_T:
+                continue
+            for name in candidates(t):
+                cell = {"type": ggml_type, "shape": shape, "T": t, "variant": name}
+                jobs.append((len(jobs), cell))
+    return jobs
+
+
+def graph_us(fns: list, replays: int = REPLAYS) -> float:
+    """Microseconds per call of fns (run in turn), from CUDA-graph replays timed with events."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return float(np.median(times))
+
+
+class _Shape:
+    """One shape's rotated weights and exact float32 W of a type (for the checks)."""
+
+    def __init__(self, ggml_type: str, shape: str):
+        n, k = SHAPES[shape]
+        first = make_weight(ggml_type, n, k)
+        copies = max(1, min(64, ROTATE_BYTES // first.nbytes))
+        self.pws = [first] + [_clone(first) for _ in range(copies - 1)]
+        self.w = tq.qdequant(first, torch.float32)  # the references' values bit for bit
+        self.n, self.k = n, k
+        self.xs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def inputs(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [t, K] (bf16), x @ W^T and |x| @ |W|^T (float32)."""
+        if t not in self.xs:
+            g = torch.Generator(device=DEVICE).manual_seed(t)
+            x = torch.randn(t, self.k, device=DEVICE, generator=g).to(X_DTYPE)
+            ref = x.float() @ self.w.t()
+            self.xs[t] = (x, ref, x.float().abs() @ self.w.abs().t())
+        return self.xs[t]
+
+
+def measure(cell: dict, sh: _Shape) -> dict:
+    """Check once against the reference, then time. The tolerance is the tests' for bf16."""
+    x, ref, mag = sh.inputs(cell["T"])
+    pw = sh.pws[0]
+    name = cell["variant"]
+    y = run_candidate(name, x, pw).float()
+    torch.cuda.synchronize()
+    eps = 2.0**-7
+    excess = ((y - ref).abs() - (4 * eps * mag + eps * ref.abs() + 1e-6)).max().item()
+    ok = bool(torch.isfinite(y).all().item()) and excess <= 0
+    us = graph_us([lambda w=w: run_candidate(name, x, w) for w in sh.pws])
+    out = {**cell, "ok": ok, "us": us, "bytes": pw.nbytes, "gbs": pw.nbytes / us / 1e3}
+    out["tflops"] = 2 * cell["T"] * sh.n * sh.k / us / 1e6
+    if not ok:
+        out["error"] = f"wrong output: max excess over tolerance {excess:.3g}"
+    return out
+
+
+def _fatal(e: BaseException) -> bool:
+    """An error that leaves the CUDA context unusable (the worker must be replaced)."""
+    if "illegal" in str(e) or "unspecified launch failure" in str(e):
+        return True
+    try:
+        torch.cuda.synchronize()
+        return False
+    except Exception:
+        return True
+
+
+def worker(ggml_type: str, jobs: list, log_path: str, deadline: float) -> None:
+    """Measure jobs in order, a JSON line before and after each; exit 3 on a fatal error."""
+    shape_of: dict[str, _Shape] = {}
+    with open(log_path, "a") as log:
+        for job_id, cell in jobs:
+            if time.time() > deadline:
+                return
+            print(json.dumps({"job": job_id, "started": True, "cell": cell}), file=log, flush=True)
+            try:
+                if cell["shape"] not in shape_of:
+                    shape_of.clear()
+                    torch.cuda.empty_cache()
+                    shape_of[cell["shape"]] = _Shape(ggml_type, cell["shape"])
+                row = measure(cell, shape_of[cell["shape"]])
+            except Exception as e:  # recorded per config; the sweep goes on
+                fatal = _fatal(e)
+                tb = traceback.format_exc(limit=3)[-600:]
+                row = {**cell, "error": f"{type(e).__name__}: {str(e)[:300]}", "trace": tb}
+                row["fatal"] = fatal
+                print(json.dumps({"job": job_id, **row}), file=log, flush=True)
+                if fatal:
+                    raise SystemExit(3) from None
+                continue
+            print(json.dumps({"job": job_id, **row}), file=log, flush=True)
+
+
+def summarize(rows: list[dict], ceil: dict) -> list[dict]:
+    """Best correct candidate per type x shape x T, against `auto`; prints the table."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["type"], r["shape"], r["T"]), []).append(r)
+    best = []
+    print(f"{'type':5} {'shape':7} {'T':>4} {'best':44} {'us':>8} {'%bw':>5} {'TF/s':>6} "
+          f"{'auto us':>8} {'gain':>5} fails")  # fmt: skip
+    for key, rs in cells.items():
+        good = [r for r in rs if r.get("ok")]
+        fails = [r["variant"] for r in rs if not r.get("ok")]
+        auto = next((r for r in good if r["variant"] == "auto"), None)
+        if not good:
+            print(*key, "no correct candidate;", "failed:", ", ".join(fails))
+            continue
+        b = min(good, key=lambda r: r["us"])
+        frac = b["gbs"] / ceil["copy_gbs"]
+        gain = auto["us"] / b["us"] if auto else float("nan")
+        auto_us = auto["us"] if auto else float("nan")
+        print(f"{key[0]:5} {key[1]:7} {key[2]:4d} {b['variant']:44} {b['us']:8.1f} {frac:5.0%} "
+              f"{b['tflops']:6.1f} {auto_us:8.1f} {gain:5.2f} {len(fails)}")  # fmt: skip
+        best.append({"cell": key, "best": b, "auto_us": auto_us, "bw_frac": frac, "fails": fails})
+    _per_token(best)
+    for r in rows:
+        if r.get("error") and not r["error"].startswith("skipped"):
+            print(f"FAILED {r['type']} {r['shape']} T={r['T']} {r['variant']}: {r['error']}")
+    return best
+
+
+LAYER = {"qo": 2, "kv": 2, "gateup": 2, "down": 1}  # Llama-3-8B: q, o; k, v; gate, up; down
+
+
+def _per_token(best: list[dict]) -> None:
+    """Batch-1 decode: the matmuls of a token (32 layers + lm_head, unfused shapes) summed from
+    the best and the `auto` times, against a measured step time of the engine."""
+    for ggml_type in sorted({b["cell"][0] for b in best}):
+        cell = {(b["cell"][1]): b for b in best if b["cell"][0] == ggml_type and b["cell"][2] == 1}
+        if not all(s in cell for s in (*LAYER, "lmhead")):
+            continue
+        for key, label in ((lambda b: b["best"]["us"], "best"), (lambda b: b["auto_us"], "auto")):
+            us = 32 * sum(n * key(cell[s]) for s, n in LAYER.items()) + key(cell["lmhead"])
+            print(f"{ggml_type} T=1 matmuls a token ({label}): {us / 1e3:.2f} ms "
+                  f"-> {1e6 / us:.0f} tok/s if nothing else ran")  # fmt: skip

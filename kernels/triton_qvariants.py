@@ -1,0 +1,121 @@
+"""Parameterized launches of the quantized-matmul kernels: one `Variant` names a kernel and its
+whole configuration, so a sweep can time configs that `triton_qmatmul` would not pick.
+
+    kernel      gemv       _qgemv_kernel          (a program: BN rows, one token)
+                gemv_pipe  _qgemv_pipe_kernel     (the same, scales prefetched too)
+                tokens     _qgemv_tokens_kernel   (a program: BN = 32 rows, TT tokens)
+                mm         _qmm_kernel            (a program: BN rows x BT tokens, tensor cores)
+                mm_pipe    _qmm_pipe_kernel       (the same, code words prefetched a step)
+    bn, bt      rows / tokens a program (bt: mm kernels only)
+    step        codes of K a loop step (a multiple of a chunk; <= 256 for K-quants, whose steps
+                must stay inside one super-block)
+    split       programs along K per tile; 0: enough for `ctas` programs an SM
+    warps, stages
+
+`run(x, pw, variant)` is y = x @ W^T like `qlinear`; `variant_ok` says whether a variant can run
+a type at all (a step a K-quant cannot take, a tile wider than the layout allows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetero.kernels import triton_qmatmul as tq
+from hetero.kernels.repack import PackedWeight, chunk_codes
+
+KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe")
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str
+    bn: int = 64
+    bt: int = 16
+    step: int = 256
+    split: int = 0
+    ctas: int = 4
+    warps: int = 4
+    stages: int = 1
+
+    @property
+    def name(self) -> str:
+        tile = f"bn{self.bn}" + (f"bt{self.bt}" if self.kernel.startswith("mm") else "")
+        split = f"s{self.split}" if self.split else f"c{self.ctas}"
+        return f"{self.kernel}:{tile}:k{self.step}:{split}:w{self.warps}:st{self.stages}"
+
+
+def variant_ok(v: Variant, pw: PackedWeight) -> bool:
+    e = chunk_codes(pw.spec.low_bits)
+    if v.kernel not in KERNELS or v.step % e or v.step < e:
+        return False
+    if pw.spec.kquant and (v.step > 256 or 256 % v.step):
+        return False
+    if v.kernel == "tokens" and v.step != 256:  # its config fixes a super-block a step
+        return False
+    return v.bn >= 16 and v.bn & (v.bn - 1) == 0 and v.bt & (v.bt - 1) == 0
+
+
+def _split(v: Variant, tiles: int, n_steps: int, sm_count: int) -> tuple[int, int]:
+    """(split, steps a split): no empty splits."""
+    split = v.split or max(1, v.ctas * sm_count // tiles)
+    per_split = -(-n_steps // max(1, min(split, n_steps)))
+    return -(-n_steps // per_split), per_split
+
+
+def _launch(kernel, grid, x, y, part, cnt, pw, per_split_chunks, v: Variant, **extra) -> None:
+    args, meta = tq._plane_args(pw)
+    t_count, n, n_chunks = x.shape[0], pw.shape[0], x.shape[1] // chunk_codes(pw.spec.low_bits)
+    kernel[grid](
+        x, y, part, cnt, *args[:6], t_count, n, n_chunks, per_split_chunks,
+        x.stride(0), y.stride(0), *args[6:], **meta,
+        BN=v.bn, num_warps=v.warps, num_stages=v.stages, **extra,
+    )  # fmt: skip
+
+
+def run(x: torch.Tensor, pw: PackedWeight, v: Variant) -> torch.Tensor:
+    """x [T, K] (contiguous rows) -> y [T, N] = x @ W^T by variant v."""
+    if not variant_ok(v, pw):
+        raise ValueError(f"{v.name} cannot run {pw.ggml_type.name}")
+    t_count, k = x.shape
+    n = pw.shape[0]
+    e = chunk_codes(pw.spec.low_bits)
+    s = v.step // e  # chunks a step
+    n_steps = -(-(k // e) // s)
+    sms = tq._sm_count(x.device)
+    if v.kernel == "tokens":
+        tt = 4 if t_count <= 4 else 8
+        tiles, groups = -(-n // v.bn), -(-t_count // tt)
+        split, per = _split(v, tiles * groups, n_steps, sms)
+        grid, cnt_n, extra = (groups, tiles, split), tiles * groups, {"S": s, "TT": tt}
+        from hetero.kernels.triton_qgemv_tokens import _qgemv_tokens_kernel as kernel
+    elif v.kernel.startswith("gemv"):
+        tiles = -(-n // v.bn)
+        split, per = _split(v, tiles * t_count, n_steps, sms)
+        grid, cnt_n, extra = (t_count, tiles, split), tiles * t_count, {"S": s}
+        kernel = _kernel(v.kernel)
+    else:
+        tiles = -(-n // v.bn) * -(-t_count // v.bt)
+        split, per = _split(v, tiles, n_steps, sms)
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        grid, cnt_n = (tiles, split), tiles
+        extra = {"S": s, "BT": v.bt, "PRECISION": precision}
+        kernel = _kernel(v.kernel)
+    y = torch.empty(t_count, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, t_count, n, dtype=torch.float32, device=x.device)
+    cnt = tq._counters(x.device, cnt_n)
+    _launch(kernel, grid, x, y, part, cnt, pw, per * s, v, **extra)
+    return y
+
+
+def _kernel(name: str):
+    from hetero.kernels import triton_qkernels as base
+    from hetero.kernels import triton_qvariant_kernels as var
+
+    return {
+        "gemv": base._qgemv_kernel,
+        "gemv_pipe": var._qgemv_pipe_kernel,
+        "mm": base._qmm_kernel,
+        "mm_pipe": var._qmm_pipe_kernel,
+    }[name]

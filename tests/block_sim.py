@@ -1,0 +1,89 @@
+"""A block manager that checks its invariants after every call, and a simulated KV pool.
+
+Shared by the block manager tests: each slot of SimKV holds the (position, token) written into
+it, which proves that what a request reads back through its block table is its own tokens,
+whatever sharing, eviction and copying happened on the way.
+"""
+
+from __future__ import annotations
+
+from hetero.engine.block_manager import BlockManager
+from hetero.engine.request import Request
+
+
+class CheckedBlockManager(BlockManager):
+    """The real manager, checking its invariants after every mutating call."""
+
+    def allocate(self, req, num_new_tokens=None):
+        ok = super().allocate(req, num_new_tokens)
+        self.check()
+        return ok
+
+    def append_slots(self, req, num_new_tokens):
+        ok = super().append_slots(req, num_new_tokens)
+        self.check()
+        return ok
+
+    def commit(self, req):
+        super().commit(req)
+        self.check()
+
+    def fork(self, parent, child):
+        super().fork(parent, child)
+        self.check()
+
+    def free(self, req):
+        super().free(req)
+        self.check()
+
+
+class SimKV:
+    """A KV pool whose slots hold (position, token): enough to catch any misplaced block."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.slots: list[tuple[int, int] | None] = [None] * (bm.num_blocks * bm.block_size)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.bm.block_size
+        gathered = [self.slots[s * bs : (s + 1) * bs] for s, _ in copies]  # gather, then scatter
+        for (_, d), data in zip(copies, gathered, strict=True):
+            self.slots[d * bs : (d + 1) * bs] = data
+
+    def write(self, req: Request, start: int, n: int) -> None:
+        slots = self.bm.slot_mapping(req, start, start + n)
+        for p, (slot, tok) in enumerate(zip(slots, req.tokens(start, start + n), strict=True)):
+            self.slots[slot] = (start + p, tok)
+
+    def read(self, req: Request, end: int) -> list[int]:
+        seen = [self.slots[s] for s in self.bm.slot_mapping(req, 0, end)]
+        assert [s[0] if s else None for s in seen] == list(range(end)), "a slot of another position"
+        return [s[1] for s in seen]
+
+
+def compute(bm: BlockManager, kv: SimKV | None, req: Request, n: int) -> None:
+    """One model step over req's next n tokens: slots, copies, KV writes, commit."""
+    assert bm.append_slots(req, n)
+    if kv is not None:
+        kv.copy_blocks(bm.take_copies())
+        kv.write(req, req.num_computed_tokens, n)
+    req.num_computed_tokens += n
+    bm.commit(req)
+    if kv is not None:
+        assert kv.read(req, req.num_computed_tokens) == req.tokens(0, req.num_computed_tokens)
+
+
+def prefill(bm: BlockManager, req: Request, kv: SimKV | None = None) -> None:
+    """Admit req and compute its whole prompt (after whatever prefix hit it gets)."""
+    assert bm.allocate(req)
+    compute(bm, kv, req, req.num_tokens - req.num_computed_tokens)
+
+
+def snapshot(bm: BlockManager, *reqs: Request) -> tuple:
+    return (
+        bm.num_free_blocks,
+        bm.num_cached_blocks,
+        [bm.ref_count(b) for b in range(bm.num_blocks)],
+        [(list(r.block_table), r.num_computed_tokens, r.num_cached_tokens) for r in reqs],
+        bm.take_copies(),
+    )

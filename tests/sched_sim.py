@@ -1,0 +1,99 @@
+"""A simulated engine for the scheduler tests.
+
+A KV pool whose slots hold (position, token), written through the block manager's slot mapping
+and read back through each request's block table, and a "model" that picks the next token as a
+fixed function of the tokens it reads from that pool. So a request's output matches the output
+of a plain loop over its own token ids only if its KV was placed, shared, copied, evicted and
+recomputed correctly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hetero.engine.block_manager import BlockManager
+from hetero.engine.config import SchedulerConfig
+from hetero.engine.request import Request, RequestStatus
+from hetero.engine.scheduler import Scheduler, SchedulerOutput
+
+VOCAB, EOS = 64, 0
+
+
+def next_token(seq: list[int]) -> int:
+    """The simulated model: a deterministic, order-sensitive function of the whole context."""
+    acc = len(seq)
+    for t in seq:
+        acc = (acc * 1_000_003 + t + 1) % 2_147_483_647
+    return acc % VOCAB
+
+
+def reference(prompt: list[int], outputs: list[int], max_tokens: int, eos: int | None) -> list:
+    """What a request must generate: the model applied to its own tokens, no engine."""
+    out = list(outputs)
+    while len(out) < max_tokens:
+        out.append(next_token(prompt + out))
+        if out[-1] == eos:
+            break
+    return out
+
+
+def params(max_tokens: int, **kw) -> SimpleNamespace:
+    return SimpleNamespace(max_tokens=max_tokens, **kw)
+
+
+class Engine:
+    """The scheduler, the block manager and a simulated KV pool and model, stepped together."""
+
+    def __init__(self, num_blocks: int, block_size: int, config: SchedulerConfig) -> None:
+        self.bm = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(config, self.bm)
+        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.steps = 0
+
+    def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        was_running = {r.request_id for r in self.sched.running}
+        out = self.sched.schedule()
+        ids = {s.req.request_id for s in out.scheduled}
+        assert not ids & {r.request_id for r in out.preempted}
+        if out.preempted:  # no admissions in a step short of blocks (they would thrash)
+            assert ids <= was_running
+        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        assert len(out.scheduled) <= self.sched.config.max_num_seqs
+        bs = self.bm.block_size
+        gathered = [self.kv[s * bs : (s + 1) * bs] for s, _ in out.copies]
+        for (_, d), data in zip(out.copies, gathered, strict=True):
+            self.kv[d * bs : (d + 1) * bs] = data
+        for s in out.scheduled:  # every KV write of the step lands before any read
+            end = s.start_pos + s.num_new_tokens
+            slots = self.bm.slot_mapping(s.req, s.start_pos, end)
+            for pos, slot in enumerate(slots, start=s.start_pos):
+                self.kv[slot] = (pos, s.req.tokens(pos, pos + 1)[0])
+        sampled = {}
+        for s in out.scheduled:
+            end = s.start_pos + s.num_new_tokens
+            seen = [self.kv[slot] for slot in self.bm.slot_mapping(s.req, 0, end)]
+            assert seen == list(enumerate(s.req.tokens(0, end))), s.req
+            if s.produces_token:
+                sampled[s.req.request_id] = next_token([t for _, t in seen])
+        finished = self.sched.update(out, sampled)
+        self.bm.check()
+        self.check_scheduler()
+        self.steps += 1
+        return out, finished
+
+    def check_scheduler(self) -> None:
+        sched = self.sched
+        assert len(sched.running) <= sched.config.max_num_seqs
+        assert [r.order for r in sched.running] == sorted(r.order for r in sched.running)
+        for r in sched.running:
+            assert r.status is RequestStatus.RUNNING and r.num_computed_tokens < r.num_tokens
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.block_table == []
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.sched.has_work():
+            self.step()
+            assert self.steps < max_steps, "the scheduler made no progress"
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert all(self.bm.ref_count(b) == 0 for b in range(self.bm.num_blocks))
