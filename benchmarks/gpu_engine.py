@@ -15,6 +15,9 @@ same run as the ceilings:
 - prefill of P tokens: one request of P prompt tokens and 1 output; tok/s = P / TTFT. Roofline:
   2 * (linear parameters) * P + the causal attention's 2 * 2 * P^2 / 2 * H * D * layers FLOPs
   over the matmul rate.
+
+Before timing, a warm-up runs every measured path once (`warm_up`); each row is then run
+--repeats times (3) and the median reported, with every run's figure beside it.
 """
 
 from __future__ import annotations
@@ -53,9 +56,12 @@ def weight_bytes(engine: Engine) -> tuple[int, int]:
     return read, params
 
 
-def decode_row(engine: Engine, batch: int, copy_gbs: float, step_bytes: int) -> dict:
-    r = run_bench(engine, batch, batch, DECODE_IN, DECODE_OUT)
-    itl = statistics.median(r.itl_s)
+def decode_row(engine: Engine, batch: int, copy_gbs: float, step_bytes: int, repeats: int) -> dict:
+    runs = [run_bench(engine, batch, batch, DECODE_IN, DECODE_OUT) for _ in range(repeats)]
+    # (a median of 0: tokens delivered together, as run_bench's own summary allows for)
+    itls = [statistics.median(r.itl_s) or statistics.fmean(r.itl_s) for r in runs]
+    itl = statistics.median(itls)  # the median run's median inter-token latency
+    r = runs[sorted(range(len(itls)), key=itls.__getitem__)[len(itls) // 2]]  # that run
     cfg = engine.model_config
     n_layers = len(engine.model.layer_range)
     kv = batch * (DECODE_IN + DECODE_OUT / 2) / engine.config.block_size
@@ -68,21 +74,41 @@ def decode_row(engine: Engine, batch: int, copy_gbs: float, step_bytes: int) -> 
         "wall_output_tok_s": r.output_tok_s,
         "roofline_tok_s": roof_steps * batch,
         "fraction": (1 / itl) / roof_steps,
+        "runs_stream_tok_s": [1 / x for x in itls],
     }
 
 
-def prefill_row(engine: Engine, length: int, tflops: float, params: int) -> dict:
-    r = run_bench(engine, 1, 1, length, 1)
+def prefill_row(engine: Engine, length: int, tflops: float, params: int, repeats: int) -> dict:
+    ttfts = [run_bench(engine, 1, 1, length, 1).ttft_s[0] for _ in range(repeats)]
     cfg = engine.model_config
     attn = 2 * length * length * cfg.n_heads * cfg.head_dim * len(engine.model.layer_range)
     flops = 2 * params * length + attn
-    ttft = r.ttft_s[0]
+    ttft = statistics.median(ttfts)
     return {
         "tokens": length,
         "tok_s": length / ttft,
+        "runs_tok_s": [length / t for t in ttfts],
         "tflops": flops / ttft / 1e12,
         "fraction": flops / ttft / (tflops * 1e12),
     }
+
+
+def warm_up(engine: Engine, args) -> None:
+    """Every path the timed runs take, once: Triton compiles a kernel per constexpr set (the
+    tensor-core tiles follow T), cuBLAS picks its algorithms per shape, and the allocator grows
+    to the largest step. Prefill at each measured length (a warm-up that stopped at 128 tokens
+    left the first 512- and 4096-token prefills to pay for it), decode at the largest batch."""
+    t0 = time.perf_counter()
+    run_bench(engine, 2, 2, 64, 8)
+    for p in args.prefill:
+        run_bench(engine, 1, 1, p, 1)
+    if args.batches:
+        run_bench(engine, max(args.batches), max(args.batches), DECODE_IN, 8)
+    print(f"warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _spread(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" for v in values)
 
 
 def build_engine(args) -> Engine:
@@ -112,6 +138,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="fp8", choices=["fp8", "fp16", "bf16"])
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="runs a row; the median is reported")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",") if x]
@@ -125,24 +152,25 @@ def main() -> None:
     print("decode CUDA graphs:", graphs.buckets if graphs is not None else "none: eager steps")
     step_bytes, params = weight_bytes(engine)
     print(f"a decode step reads {step_bytes / 1e9:.2f} GB of weights; {params / 1e9:.2f} G params")
-    run_bench(engine, 2, 2, 64, 8)  # warm-up: Triton compiles the prefill variants
+    warm_up(engine, args)
     rows = {"decode": [], "prefill": []}
     for b in args.batches:
-        d = decode_row(engine, b, copy_gbs, step_bytes)
+        d = decode_row(engine, b, copy_gbs, step_bytes, args.repeats)
         rows["decode"].append(d)
         print(
             f"decode  B={b:3d}: {d['stream_tok_s']:7.1f} tok/s a stream, "
             f"{d['aggregate_tok_s']:8.1f} aggregate ({d['wall_output_tok_s']:.1f} over the wall "
-            f"with prefill); roofline {d['roofline_tok_s']:.0f} -> {d['fraction']:.0%}"
+            f"with prefill); roofline {d['roofline_tok_s']:.0f} -> {d['fraction']:.0%}; "
+            f"runs {_spread(d['runs_stream_tok_s'])}"
         )
     if graphs is not None:  # decode steps that missed the graphs ran eagerly (and slowly)
         print(f"decode steps through the graph buffers: {graphs.steps}")
     for p in args.prefill:
-        r = prefill_row(engine, p, tflops, params)
+        r = prefill_row(engine, p, tflops, params, args.repeats)
         rows["prefill"].append(r)
         print(
             f"prefill P={p:5d}: {r['tok_s']:8.0f} tok/s, {r['tflops']:.0f} TFLOP/s "
-            f"-> {r['fraction']:.0%} of the bf16 matmul rate"
+            f"-> {r['fraction']:.0%} of the bf16 matmul rate; runs {_spread(r['runs_tok_s'])}"
         )
     if args.json:
         meta = {"copy_gbs": copy_gbs, "tflops": tflops, "model": args.model, **vars(args)}

@@ -43,13 +43,14 @@ def _capture(quant: str, shape: str, max_batch: int, host_shifts: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_synthetic(Path(tmp) / f"{quant}.gguf", shape, quant, progress=False)
         gm, model = load_model(path, RuntimeConfig(device="cuda"))
-    types = Counter(t.ggml_type.name for t in gm.tensors.values())
-    print(f"[{quant}] tensors: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()))
-    print(f"[{quant}] kernels: {chosen(torch.device('cuda'))}", flush=True)
-    llm = LLM(
-        loaded=(gm, model), kv_dtype="fp16", num_kv_blocks=64, block_size=16, max_model_len=256,
-        max_num_seqs=max_batch, enforce_eager=True, device="cuda",
-    )  # fmt: skip
+        types = Counter(t.ggml_type.name for t in gm.tensors.values())
+        print(f"[{quant}] tensors: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()))
+        print(f"[{quant}] kernels: {chosen(torch.device('cuda'))}", flush=True)
+        # The file's path (its tokenizer, and no lookup of an installed default model)
+        llm = LLM(
+            str(path), loaded=(gm, model), kv_dtype="fp16", num_kv_blocks=64, block_size=16,
+            max_model_len=256, max_num_seqs=max_batch, enforce_eager=True, device="cuda",
+        )  # fmt: skip
     graphs = DecodeGraphs(model, llm.engine.pool, max_batch, 256)
     try:
         graphs.capture()

@@ -1,7 +1,7 @@
 """Sweep the quantized-matmul kernel variants over Llama-3-8B linear shapes and token counts.
 
     python3 benchmarks/gpu_qsweep.py OUT.json [--types Q4_K,Q5_K,Q6_K,Q8_0] [--tokens 1,2,...]
-        [--shapes qo,kv,gateup,down,lmhead] [--budget 240]
+        [--shapes qo,kv,gateup,down,lmhead] [--kernels auto,mm_pipe,...] [--budget 240]
 
 Per type x shape x T every candidate (`candidates`: hetero.kernels.triton_qvariants configs,
 plus `auto`, what qlinear runs today, and at T >= 64 `dense`, dequantize + cuBLAS) is run once
@@ -14,6 +14,8 @@ weight bytes / copy bandwidth) and the speedup over `auto`; every number goes to
 A failure is recorded per config. Each type runs in a worker process that logs a line before and
 after each config; a worker that dies (an illegal address poisons its CUDA context) is replaced
 and the sweep resumes after the config it died in. Kernels compile first in parallel processes.
+Shapes: the unfused Llama-3-8B linears by default; the fused ones the model loads (qkv, qk,
+gateup2) on request. `--kernels` keeps only some kinds of candidate (a re-run of what changed).
 The budget (seconds, all included) bounds the run: configs not reached are listed as skipped.
 """
 
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from qsweep_cells import RISKY, SHAPES, candidates, cell_jobs, summarize  # noqa: E402
+from qsweep_cells import ALL_SHAPES, RISKY, SHAPES, candidates, cell_jobs, summarize  # noqa: E402
 
 WORKER_TIMEOUT_S = 120  # one type's sweep; a hang (a spin on a split-K counter) is cut here
 
@@ -51,12 +53,14 @@ def _compile_one(job: tuple[str, str, int]) -> str:
         return f"{ggml_type} {name} T={t}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def compile_all(types: list[str], tokens: list[int], deadline: float) -> None:
+def compile_all(
+    types: list[str], tokens: list[int], deadline: float, kernels: frozenset[str] | None = None
+) -> None:
     # A variant compiles once per type whatever T (T is a run-time argument), except those
     # whose constexprs follow T: qlinear's own paths and the few-token kernel (4 or 8 tokens).
     seen: dict[tuple[str, int], int] = {}
     for t in sorted(tokens):
-        for c in candidates(t):
+        for c in candidates(t, kernels):
             by_t = c in ("auto", "dense") or c.startswith("tokens")
             seen.setdefault((c, t if by_t else 0), t)
     jobs = [(ty, c, t) for (c, _), t in seen.items() for ty in types]
@@ -134,6 +138,9 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument(
+        "--kernels", default="", help="only these kinds, e.g. auto,mm_pipe,gemv_pipe,dense"
+    )
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -143,7 +150,11 @@ def main() -> None:
     types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    compile_all(types, tokens, start + 0.35 * args.budget)
+    unknown = [s for s in shapes if s not in ALL_SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown shapes {unknown}; known: {', '.join(ALL_SHAPES)}")
+    kernels = frozenset(k.strip() for k in args.kernels.split(",") if k.strip()) or None
+    compile_all(types, tokens, start + 0.35 * args.budget, kernels)
     ceil = ceilings()
     print(
         f"copy {ceil['copy_gbs']:.0f} GB/s, bf16 mm {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True
@@ -152,7 +163,7 @@ def main() -> None:
     log = Path(args.out).with_suffix(".log.jsonl")
     for i, ggml_type in enumerate(types):
         share = (deadline - time.time()) / (len(types) - i)  # the time left, split evenly
-        jobs = cell_jobs(ggml_type, shapes, tokens)
+        jobs = cell_jobs(ggml_type, shapes, tokens, kernels)
         rows += sweep_type(ggml_type, jobs, log, time.time() + share)
     result = {"ceilings": ceil, "device": torch.cuda.get_device_name(), "rows": rows}
     result["best"] = summarize(rows, ceil)

@@ -27,6 +27,12 @@ SHAPES = {  # name -> (N, K): y [T, N] = x [T, K] @ W^T; measured in this order 
     "kv": (1024, 4096),
     "lmhead": (128256, 4096),
 }
+FUSED_SHAPES = {  # the fused linears the model loads (not in a default run): q|k|v, q|k (where
+    "qkv": (6144, 4096),  # a Q4_K_M layer's v is Q6_K), gate|up
+    "qk": (5120, 4096),
+    "gateup2": (28672, 4096),
+}
+ALL_SHAPES = {**SHAPES, **FUSED_SHAPES}
 LMHEAD_T = (1, 16, 512)  # the output projection runs once a step: a few T say enough
 ROTATE_BYTES = 160 << 20  # weights a replay streams: 3x the L2, as layers rotate through it
 REPLAYS = 5
@@ -70,10 +76,13 @@ def _variants(t: int) -> list[tv.Variant]:
 ALL_VARIANTS = {v.name: v for t in (1, 2, 4, 8, 16, 32, 64, 512) for v in _variants(t)}
 
 
-def candidates(t: int) -> list[str]:
+def candidates(t: int, kernels: frozenset[str] | None = None) -> list[str]:
+    """Names to time at T = t; `kernels`: only these kernel kinds (auto, dense, gemv, ...)."""
     names = ["auto"] + [v.name for v in _variants(t)]
     if t >= 64:
         names.append("dense")
+    if kernels:
+        names = [n for n in names if n.split(":")[0] in kernels]
     return sorted(names, key=lambda n: n.split(":")[0] in RISKY)  # risky ones last, else as is
 
 
@@ -110,7 +119,9 @@ def _maybe_clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
 
 
-def cell_jobs(ggml_type: str, shapes: list[str], tokens: list[int]) -> list[tuple[int, dict]]:
+def cell_jobs(
+    ggml_type: str, shapes: list[str], tokens: list[int], kernels: frozenset[str] | None = None
+) -> list[tuple[int, dict]]:
     """(id, cell) for every shape x T x candidate of a type: a shape's cells together (its
     weights are built once)."""
     jobs = []
@@ -118,7 +129,7 @@ def cell_jobs(ggml_type: str, shapes: list[str], tokens: list[int]) -> list[tupl
         for t in tokens:
             if shape == "lmhead" and t not in LMHEAD_T:
                 continue
-            for name in candidates(t):
+            for name in candidates(t, kernels):
                 cell = {"type": ggml_type, "shape": shape, "T": t, "variant": name}
                 jobs.append((len(jobs), cell))
     return jobs
@@ -150,7 +161,7 @@ class _Shape:
     """One shape's rotated weights and exact float32 W of a type (for the checks)."""
 
     def __init__(self, ggml_type: str, shape: str):
-        n, k = SHAPES[shape]
+        n, k = ALL_SHAPES[shape]
         first = make_weight(ggml_type, n, k)
         copies = max(1, min(64, ROTATE_BYTES // first.nbytes))
         self.pws = [first] + [_clone(first) for _ in range(copies - 1)]
@@ -252,17 +263,26 @@ def summarize(rows: list[dict], ceil: dict) -> list[dict]:
     return best
 
 
-LAYER = {"qo": 2, "kv": 2, "gateup": 2, "down": 1}  # Llama-3-8B: q, o; k, v; gate, up; down
+# Llama-3-8B's linears a layer: unfused (q, o; k, v; gate, up; down) and fused as loaded
+LAYERS = {
+    "unfused": {"qo": 2, "kv": 2, "gateup": 2, "down": 1},
+    "fused": {"qkv": 1, "qo": 1, "gateup2": 1, "down": 1},
+}
 
 
 def _per_token(best: list[dict]) -> None:
-    """Batch-1 decode: the matmuls of a token (32 layers + lm_head, unfused shapes) summed from
-    the best and the `auto` times, against a measured step time of the engine."""
+    """Batch-1 decode: the matmuls of a token (32 layers + lm_head), unfused and fused shapes,
+    summed from the best and the `auto` times (compare with a measured engine step time)."""
     for ggml_type in sorted({b["cell"][0] for b in best}):
         cell = {(b["cell"][1]): b for b in best if b["cell"][0] == ggml_type and b["cell"][2] == 1}
-        if not all(s in cell for s in (*LAYER, "lmhead")):
-            continue
-        for key, label in ((lambda b: b["best"]["us"], "best"), (lambda b: b["auto_us"], "auto")):
-            us = 32 * sum(n * key(cell[s]) for s, n in LAYER.items()) + key(cell["lmhead"])
-            print(f"{ggml_type} T=1 matmuls a token ({label}): {us / 1e3:.2f} ms "
-                  f"-> {1e6 / us:.0f} tok/s if nothing else ran")  # fmt: skip
+        for form, layer in LAYERS.items():
+            if not all(s in cell for s in (*layer, "lmhead")):
+                continue
+            for label in ("best", "auto"):
+
+                def us_of(b: dict, label: str = label) -> float:
+                    return b["best"]["us"] if label == "best" else b["auto_us"]
+
+                us = 32 * sum(n * us_of(cell[s]) for s, n in layer.items()) + us_of(cell["lmhead"])
+                print(f"{ggml_type} T=1 matmuls a token, {form} ({label}): {us / 1e3:.2f} ms "
+                      f"-> {1e6 / us:.0f} tok/s if nothing else ran")  # fmt: skip

@@ -80,6 +80,9 @@ class RuntimeConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     weights: str = "auto"
     threads: int = 0  # 0: leave torch's default
+    # Adjacent linears that share an input and a GGUF type run as one matmul (q|k|v, gate|up);
+    # off: one matmul per tensor (the unfused form the fused one is tested against)
+    fuse_linears: bool = True
 
     def weights_mode(self) -> str:
         modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")

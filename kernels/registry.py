@@ -99,6 +99,12 @@ def forcing(choices: dict[str, str]) -> Iterator[None]:
         _FORCED.update(saved)
 
 
+def forced() -> dict[str, str]:
+    """The choices `forcing` holds now (op -> implementation name), e.g. to pass them on to a
+    pipeline's stage processes, which select their own kernels."""
+    return dict(_FORCED)
+
+
 def chosen(device: torch.device | str) -> dict[str, str]:
     """op -> the implementation select() gives on `device` (logged at start)."""
     return {op: select(op, device).name for op in ops()}

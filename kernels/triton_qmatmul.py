@@ -1,6 +1,7 @@
 """qlinear on CUDA through Triton: y = x @ W^T with W kept as packed GGUF codes.
 
-Three paths, by the number of tokens T (x is [T, K], W is [N, K]):
+Default paths by the number of tokens T (x is [T, K], W is [N, K]; `qdispatch` overrides them
+per GGUF type, T and shape class where the kernel sweep found a faster one):
 
     T <= GEMV_MAX_T       qgemv   one launch: decode in registers, float32 FMAs, split-K with an
                                   in-kernel fix-up (memory-bound: time ~ weight bytes / bandwidth)
@@ -42,11 +43,12 @@ from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, QSpec, chunk_codes, packable, repack
 
 GEMV_MAX_T = 2
-# qgemv_tokens is not chosen (its range T = 3 .. 2 is empty): on the H200
-# (benchmarks/gpu_qmicro.py, 2026-11-29, Q4_K 4096 -> 14336, us per call) it lost to qmm at every
-# T it covers (T = 4: 44.1 vs 36.1; T = 8: 65.2 vs 36.4), and the microbenchmark hit an illegal
-# memory access right after timing it at T = 16 (Q5_K), a T it is never given, which is not yet
-# explained. It stays tested against the reference under the interpreter and callable directly.
+# qgemv_tokens is not a default path (its range T = 3 .. 2 is empty): on the H200
+# (benchmarks/gpu_qmicro.py, 2026-11-29, Q4_K 4096 -> 14336, us per call) it lost to qmm on large
+# weights (T = 4: 44.1 vs 36.1; T = 8: 65.2 vs 36.4). `qdispatch` picks it for small weights
+# (k/v), where the sweep found it faster at T = 3 .. 8. (The illegal access the microbenchmark
+# once hit after it was the empty-split over-read since fixed: the sweep then ran it at
+# T = 2 .. 16 on every shape and type without one.)
 GEMV_TOKENS_MAX_T = 2
 DENSE_MIN_T = 160
 DENSE_SLAB_ELEMENTS = 1 << 27  # dequantize at most this many weights at a time (256 MB in bf16)
@@ -291,6 +293,32 @@ def _check(x: torch.Tensor, pw: PackedWeight, ggml_type: int, shape: tuple[int, 
         raise ValueError(f"x is on {x.device}, the weight on {pw.device}")
 
 
+def _by_threshold(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """The default paths (the module docstring)."""
+    t_count = x.shape[0]
+    if t_count <= GEMV_MAX_T:
+        return qgemv(x, pw)
+    if t_count <= GEMV_TOKENS_MAX_T:
+        return qgemv_tokens(x, pw)
+    if t_count < DENSE_MIN_T:
+        return qmm(x, pw)
+    return dense_mm(x, pw)
+
+
+def _by_rule(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor | None:
+    """y by the kernel `qdispatch` picks for this type, shape and T (None: no rule matches)."""
+    from hetero.kernels import qdispatch, triton_qvariants
+
+    kernel = qdispatch.choose(pw.ggml_type.name, pw.shape[0], pw.shape[1], x.shape[0])
+    if kernel is None:
+        return None
+    if kernel == "mm":
+        return qmm(x, pw)
+    if kernel == "dense":
+        return dense_mm(x, pw)
+    return triton_qvariants.run(x, pw, kernel)
+
+
 @register(
     "qlinear", "triton", priority=10, supports=triton_supported, prepare=prepare_qlinear
 )  # fmt: skip
@@ -307,15 +335,9 @@ def qlinear_triton(
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    t_count = x2.shape[0]
-    if t_count == 0:
-        y = x2.new_empty(0, shape[0])
-    elif t_count <= GEMV_MAX_T:
-        y = qgemv(x2, qweight)
-    elif t_count <= GEMV_TOKENS_MAX_T:
-        y = qgemv_tokens(x2, qweight)
-    elif t_count < DENSE_MIN_T:
-        y = qmm(x2, qweight)
-    else:
-        y = dense_mm(x2, qweight)
+    if x2.shape[0] == 0:
+        return x2.new_empty(*lead, shape[0])
+    y = _by_rule(x2, qweight)
+    if y is None:
+        y = _by_threshold(x2, qweight)
     return y.reshape(*lead, shape[0])

@@ -157,8 +157,10 @@ def _qgemv_pipe_kernel(
         cmask = (c0 + tl.arange(0, S)) < c_end
         for f in tl.static_range(F):
             if (4 * f) % G == 0:  # the first field of a group: its scales, fresh sums
-                g: tl.constexpr = (4 * f) // G  # 0 where a group spans chunks (Q8_0)
-                a, b = _scales_of(sc, mn, d, dmin, g, NG, KQUANT, HAS_MIN, PACKED_MIN)
+                # Group (4f) // G of the chunk (0 where a group spans chunks: Q8_0), passed
+                # inline: a constexpr name bound twice in the unrolled loop (Q6_K has two
+                # groups a chunk) does not compile
+                a, b = _scales_of(sc, mn, d, dmin, (4 * f) // G, NG, KQUANT, HAS_MIN, PACKED_MIN)
                 qx = tl.zeros([BN, S, 4], dtype=tl.float32)
                 xs = tl.zeros([S, 4], dtype=tl.float32)
             xv = tl.load(x_row + c0 * E + 4 * f + xc, mask=cmask[:, None], other=0)
@@ -212,10 +214,11 @@ def _qmm_pipe_kernel(
         )
         ch = c0 + tl.arange(0, S)
         cmask = ch < c_end
+        # Written out: the compiler takes no starred items in a tuple display
         sargs = (
-            *(scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask),
-            *(grp_stride, sb_stride),
-        )
+            scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask,
+            grp_stride, sb_stride,
+        )  # fmt: skip
         w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
         k = c0 * E + kk
         xm = (k < c_end * E)[:, None] & tmask[None, :]

@@ -88,6 +88,34 @@ def test_three_stages_tied_embeddings_uneven_split(tiny_qwen2):
     check_outputs(loaded, prompts, outs, GREEDY.max_tokens, set())
 
 
+@pytest.mark.parametrize("split", ["cpu=0-1,cpu=2-3", "cpu=0-0,cpu=1-2,cpu=3-3"])
+def test_stages_decode_through_the_static_graph_buffers(tiny_llama, split, caplog):
+    """The path a GPU stage replays from CUDA graphs, run uncaptured on the CPU: first stage
+    tokens in / hidden out, middle hidden in / out, last hidden in / logits. The forced reference
+    kernels (which read the buffers' tensor metadata) reach the stage processes; decode batches
+    of 1..3 pad to buckets 1, 2, 4 (max_num_seqs 8 over 2 or 3 groups)."""
+    import logging
+
+    from hetero.kernels.registry import forcing
+
+    caplog.set_level(logging.INFO, logger="hetero.dist")
+    prompts = synth_prompts(6, seed=8)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12, 7, 10)
+    ]
+    with forcing({"kv_write": "torch", "paged_attention": "torch"}):
+        outs, _ = run_pipeline(
+            tiny_llama, prompts, params, split=split, num_kv_blocks=64, max_num_seqs=8,
+            max_model_len=96,
+        )  # fmt: skip
+    n, top = split.count(",") + 1, 4 if "0-1" in split else 3
+    paths = "; ".join([f"static buffers up to batch {top}"] * n)
+    assert f"decode steps per stage: {paths}" in caplog.text
+    loaded = load_model(tiny_llama, RuntimeConfig(weights="dense"))
+    for prompt, out, p in zip(prompts, outs, params):
+        check_outputs(loaded, [prompt], [out], p.max_tokens, set())
+
+
 @pytest.fixture(scope="module")
 def smollm2_refs(smollm2_path, smollm2):
     """The prompts, the one-process model and its greedy outputs (computed once: slow here)."""
@@ -216,10 +244,16 @@ def test_daemon_on_two_stages_serves_the_openai_client(smollm2_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", ["cuda:0=0-1,cpu=2-3", "cuda:0=0-1,cuda:0=2-3"])
-def test_gpu_stages_match_the_cpu(tiny_llama, split):
-    """GPU+CPU (a bf16-or-fp32 GPU hands fp32 to the CPU) and two stages on one GPU (gloo)."""
+def test_gpu_stages_match_the_cpu(tiny_llama, split, caplog):
+    """GPU+CPU (a bf16-or-fp32 GPU hands fp32 to the CPU) and two stages on one GPU (gloo); GPU
+    stages replay decode CUDA graphs, the CPU stage keeps its own eager path."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hetero.dist")
     prompts = synth_prompts(8, seed=7)
     outs, _ = run_pipeline(tiny_llama, prompts, split=split, dtype="fp32", num_kv_blocks=64)
+    want = "CUDA graphs up to batch 128; " + ("eager" if "cpu" in split else "CUDA graphs")
+    assert f"decode steps per stage: {want}" in caplog.text
     loaded = load_model(tiny_llama, RuntimeConfig(weights="dense"))
     check_outputs(loaded, prompts, outs, GREEDY.max_tokens, set())
 

@@ -83,3 +83,53 @@ def test_gpu_two_stages_on_one_gpu_after_a_one_process_engine(tiny_llama):  # no
     finally:
         two.engine.close()
     assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 3, (got, want)
+
+
+def test_mps_shares_without_the_daemon_fail_at_once(tiny_llama, tmp_path, monkeypatch):  # noqa: F811
+    """A plan with MPS shares where no MPS daemon runs is refused before any stage starts (the
+    shares would be silently ignored: two stages on the whole GPU)."""
+    import json
+
+    from hetero.dist import pipeline
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no control socket there
+    monkeypatch.setattr(pipeline.glob, "glob", lambda pattern: [])  # and no daemon process
+    stages = [
+        {"device": "cpu", "layer_start": 0, "layer_end": 2, "mps_percentage": 60},
+        {"device": "cpu", "layer_start": 2, "layer_end": 4, "mps_percentage": 40},
+    ]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"stages": stages}))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="no MPS daemon is running.*nvidia-cuda-mps-control -d"):
+        LLM(str(tiny_llama), **EXACT, plan=str(plan))
+    assert time.monotonic() - t0 < 5
+    (tmp_path / "control").touch()  # the daemon's socket: the check passes
+    assert pipeline.mps_running()
+
+
+def test_mps_share_reaches_the_stage_process_environment(monkeypatch):
+    """The share is in the spawned stage's environment from its start (CUDA reads it when the
+    process first initializes, which an import can do), and the engine's is left as it was."""
+    import multiprocessing as mp
+
+    from hetero.dist.pipeline import _spawn_env
+    from hetero.dist.stages import StageSpec
+
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_env, args=(q,))
+    with _spawn_env(StageSpec("cuda:0", 0, 2, mps_percentage=30)):
+        p.start()
+    assert q.get(timeout=60) == "30"
+    p.join(30)
+    import os
+
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in os.environ
+
+
+def _read_env(q) -> None:
+    import os
+
+    q.put(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))

@@ -88,15 +88,21 @@ def test_plan_prices_prefill_eagerly_and_decode_as_replayed(llama8b):
     assert s.single_step_s >= 2e-3 + 32 * 5e-4
 
 
-def test_pipeline_stages_run_eagerly(llama8b):
-    """A split over two processes: no CUDA graphs there, each stage pays its host time."""
+def test_pipeline_stages_replay_graphs_unless_eager(llama8b):
+    """A split over two processes: each stage replays its decode graphs as one process does
+    (no eager host time); under --enforce-eager each pays its host time, and the slow host of
+    cuda:1 gets few layers."""
     a, b = gpu(), gpu(id="cuda:1", eager_layer_overhead_s=2e-3)
-    p = plan(llama8b, [a, b], PlanConfig(concurrency=1, context=512, use_all_devices=True))
-    for s in p.stages:
+    cfg = dict(concurrency=1, context=512, use_all_devices=True)
+    graphed = plan(llama8b, [a, b], PlanConfig(**cfg))
+    eager = plan(llama8b, [a, b], PlanConfig(**cfg, enforce_eager=True))
+    for s in eager.stages:
         per_layer = 5e-4 if s.device == "cuda:0" else 2e-3
         assert s.single_step_s >= 2e-3 + s.n_layers * per_layer
-    # the slow host of cuda:1 gets it few layers
-    assert p.stages[0].n_layers > p.stages[1].n_layers
+    assert eager.stages[0].n_layers > eager.stages[1].n_layers
+    for s in graphed.stages:
+        assert s.single_step_s < 2e-3 + s.n_layers * 5e-4
+    assert graphed.single_stream_tok_s > eager.single_stream_tok_s
 
 
 def test_calibration_with_the_gpu_settings_batched_attention_pair_runs_on_the_cpu():

@@ -3,12 +3,16 @@
 Every stage is one rank of one process group (gloo: it carries CPU tensors, between machines
 too). A message from stage i to stage i+1 is
 
-    header  int64 [4]: payload bytes, T, C, activation dtype code
-    payload uint8 [n]: the pickled StepPlan, forwarded as the bytes stage 0 got
+    first   uint8 [32 + 16384]: header int64 [4] (payload bytes, T, C, activation dtype code),
+            then the payload's first 16 KiB: the pickled StepPlan, forwarded as the bytes
+            stage 0 got (a step's plan nearly always fits: one gloo message a hop, as each
+            costs a wake-up of the receiver's transport thread, tens of us on an idle host)
+    rest    uint8 [n - 16384]: the rest of a longer payload (JSON-mode masks), when there is one
     hidden  [T, C]:    activations, over NCCL between two GPUs, else over gloo (through the CPU)
 
-Results go from the last stage back to stage 0 over a second gloo group, so stage 0's result
-thread never shares a group with its forward sends. Sends are asynchronous (isend): a stage
+A last stage on another host sends its results back to stage 0 over a second gloo group, so
+stage 0's result thread never shares a group with its forward sends (a last stage beside the
+engine writes them to the engine's pipe instead). Sends are asynchronous (isend): a stage
 starts its next micro-batch while the previous one's activations are still on the wire, and
 waits for them only before its next send.
 """
@@ -23,6 +27,8 @@ import torch.distributed as dist
 from hetero.dist.stages import StageSpec, device_key
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+_HEAD = 32  # header: int64 [4]
+_INLINE = 16384  # payload bytes carried in a message's first part
 # Idle stages wait for work without limit; liveness is the engine's job (process sentinels and
 # its step timeout), so the group's own timeout only has to outlast any quiet period.
 _GROUP_TIMEOUT = timedelta(days=7)
@@ -48,11 +54,11 @@ class Links:
                     self.nccl[i] = group
         self._pending: list = []  # (works, buffers) of the last send, kept alive until done
 
-    def min_all(self, value: int) -> list[int]:
-        """Every stage's value, gathered on every stage."""
+    def gather_all(self, value) -> list:
+        """Every stage's (picklable) value, gathered on every stage."""
         out: list = [None] * self.world
         dist.all_gather_object(out, value)
-        return [int(v) for v in out]
+        return out
 
     def send_next(self, payload: bytes, hidden: torch.Tensor | None) -> None:
         self._send(self.rank + 1, payload, hidden, self.nccl.get(self.rank))
@@ -73,10 +79,11 @@ class Links:
             w.wait()
         t, c = (0, 0) if hidden is None else hidden.shape
         code = 0 if hidden is None else _DTYPES.index(hidden.dtype)
-        header = torch.tensor([len(payload), t, c, code], dtype=torch.int64)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        works = [dist.isend(header, dst, group), dist.isend(data, dst, group)]
-        keep = [header, data]
+        first, rest = _pack(payload, [len(payload), t, c, code])
+        works, keep = [dist.isend(first, dst, group)], [first]
+        if rest is not None:
+            works.append(dist.isend(rest, dst, group))
+            keep.append(rest)
         if hidden is not None:
             h = hidden.contiguous() if nccl is not None else hidden.to("cpu").contiguous()
             works.append(dist.isend(h, dst, nccl or group))
@@ -96,16 +103,29 @@ def _nccl_pair(a: str, b: str) -> bool:
     return both and device_key(a) != device_key(b)
 
 
+def _pack(payload: bytes, header: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first message (header, then the payload's first _INLINE bytes) and the rest."""
+    first = torch.zeros(_HEAD + _INLINE, dtype=torch.uint8)
+    first[:_HEAD].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    k = min(len(payload), _INLINE)
+    first[_HEAD : _HEAD + k] = data[:k]
+    return first, (data[_INLINE:] if len(payload) > _INLINE else None)
+
+
 def _recv(src, device, group, nccl) -> tuple[bytes, torch.Tensor | None]:
-    header = torch.empty(4, dtype=torch.int64)
-    dist.recv(header, src, group)
-    n, t, c, code = header.tolist()
-    data = torch.empty(n, dtype=torch.uint8)
-    dist.recv(data, src, group)
+    first = torch.empty(_HEAD + _INLINE, dtype=torch.uint8)
+    dist.recv(first, src, group)
+    n, t, c, code = first[:_HEAD].view(torch.int64).tolist()
+    payload = first[_HEAD : _HEAD + min(n, _INLINE)].numpy().tobytes()
+    if n > _INLINE:
+        rest = torch.empty(n - _INLINE, dtype=torch.uint8)
+        dist.recv(rest, src, group)
+        payload += rest.numpy().tobytes()
     hidden = None
     if c:
         where = device if nccl is not None else torch.device("cpu")
         hidden = torch.empty(t, c, dtype=_DTYPES[code], device=where)
         dist.recv(hidden, src, nccl or group)
         hidden = hidden.to(device)
-    return data.numpy().tobytes(), hidden
+    return payload, hidden

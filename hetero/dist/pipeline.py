@@ -1,18 +1,23 @@
 """The engine's side of a pipeline: start the stage processes, feed them, watch them.
 
 Stages are spawned (torch.multiprocessing, "spawn": CUDA cannot be forked) on this machine,
-rank i holding stages[i]. The engine talks to stage 0 alone, over a pipe: steps go in, results
-come back in the order the steps went. Every wait watches the pipe and every stage's process
-sentinel together, with a deadline, so a killed stage is seen at once and a hung one after
-stage_timeout: the engine gets a StageFailure naming the stage, never a hang.
+rank i holding stages[i]. Steps go to stage 0 over a pipe; results come back in the order the
+steps went over a second pipe, written by the last stage (or, when that one runs on another
+host, by stage 0 forwarding what it sends over gloo). Every wait watches the pipe and every
+stage's process sentinel together, with a deadline, so a killed stage is seen at once and a hung
+one after stage_timeout: the engine gets a StageFailure naming the stage, never a hang.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import pickle
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
@@ -23,6 +28,7 @@ from hetero.dist.startup import StartWatch
 from hetero.dist.step import StepPlan, StepResult
 from hetero.dist.worker import STOP, StageArgs, stage_main
 from hetero.engine.config import EngineConfig
+from hetero.kernels.registry import forced
 
 log = logging.getLogger("hetero.dist")
 
@@ -50,6 +56,52 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def mps_running() -> bool:
+    """Whether an MPS control daemon runs: its control socket in the pipe directory, or (where
+    that is elsewhere) its process. CUDA connects to it when a process first initializes."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    if os.path.exists(os.path.join(pipes, "control")):
+        return True
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                if f.read().startswith("nvidia-cuda-mps"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def check_mps(stages: list[StageSpec]) -> None:
+    """Stages with an MPS share need the daemon: without it the share is silently ignored (both
+    stages get the whole GPU), so refuse at once instead of measuring something else."""
+    shared = [s.describe() for s in stages if s.mps_percentage is not None]
+    if shared and not mps_running():
+        raise ValueError(
+            f"stages {', '.join(shared)} ask for MPS shares but no MPS daemon is running: start "
+            "it with `nvidia-cuda-mps-control -d` (stop: `echo quit | nvidia-cuda-mps-control`)"
+        )
+
+
+@contextmanager
+def _spawn_env(spec: StageSpec) -> Iterator[None]:
+    """The stage's MPS share in its environment from the first instruction of its process on:
+    CUDA reads it when the process first touches the GPU, which an import may already do."""
+    if spec.mps_percentage is None:
+        yield
+        return
+    key = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+    saved = os.environ.get(key)
+    os.environ[key] = str(spec.mps_percentage)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
 class Pipeline:
     def __init__(
         self,
@@ -61,7 +113,10 @@ class Pipeline:
     ):
         self.stages, self.timeout = stages, engine.pipeline.stage_timeout
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
+        self._conn, child = ctx.Pipe()  # stage 0: steps in, its ready message out
+        # results from the last stage straight to the engine when it runs here (else stage 0
+        # forwards them from a remote last stage)
+        self._results, results_child = ctx.Pipe(duplex=False)
         pc = engine.pipeline
         init = pc.dist_init or f"tcp://127.0.0.1:{free_port()}"
         remote = pc.remote_ranks()
@@ -71,19 +126,29 @@ class Pipeline:
             raise ValueError(f"--remote-stages {pc.remote_stages}: only {len(stages)} stages")
         self.procs: dict[int, mp.Process] = {}  # rank -> the stages started here
         self._errors = []  # a status pipe per local stage: its phases, and why it failed
-        for rank in sorted(set(range(len(stages))) - remote):
+        kernels = forced()  # a test's (or a comparison's) kernel choices hold in every stage
+        local = sorted(set(range(len(stages))) - remote)
+        check_mps([stages[r] for r in local])
+        for rank in local:
             errors, err_child = ctx.Pipe(duplex=False)
             self._errors.append(errors)
-            args = StageArgs(rank, tuple(stages), init, str(model_path), runtime, engine, progress)
+            args = StageArgs(
+                rank, tuple(stages), init, str(model_path), runtime, engine, progress, kernels
+            )
             conn = child if rank == 0 else None
+            carries = rank == (len(stages) - 1 if len(stages) - 1 in local else 0)
             p = ctx.Process(
-                target=stage_main, args=(args, conn, err_child), name=f"hetero-stage-{rank}"
+                target=stage_main,
+                args=(args, conn, err_child, results_child if carries else None),
+                name=f"hetero-stage-{rank}",
             )
             p.daemon = True  # never outlive the engine's process
-            p.start()
+            with _spawn_env(stages[rank]):
+                p.start()
             self.procs[rank] = p
             err_child.close()
         child.close()
+        results_child.close()
         self.closed = False
         names = [s.describe() for s in stages]
         self._watch = StartWatch(sorted(self.procs), self._errors, names)
@@ -102,15 +167,16 @@ class Pipeline:
             )
         if how == "died":
             raise self._failure(f"a stage died while starting; {w.stuck()}")
-        kind, self.capacities = self._receive("starting")
+        kind, self.capacities, self.decode_paths = self._receive("starting")
         if kind != "ready":
             raise self._failure(f"stage 0 answered {kind!r} instead of ready")
         log.info("pipeline: %d stages ready in %.1f s", len(self.stages), took)
+        log.info("pipeline: decode steps per stage: %s", "; ".join(self.decode_paths))
 
     def describe(self) -> str:
         per = "; ".join(
-            f"stage {i} ({s.describe()}): {n} blocks"
-            for i, (s, n) in enumerate(zip(self.stages, self.capacities))
+            f"stage {i} ({s.describe()}): {n} blocks, {how}"
+            for i, (s, n, how) in enumerate(zip(self.stages, self.capacities, self.decode_paths))
         )
         return (
             f"pipeline of {len(self.stages)} stages, {per}; shared block table: {self.num_blocks}"
@@ -126,21 +192,24 @@ class Pipeline:
 
     def result(self) -> StepResult:
         """The next micro-batch's result, in submission order."""
-        return self._receive("running a step")
+        return self._receive("running a step", self._results)
 
-    def _receive(self, doing: str):
+    def _receive(self, doing: str, conn=None):
+        conn = conn or self._conn
         deadline = time.monotonic() + self.timeout
         sentinels = [p.sentinel for p in self.procs.values()]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._failure(f"no answer within {self.timeout:.0f} s while {doing}")
-            ready = wait([self._conn, *sentinels], timeout=left)
-            if self._conn in ready:
+            ready = wait([conn, *sentinels], timeout=left)
+            if conn in ready:
                 try:
-                    return pickle.loads(self._conn.recv_bytes())
+                    return pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError) as e:
-                    raise self._failure(f"stage 0's pipe closed while {doing} ({e})") from e
+                    raise self._failure(
+                        f"the pipe from the stages closed while {doing} ({e})"
+                    ) from e
             if ready:
                 raise self._failure(f"a stage died while {doing}")
 
@@ -181,5 +250,6 @@ class Pipeline:
                 p.kill()
                 p.join(5.0)
         self._conn.close()
+        self._results.close()
         for e in self._errors:
             e.close()

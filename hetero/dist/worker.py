@@ -2,9 +2,12 @@
 
 Stage 0 takes steps from the engine over a pipe; stage i > 0 takes them (with stage i-1's
 activations) from stage i-1. Each stage runs its layers through the ordinary ModelRunner over
-its own KV pool; the last stage also runs the sampler and sends the token ids back to stage 0,
-whose result thread hands them to the engine. Steps flow in order through every stage, so KV
-writes of one micro-batch always land before a later micro-batch reads them.
+its own KV pool, with the one-device engine's fast path on its device: the same weights mode
+("auto" resolved per device) and, on a GPU, decode steps replayed from CUDA graphs of its layer
+range (tokens or hidden states in, hidden states or logits out; the sends stay outside). The
+last stage also runs the sampler and sends the token ids to the engine. Steps flow in order
+through every stage, so KV writes of one micro-batch always land before a later micro-batch
+reads them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, replace
 
@@ -24,6 +28,7 @@ from hetero.dist.stages import StageSpec, device_key
 from hetero.dist.startup import StageStatus
 from hetero.dist.step import StepPlan, StepResult
 from hetero.engine.config import EngineConfig
+from hetero.engine.cuda_graph import DecodeGraphs, capture_decode_graphs
 from hetero.engine.kv_cache import KVPool, resolve_kv_dtype, size_pool
 from hetero.engine.runner import ModelRunner
 from hetero.sampling import Sampler, make_batch
@@ -40,6 +45,7 @@ class StageArgs:
     runtime: RuntimeConfig
     engine: EngineConfig
     progress: bool = False
+    kernels: dict[str, str] | None = None  # registry choices the engine's process forces
 
     @property
     def spec(self) -> StageSpec:
@@ -90,19 +96,47 @@ class Stage:
         dist_barrier()  # every stage's weights are in memory before any sizes its pool
         pool = self._make_pool(gm.config)
         self.runner = ModelRunner(self.model, pool)
+        self.runner.graphs = self._decode_graphs(pool)
+        self.decode_paths = self.links.gather_all(self._decode_path())
         self.sampler = Sampler(args.engine.seed) if self.last else None
         status.phase("KV pool allocated; ready")
 
     def _make_pool(self, config) -> KVPool:
         """The KV pool every stage agrees on: the smallest stage's block count."""
         self.status.phase(f"all stages loaded; sizing the KV pool{_memory(self.device)}")
-        self.capacities = self.links.min_all(self._own_blocks())
+        self.capacities = [int(n) for n in self.links.gather_all(self._own_blocks())]
         self.num_blocks = min(self.capacities)
         self.status.phase(f"KV sized: {self.num_blocks} blocks (stages: {self.capacities})")
         spec, block_size = self.args.spec, self.args.engine.block_size
         return KVPool(
             config, len(spec.layers), self.num_blocks, block_size, self.kv_dtype, spec.device
         )
+
+    def _decode_graphs(self, pool: KVPool) -> DecodeGraphs | None:
+        """As the one-device engine: decode graphs on a GPU unless --enforce-eager. Elsewhere the
+        same static buffers run uncaptured where the kernels read tensor metadata (the
+        references: how tests walk this path on a CPU); the CPU kernels keep the eager path.
+        Buckets end at a micro-batch group's share of max_num_seqs, the most a step carries."""
+        ecfg = self.args.engine
+        if ecfg.enforce_eager:
+            self.status.phase("decode runs eagerly (--enforce-eager)")
+            return None
+        groups = ecfg.pipeline.micro_batches or len(self.args.stages)
+        max_batch = -(-ecfg.scheduler.max_num_seqs // groups)
+        max_len = ecfg.scheduler.max_model_len or self.model.config.context_length
+        if self.device.type == "cuda":
+            self.status.phase(f"capturing decode CUDA graphs (batches up to {max_batch})")
+            return capture_decode_graphs(self.model, pool, max_batch, max_len)
+        try:
+            return DecodeGraphs(self.model, pool, max_batch, max_len)
+        except ValueError:
+            return None  # the CPU's kernels read host lists: its eager path
+
+    def _decode_path(self) -> str:
+        g = self.runner.graphs
+        if g is None:
+            return "eager"
+        return f"{'CUDA graphs' if g.graphs else 'static buffers'} up to batch {g.buckets[-1]}"
 
     def _own_blocks(self) -> int:
         """Blocks this stage's own free memory holds; stages sharing a device share it."""
@@ -144,15 +178,20 @@ class Stage:
         ids, lps, tops = sampled_lists(self.sampler(y, state))
         return StepResult(plan.micro_batch, ids, lps, tops)
 
-    def serve(self, conn) -> None:
-        """The stage's loop: take a step, run it, pass it on; until the stop message."""
-        reply = thread = None
+    def serve(self, conn, results=None) -> None:
+        """The stage's loop: take a step, run it, pass it on; until the stop message.
+
+        conn (stage 0): steps from the engine, and the ready message to it. results: the pipe
+        to the engine that results go into, held by the last stage when it runs beside the
+        engine (one hop, no gloo message and no thread), else by stage 0, whose result thread
+        forwards what a remote last stage sends over gloo."""
+        thread = None
         if self.first:
-            reply = _Reply(conn)
-            reply.send(pickle.dumps(("ready", self.capacities)))
-            if not self.last:
-                thread = threading.Thread(target=self._forward_results, args=(reply,), daemon=True)
-                thread.start()
+            conn.send_bytes(pickle.dumps(("ready", self.capacities, self.decode_paths)))
+        if results is not None and not self.last:
+            thread = threading.Thread(target=self._forward_results, args=(results,), daemon=True)
+            thread.start()
+        clock = _Clock()
         while True:
             if self.first:
                 payload, hidden = conn.recv_bytes(), None
@@ -160,43 +199,61 @@ class Stage:
                 payload, hidden = self.links.recv_prev(self.device, self.dtype)
             plan = pickle.loads(payload)
             if plan is None:
-                self._pass_on(STOP, None, reply)
+                self._pass_on(STOP, results)
                 break
+            clock.lap("waiting")
             out = self.run(plan, hidden)
+            clock.lap("running")
             if self.last:
-                self._pass_on(pickle.dumps(out), None, reply)
+                self._pass_on(pickle.dumps(out), results)
             else:
                 self.links.send_next(payload, out)
+            clock.lap("passing on")
         if thread is not None:
             thread.join()  # the stop message came back round: every result is delivered
         self.links.flush()
+        graphs = self.runner.graphs
+        replayed = f", {graphs.steps} through the decode graphs" if graphs else ""
+        print(f"stage {self.args.rank} ({self.args.spec.describe()}): {clock.report()}{replayed}",
+              file=sys.stderr, flush=True)  # fmt: skip
 
-    def _pass_on(self, payload: bytes, hidden, reply) -> None:
+    def _pass_on(self, payload: bytes, results) -> None:
         if not self.last:
-            self.links.send_next(payload, hidden)
-        elif self.first:
-            reply.send(payload)
+            self.links.send_next(payload, None)
+        elif results is not None:
+            results.send_bytes(payload)
         else:
             self.links.send_result(payload)
 
-    def _forward_results(self, reply: _Reply) -> None:
-        """Stage 0's result thread: the last stage's answers, back to the engine in order."""
+    def _forward_results(self, results) -> None:
+        """Stage 0's result thread: a remote last stage's answers, to the engine in order."""
         while True:
             payload = self.links.recv_result()
-            reply.send(payload)
+            results.send_bytes(payload)
             if payload == STOP:
                 return
 
 
-class _Reply:
-    """Stage 0's pipe to the engine, written by the loop (ready) and the result thread."""
+class _Clock:
+    """Where a stage's time goes, per step: waiting for work (and the previous stage's
+    activations), running it (on a GPU the host's share: launches, and the last stage's wait for
+    its tokens), passing it on (which waits until the previous send is taken: the next stage's
+    backpressure). Printed when the stage stops."""
 
-    def __init__(self, conn):
-        self.conn, self.lock = conn, threading.Lock()
+    def __init__(self):
+        self.t, self.spent, self.steps = time.perf_counter(), {}, 0
 
-    def send(self, payload: bytes) -> None:
-        with self.lock:
-            self.conn.send_bytes(payload)
+    def lap(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.steps or what != "waiting":  # not the idle time before the first step
+            self.spent[what] = self.spent.get(what, 0.0) + now - self.t
+        self.t = now
+        self.steps += what == "waiting"
+
+    def report(self) -> str:
+        n = max(self.steps, 1)
+        per = ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in self.spent.items())
+        return f"{self.steps} steps, ms per step: {per}"
 
 
 def _memory(device: torch.device) -> str:
@@ -213,13 +270,16 @@ def dist_barrier() -> None:
     dist.barrier()
 
 
-def stage_main(args: StageArgs, conn=None, status_conn=None) -> None:
+def stage_main(args: StageArgs, conn=None, status_conn=None, results=None) -> None:
     """Process entry point (spawned by the engine, or started by `hetero stage` on a host)."""
     if args.spec.mps_percentage is not None:  # read when this process first touches CUDA
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.spec.mps_percentage)
+    from hetero.kernels.registry import forcing
+
     status = StageStatus(args.rank, status_conn)
     try:
-        Stage(args, status).serve(conn)
+        with forcing(args.kernels or {}):
+            Stage(args, status).serve(conn, results)
     except BaseException as e:  # the engine reads the reason; the exit code marks the death
         what = f"stage {args.rank} ({args.spec.describe()}): {type(e).__name__}: {e}"
         traceback.print_exc()

@@ -26,6 +26,11 @@ launch after it), so row i attends over the prefix and t_0 .. t_i: exactly the c
 the eager step's prefill kernel gives the k + 1 queries. Its logits rows come back in that order,
 what spec/verify.py reads.
 
+A pipeline stage after the first starts from the previous stage's hidden states, so it has one
+more static buffer, hidden [Bmax, C]; a stage before the last returns its hidden states [n, C]
+instead of logits (the model's layer range decides both). Sending and receiving them stay
+outside the graph.
+
 Without capture (a CPU, or graphs turned off) `run` takes the same static-buffer path eagerly:
 that is how the padding and bucketing are tested on a machine without CUDA.
 """
@@ -111,6 +116,10 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.q_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(bmax, dtype=torch.long, device=dev)
+        self.hidden = None  # [Bmax, C]: the previous stage's activations (a later stage only)
+        if not model.is_first:
+            dtype = model.runtime.torch_dtype()
+            self.hidden = torch.zeros(bmax, model.config.d_model, dtype=dtype, device=dev)
         self.scale = model.config.head_dim**-0.5
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -125,12 +134,19 @@ class DecodeGraphs:
             _is_decode(s) and s.start_pos + s.num_new_tokens <= cap for s in sched
         )
 
-    def run(self, sched: list[ScheduledRequest]) -> torch.Tensor:
+    def run(
+        self, sched: list[ScheduledRequest], hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [n, V] float32 of a decode step of n rows (one a sequence, 1 + k for one that
-        speculates k tokens), in the order of `sched`."""
+        speculates k tokens), in the order of `sched`; a pipeline stage before the last gets its
+        hidden states [n, C] instead, and a later stage passes the previous one's `hidden`."""
         n = sum(s.num_new_tokens for s in sched)
         b = bucket_for(n, self.buckets)
         self._fill(sched, b)
+        if (hidden is None) != (self.hidden is None):
+            raise ValueError("a pipeline stage after the first (only) takes hidden states")
+        if hidden is not None:  # rows n .. b - 1 keep stale finite values: padding, dropped
+            self.hidden[:n].copy_(hidden)
         self.steps += 1
         self.rows_run += n
         if b in self.graphs:
@@ -181,7 +197,8 @@ class DecodeGraphs:
         first = self.model.layer_range.start
         attn = PagedAttention(self.pool, first, self.slots[:b], meta, self.scale)
         batch = ForwardBatch(self.positions[:b], self.rows[:b], attn)
-        return self.model(self.tokens[:b], batch)
+        hidden = None if self.hidden is None else self.hidden[:b]
+        return self.model(self.tokens[:b], batch, hidden)
 
     def capture(self) -> DecodeGraphs:
         """Record one graph per bucket, largest first (the smaller ones reuse its memory pool).

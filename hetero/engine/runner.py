@@ -105,7 +105,7 @@ class ModelRunner:
         """
         self.pool.copy_blocks(out.copies)
         if self.graphs is not None and self.graphs.fits(out):
-            return self.graphs.run(out.scheduled), list(out.scheduled)
+            return self.graphs.run(out.scheduled, hidden), list(out.scheduled)
         sched = out.scheduled
         tokens, positions, last_rows, producing = [], [], [], []
         row = 0

@@ -26,6 +26,17 @@ def _dense(t: GGUFTensor, rt: RuntimeConfig, dtype: torch.dtype | None = None) -
     return w.to(device=rt.device, dtype=dtype or rt.torch_dtype()).contiguous()
 
 
+def _same_type_runs(weights: list[GGUFTensor]) -> list[list[GGUFTensor]]:
+    """[q, k, v] -> [[q, k], [v]] where v's type differs: maximal runs of one GGUF type."""
+    runs: list[list[GGUFTensor]] = []
+    for w in weights:
+        if runs and int(runs[-1][-1].ggml_type) == int(w.ggml_type):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return runs
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ b) for W [N, K] from GGUF tensors (GGUF ne = [K, N]).
 
@@ -64,25 +75,26 @@ class QuantLinear(nn.Module):
             ).to(rt.torch_dtype())
 
     def _init_quant(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
-        # Rows of a GGUF tensor are independent runs of blocks, so tensors of one type fuse by
-        # concatenating their bytes; mixed types (Q4_K_M's q/k beside a Q6_K v) stay apart.
-        # The implementation's prepare hook runs here, once per device (Triton: repack the blocks
-        # into its planes), so calls never repack.
+        # Rows of a GGUF tensor are independent runs of blocks, so adjacent tensors of one type
+        # fuse by concatenating their bytes (the packed planes are per row too, so the fused
+        # weight dequantizes to the parts' values bit for bit); a type change starts a new part:
+        # Q4_K_M's q|k beside a Q6_K v is two matmuls, not three. The implementation's prepare
+        # hook runs here, once per device (Triton: repack the blocks into its planes), so calls
+        # never repack.
         impl = select("qlinear", torch.device(rt.device))
         self._qlinear = impl.fn
-        same = all(int(w.ggml_type) == self.ggml_type for w in weights)
-        if len(weights) == 1 or same:
-            raw = [w.torch() for w in weights]
-            raw = (torch.cat(raw) if len(raw) > 1 else raw[0]).to(rt.device)
-            shape = (self.out_features, self.in_features)
-            self.qweight = prepare_weight(impl, raw, self.ggml_type, shape)
-            self.parts = None
-        else:
-
-            def prepared(w: GGUFTensor):
-                return prepare_weight(impl, w.torch().to(rt.device), int(w.ggml_type), w.shape)
-
-            self.parts = [(prepared(w), int(w.ggml_type), w.shape) for w in weights]
+        runs = _same_type_runs(weights) if rt.fuse_linears else [[w] for w in weights]
+        parts = []
+        for run in runs:
+            raw = torch.cat([w.torch() for w in run]) if len(run) > 1 else run[0].torch()
+            shape = (sum(w.shape[0] for w in run), self.in_features)
+            ggml_type = int(run[0].ggml_type)
+            parts.append(
+                (prepare_weight(impl, raw.to(rt.device), ggml_type, shape), ggml_type, shape)
+            )
+        self.parts = parts if len(parts) > 1 else None
+        if self.parts is None:
+            self.qweight = parts[0][0]
 
     def _init_packed(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
         # CPU repacking (kernels/cpu_linear.py): same-type tensors pack from their GGUF bytes

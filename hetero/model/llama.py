@@ -11,7 +11,7 @@ D head dim, F feed-forward width, V vocabulary.
         q, k = rope(q), rope(k)
         x = x + attention(q, k, v) Wo                        (KV stored by the backend)
         gate, up = rms_norm(x) [Wgate|Wup], split            [T, F] each
-        x = x + (silu(gate) * up) Wdown
+        x = x + (silu(gate) * up) Wdown       (added by the next block's norm: one fused op)
     logits = rms_norm(x[wanted]) Wout                       [N, V] float32
 """
 
@@ -84,9 +84,18 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(gm.tensor(f"blk.{i}.ffn_norm.weight"), eps, rt)
         self.ffn = FeedForward(gm, i, rt)
 
-    def forward(self, x, rotary, cos, sin, batch: ForwardBatch) -> torch.Tensor:
-        x, h = self.ffn_norm.add(x, self.attn(self.attn_norm(x), rotary, cos, sin, batch))
-        return x + self.ffn(h)
+    def forward(
+        self, x, pending: torch.Tensor | None, rotary, cos, sin, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x [T, C], the block's output not yet added to x): the feed-forward's output is added
+        by the next block's attention norm (one fused add + norm instead of an add, then a
+        norm), or by the model after the last block. `pending`: the previous block's output."""
+        if pending is None:
+            h = self.attn_norm(x)
+        else:
+            x, h = self.attn_norm.add(x, pending)
+        x, h = self.ffn_norm.add(x, self.attn(h, rotary, cos, sin, batch))
+        return x, self.ffn(h)
 
 
 class LlamaModel(nn.Module):
@@ -127,11 +136,16 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(tokens) if hidden is None else hidden  # [T, C]
         cos, sin = self.rotary.cos_sin(batch.positions)  # [T, R] each
+        pending = None  # a block's output, added by the next block's fused add + norm
         for block in self.blocks:
-            x = block(x, self.rotary, cos, sin, batch)
+            x, pending = block(x, pending, self.rotary, cos, sin, batch)
         if not self.is_last:
-            return x
-        x = self.norm(x[batch.logits_indices])  # [N, C]
+            return x if pending is None else x + pending
+        rows = batch.logits_indices
+        if pending is None:  # a last stage without layers
+            x = self.norm(x[rows])  # [N, C]
+        else:  # only the wanted rows are added and normed
+            _, x = self.norm.add(x[rows], pending[rows])
         return self.lm_head(x).float()  # [N, V]
 
 

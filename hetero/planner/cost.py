@@ -50,8 +50,8 @@ class DeviceCost:
 
     def decode_rows(self, m: int, replay: bool = True) -> int | None:
         """Rows a replayed decode step of m sequences runs (its bucket); None: run eagerly.
-        replay: whether the step may replay at all (the in-process engine captures graphs; a
-        pipeline's stage processes run every step eagerly)."""
+        replay: whether the step may replay at all (the engine and every pipeline stage capture
+        graphs on CUDA; False prices an eager step of a graph-capable device)."""
         if not (self.graphs and replay) or self.dev.is_cpu:
             return None
         from hetero.engine.cuda_graph import batch_buckets, bucket_for

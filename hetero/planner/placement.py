@@ -85,12 +85,11 @@ class _Setup:
 
     def stage_s(self, i: int, a: int, b: int, m: int) -> float:
         c, n = self.costs[i], self.desc.n_layers
-        # Only a one-stage plan runs in the engine's process, which replays CUDA graphs; the
-        # pipeline's stage processes run eagerly.
-        replay = a == 0 and b == n
-        prefix = self._decode_prefix(i, m, replay)
+        # Pipeline stages replay decode CUDA graphs of their layers as the one-process engine
+        # does (hetero/dist/worker.py), unless --enforce-eager (DeviceCost.graphs).
+        prefix = self._decode_prefix(i, m, True)
         work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
-        t = c.step_seconds(b - a, work, c.eager(m, replay))
+        t = c.step_seconds(b - a, work, c.eager(m, True))
         if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
@@ -164,6 +163,33 @@ def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Pla
     from hetero.planner.refusal import explain
 
     raise PlanError(explain(last))
+
+
+def place_split(
+    desc: ModelDesc,
+    devices: list[DeviceProfile],
+    cfg: PlanConfig,
+    ranges: list[tuple[int, int]],
+    weights: list[str] | None = None,
+) -> Plan:
+    """The plan of a split given by hand (device i holds layers ranges[i] = [start, end)), in a
+    weights mode per device (None: each device's fastest): the planner's numbers for a split it
+    did not choose, to hold a measured pipeline against. Whether it fits is not checked."""
+    context = _context(desc, cfg)
+    costs = []
+    for i, d in enumerate(devices):
+        kv = kv_dtype_for(d, cfg.kv_dtype)
+        if weights is None or weights[i] == "auto":
+            costs.append(_pick_mode(desc, d, cfg, kv, False))
+        else:
+            costs.append(DeviceCost(desc, d, weights[i], kv, not cfg.enforce_eager,
+                                    cfg.max_num_seqs))  # fmt: skip
+    setup = _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in devices])
+    micro = min(cfg.concurrency, len(ranges))
+    m = -(-cfg.concurrency // micro)
+    times = [setup.stage_s(i, a, b, m) for i, (a, b) in enumerate(ranges)]
+    cycle = max(sum(times), micro * max(times))
+    return _build(setup, Split(tuple(ranges), micro, m, cycle), devices)
 
 
 def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:

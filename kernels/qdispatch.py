@@ -1,0 +1,74 @@
+"""Which quantized-matmul kernel `qlinear` runs, by GGUF type x token count x shape class.
+
+The default paths (`triton_qmatmul`: decode kernel for T <= 2, tensor cores below DENSE_MIN_T,
+dequantize + cuBLAS above) are right for most cells; the rules below are the cells where
+benchmarks/gpu_qsweep.py found another kernel faster by >= 10% (timing noise between two runs
+of one config was ~4%). The sweep: H200, Triton 3.6, torch 2.11, 2026-11-29, Llama-3-8B shapes,
+bf16 activations, timed from CUDA-graph replays over weights rotated through L2; copy bandwidth
+2714 GB/s. Figures are us per call, winner vs the default path:
+
+    Q8_0  T <= 2   all shapes  gemv_pipe bn16 c8   T=1 gate/up 28.4 vs 36.0, down 28.5 vs 35.4,
+                                                    q/o 11.0 vs 12.7, lm_head 186 vs 245;
+                                                    T=2 gate/up 47.9 vs 63.8, q/o 16.3 vs 19.6
+    Q4_K  T = 2    large       gemv bn64 c8        gate/up 33.5 vs 37.5
+    Q5_K  T = 1    large       gemv bn64 c8        gate/up 30.8 vs 34.7
+    Q5_K, Q6_K  T = 2  mid, large   mm (tensor cores)   down 44.3 vs 59.7 (Q5_K), 53.5 vs 69.9
+                                                    (Q6_K); q/o 16.6 vs 19.4, 19.3 vs 22.4
+    any   T = 3-4  small       tokens bn32 c4      k/v 7.0 vs 9.6 (Q4_K), 7.9 vs 10.1 (Q5_K),
+                                                    8.6 vs 10.9 (Q6_K); Q8_0 bn16: 8.0 vs 10.6
+    Q4_K, Q6_K  T = 5-8  small  tokens bn32 c4     k/v T=8 8.7 vs 9.8, 10.2 vs 11.3
+    any   T = 33-159  small    dense               k/v T=64 10.4 vs 15.2 (Q4_K), 10.5 vs 15.4,
+                                                    10.7 vs 16.2, 10.4 vs 16.6 (Q8_0)
+
+At T >= 160 (DENSE_MIN_T) the default path is dequantize + cuBLAS already, which the sweep
+confirmed at T = 512 on every shape (within 1% of the best candidate).
+
+Shape classes by weight elements N x K: small < 12M (k/v 1024 x 4096, fused k+v), mid < 32M
+(q/o 4096 x 4096, fused q+k+v 6144 x 4096), large (gate/up, down, fused gate+up, lm_head).
+The fused shapes were not in the sweep: they take their class's rules until measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.kernels.triton_qvariants import Variant
+
+SMALL_MAX = 12 << 20  # weight elements
+MID_MAX = 32 << 20
+
+
+def shape_class(n: int, k: int) -> str:
+    size = n * k
+    return "small" if size < SMALL_MAX else "mid" if size < MID_MAX else "large"
+
+
+@dataclass(frozen=True)
+class Rule:
+    types: tuple[str, ...]  # GGUF type names; () matches every type
+    shapes: tuple[str, ...]  # shape classes
+    t_min: int
+    t_max: int
+    kernel: Variant | str  # a sweep variant, "mm" (qmm's own config) or "dense"
+
+
+_ALL = ("small", "mid", "large")
+RULES: tuple[Rule, ...] = (
+    Rule(("Q8_0",), _ALL, 1, 2, Variant("gemv_pipe", bn=16, ctas=8)),
+    Rule(("Q4_K",), ("large",), 2, 2, Variant("gemv", bn=64, ctas=8)),
+    Rule(("Q5_K",), ("large",), 1, 1, Variant("gemv", bn=64, ctas=8)),
+    Rule(("Q5_K", "Q6_K"), ("mid", "large"), 2, 2, "mm"),
+    Rule(("Q8_0",), ("small",), 3, 4, Variant("tokens", bn=16, ctas=4)),
+    Rule((), ("small",), 3, 4, Variant("tokens", bn=32, ctas=4)),
+    Rule(("Q4_K", "Q6_K"), ("small",), 5, 8, Variant("tokens", bn=32, ctas=4)),
+    Rule((), ("small",), 33, 159, "dense"),
+)
+
+
+def choose(type_name: str, n: int, k: int, t: int) -> Variant | str | None:
+    """The first rule's kernel for W [n, k] of `type_name` at T = t; None: the default path."""
+    cls = shape_class(n, k)
+    for r in RULES:
+        if r.t_min <= t <= r.t_max and cls in r.shapes and (not r.types or type_name in r.types):
+            return r.kernel
+    return None
