@@ -22,6 +22,11 @@ from hetero.server.metrics import parse_metrics
 
 HOST = "127.0.0.1"
 LOAD_TIMEOUT_S = 300.0  # the model loads in seconds, but this machine is shared and busy
+# HETERO_TEST_ENGINE_PROCESS=1 (or 0) runs every test daemon with the engine in its own process
+# (or on a thread); unset, each daemon takes the default (a process).
+ENGINE_MODE = {"1": ("--engine-process",), "0": ("--no-engine-process",)}.get(
+    os.environ.get("HETERO_TEST_ENGINE_PROCESS", ""), ()
+)
 
 
 def free_port() -> int:
@@ -106,7 +111,8 @@ def start_daemon(*args: str, wait: bool = True, port: int | None = None) -> Daem
     port = port or free_port()
     log_path = Path(tempfile.mkstemp(prefix="hetero-serve-", suffix=".log")[1])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "hetero.server", *args, "--host", HOST, "--port", str(port)]
+    mode = () if {"--engine-process", "--no-engine-process"} & set(args) else ENGINE_MODE
+    cmd = [sys.executable, "-m", "hetero.server", *args, *mode, "--host", HOST, "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     daemon = Daemon(proc, port, log_path)

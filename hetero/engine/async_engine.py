@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from hetero.engine.core_wire import EngineInfo
 from hetero.engine.engine import Engine, StepOutput
 from hetero.sampling import SamplingParams
 
@@ -39,6 +40,8 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.info = EngineInfo.of(engine)
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -55,9 +58,27 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout)
 
+    def close(self, timeout: float = 30.0) -> None:
+        """shutdown(), then keep the KV prefixes for the next start (when the thread stopped)."""
+        self.shutdown(timeout)
+        if not self._thread.is_alive():
+            saved = self.engine.save_kv_cache()
+            if saved:
+                log.info("saved %d KV blocks to the disk tier", saved)
+
     @property
     def num_in_flight(self) -> int:
         return len(self._sinks)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    async def gauge_lines(self) -> list[str]:
+        """The engine's /metrics lines, read from its objects on the caller's thread."""
+        from hetero.server.metrics import engine_gauge_lines
+
+        return engine_gauge_lines(self.engine)
 
     # -- caller side (any thread with an event loop) ------------------------------------------
 

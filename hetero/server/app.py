@@ -25,6 +25,7 @@ SERVER_KEYS = (
     "max_request_bytes",
     "shutdown_grace",
     "log_level",
+    "engine_process",
 )
 
 
@@ -56,6 +57,13 @@ SERVER_KEYS = (
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
     show_default=True,
+)
+@click.option(
+    "--engine-process/--no-engine-process",
+    default=True,
+    show_default=True,
+    help="run the engine in its own process (its loop and the HTTP work then have an "
+    "interpreter each) or on a thread of the server's process",
 )
 @engine_options
 @click.pass_context

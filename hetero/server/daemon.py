@@ -4,7 +4,8 @@ Start: the listener opens first (so /health can answer 503 while loading), then 
 on a thread with a progress bar, then one line says the server is ready. SIGINT/SIGTERM: stop
 listening, refuse new requests (503), give in-flight requests `--shutdown-grace` seconds to end,
 then stop the engine, which ends the rest with a message saying why (an error event for streams,
-a 503 for the others).
+a 503 for the others). An engine process that dies on its own fails its requests with the reason
+and the server exits with status 1 (a service manager restarts it), never serving nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from hetero.server.state import STATE, ServerSettings, ServerState
 log = logging.getLogger("hetero.server")
 PROTECTED = ("/v1/", "/infill")
 DRAIN_TAIL_S = 10.0  # after the grace period: time for handlers to tell their clients why
-# The engine thread and the event loop share the GIL. With Python's default 5 ms switch interval
-# a thread that wants it back (the loop with tokens to send, the engine after a device sync) can
-# wait that long each time. Measured on an H200 with a 135M model, one stream: HTTP decode went
-# from about 85% of the offline engine's speed to 100-105% with 0.5 ms.
+# With the engine on a thread (--no-engine-process), it and the event loop share the GIL. With
+# Python's default 5 ms switch interval a thread that wants it back (the loop with tokens to send,
+# the engine after a device sync) can wait that long each time. Measured on an H200 with a 135M
+# model, one stream: HTTP decode went from about 85% of the offline engine's speed to 100-105%
+# with 0.5 ms.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -98,7 +100,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = state.metrics.render(state.engine, state.status)
+    text = state.metrics.render(await state.engine_gauges(), state.status)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
@@ -160,9 +162,15 @@ async def _load_then_wait(state: ServerState, stop: asyncio.Event, url: str) -> 
         state.settings.model_path,
         state.served_name,
         engine.max_model_len,
-        engine.describe_kv(),
+        engine.kv_description,
     )
-    await stopper
+    died = asyncio.create_task(state.engine_died.wait())
+    await asyncio.wait({stopper, died}, return_when=asyncio.FIRST_COMPLETED)
+    if not stopper.done():
+        stopper.cancel()
+        log.error("the server stops: %s", state.error)
+        return 1
+    died.cancel()
     return 0
 
 

@@ -223,7 +223,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     check_fields(body, INFILL_FIELDS)
     check_model(body, state.served_name)
     engine, ae = state.require_ready()
-    tok = engine.tokenizer
+    tok = ae.tokenizer
     require_fim(tok)
     inp = InfillInput(
         body.get("input_prefix") or "",

@@ -1,9 +1,10 @@
 """The server's metrics in Prometheus' text format (exposition format 0.0.4).
 
 Counters and histograms are updated on the event loop's thread only (handlers), so they need no
-lock. Gauges of the engine (queue, KV blocks, prefix cache) are read from the engine's objects
-when /metrics is scraped: plain integer reads, which the engine thread may change a moment later
-but never leaves torn.
+lock. Gauges of the engine (queue, KV blocks, prefix cache) are rendered from the engine's
+objects where the engine runs, when /metrics is scraped (`engine_gauge_lines`): on the engine
+thread's objects (plain integer reads, which it may change a moment later but never leaves torn),
+or in the engine process, which sends the lines back (core_process.py).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Metrics:
         self.prefix_queries += prompt_tokens
         self.prefix_hits += cached_tokens
 
-    def render(self, engine: Engine | None, status: str) -> str:
+    def render(self, engine_lines: list[str] | None, status: str) -> str:
+        """The whole page; `engine_lines` from `engine_gauge_lines` (None: no engine yet)."""
         lines: list[str] = []
         add = _Writer(lines)
         add.gauge(
@@ -100,8 +102,7 @@ class Metrics:
         add.histogram("hetero_inter_token_latency_seconds", "time between tokens", self.itl)
         add.histogram("hetero_e2e_request_latency_seconds", "whole request latency", self.e2e)
         self._prefix_cache(add)
-        if engine is not None:
-            _engine_gauges(add, engine)
+        lines += engine_lines or []
         return "\n".join(lines) + "\n"
 
     def _prefix_cache(self, add: _Writer) -> None:
@@ -117,6 +118,13 @@ class Metrics:
         )
         rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
         add.gauge("hetero_prefix_cache_hit_rate", "hits / queries since start", [("", rate)])
+
+
+def engine_gauge_lines(engine: Engine) -> list[str]:
+    """The engine's gauges and counters in the exposition format (run where the engine is)."""
+    lines: list[str] = []
+    _engine_gauges(_Writer(lines), engine)
+    return lines
 
 
 def _engine_gauges(add: _Writer, engine: Engine) -> None:

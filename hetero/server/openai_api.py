@@ -131,11 +131,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         kw["json_object"] = True
     add_prompt = body.get("add_generation_prompt")
     add_prompt = True if add_prompt is None else add_prompt
-    ids = await state.off_loop(_chat_prompt, engine.tokenizer, messages, add_prompt)
+    ids = await state.off_loop(_chat_prompt, ae.tokenizer, messages, add_prompt)
     requested = body.get("max_completion_tokens") or body.get("max_tokens")
     max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, state.pool_tokens)
     params = make_params(kw, max_tokens)
-    job = Job(ae, engine.tokenizer, state.metrics, [ids], params, "chatcmpl")
+    job = Job(ae, ae.tokenizer, state.metrics, [ids], params, "chatcmpl")
     with state.in_flight():
         if body.get("stream"):
             return await _stream_chat(request, state, job, include_usage(body), logprobs)
@@ -152,7 +152,7 @@ def _finished_or_503(job: Job) -> None:
 
 def _chat_body(state: ServerState, job: Job, logprobs: int | None) -> dict[str, Any]:
     _finished_or_503(job)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     choices = [
         {
             "index": c.index,
@@ -181,7 +181,7 @@ async def _stream_chat(
         "created": job.created,
         "model": state.served_name,
     }
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     started: set[int] = set()
 
     def chunk(index: int, delta: dict, event: Event | None) -> dict[str, Any]:
@@ -270,7 +270,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     kw = sampling_kwargs(body)
     if body.get("logprobs") is not None:
         kw["logprobs"] = body["logprobs"]
-    tok = engine.tokenizer
+    tok = ae.tokenizer
     items = _prompt_list(body["prompt"], tok.vocab_size)
     prompts = await state.off_loop(_encode_prompts, tok, items, body.get("suffix"))
     requested = body.get("max_tokens") or 16  # the legacy API's default
@@ -293,7 +293,7 @@ def _echo_text(tokenizer, prompt: str | list[int]) -> str:
 
 def _completion_body(state: ServerState, job: Job, echo: list[str] | None) -> dict[str, Any]:
     _finished_or_503(job)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     choices = []
     for c in job.choices:
         head = echo[c.prompt] if echo else ""
@@ -326,7 +326,7 @@ async def _stream_completion(
         "created": job.created,
         "model": state.served_name,
     }
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     offsets = {c.index: len(echo[c.prompt]) if echo else 0 for c in job.choices}
     started: set[int] = set()
 

@@ -1,4 +1,10 @@
-"""What the daemon holds while it runs: settings, the engine (once loaded), metrics, counters."""
+"""What the daemon holds while it runs: settings, the engine (once loaded), metrics, counters.
+
+The engine runs either in its own process (core_client.EngineProcess: the engine's loop and the
+event loop each have an interpreter) or on a thread of this one (AsyncEngine). Both answer the
+same calls; handlers see `EngineInfo` (context length, pool size) and the tokenizer, which lives
+here in both cases: text stays at the edge.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from aiohttp import web
 from hetero.config import RuntimeConfig
 from hetero.engine.async_engine import AsyncEngine
 from hetero.engine.config import EngineConfig
+from hetero.engine.core_client import EngineLoadError, EngineProcess
+from hetero.engine.core_wire import EngineInfo
 from hetero.engine.engine import Engine
 from hetero.server.metrics import Metrics
 from hetero.server.protocol import ApiError, parse_json
@@ -37,6 +45,11 @@ class ServerSettings:
     shutdown_grace: float = 30.0
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # The engine in its own process (core_client.py) or on a thread of this one (AsyncEngine).
+    # The process is the default on every device: on the GPU it is what lets HTTP keep up with the
+    # engine (the engine's step and the per-token HTTP work stop sharing one GIL); on a 2-core CPU
+    # it measured as fast as the thread or a little faster, at the same CPU time per token.
+    engine_process: bool = True
 
     @property
     def served_name(self) -> str:
@@ -51,8 +64,9 @@ class ServerState:
         self.served_name = settings.served_name
         self.status = "loading"
         self.error: str | None = None
-        self.engine: Engine | None = None
-        self.ae: AsyncEngine | None = None
+        self.engine: EngineInfo | None = None
+        self.ae: AsyncEngine | EngineProcess | None = None
+        self.engine_died = asyncio.Event()  # the engine process ended without being asked
         self.metrics = Metrics()
         self.created = int(time.time())
         # Prompt rendering and encoding run here, off the event loop that streams tokens; the
@@ -64,6 +78,33 @@ class ServerState:
     # -- loading -----------------------------------------------------------------------------
 
     async def load(self) -> None:
+        try:
+            if self.settings.engine_process:
+                await self._load_process()
+            else:
+                await self._load_thread()
+        except Exception as e:
+            named = isinstance(e, EngineLoadError)  # its message names the error already
+            self.status, self.error = "failed", str(e) if named else f"{type(e).__name__}: {e}"
+            raise
+        self.engine = self.ae.info
+        self.status = "ready"
+
+    async def _load_process(self) -> None:
+        """The engine loads in its process; the tokenizer meanwhile here (it reads the GGUF's
+        metadata only)."""
+        from hetero.tokenizer import Tokenizer
+
+        s = self.settings
+        tokenizer = await asyncio.to_thread(Tokenizer.from_gguf, s.model_path)
+        self.ae = EngineProcess(s.model_path, s.engine_config, s.runtime, tokenizer, self._died)
+        await self.ae.start()
+
+    def _died(self, reason: str) -> None:
+        self.status, self.error = "failed", reason
+        self.engine_died.set()
+
+    async def _load_thread(self) -> None:
         """Build the engine on a daemon thread (a signal during loading must not wait for it)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -81,17 +122,16 @@ class ServerState:
         threading.Thread(target=work, name="hetero-load", daemon=True).start()
         result = await done
         if isinstance(result, BaseException):
-            self.status, self.error = "failed", f"{type(result).__name__}: {result}"
             raise result
-        self.engine = result
         self.ae = AsyncEngine(result).start()
-        self.status = "ready"
 
     # -- serving -----------------------------------------------------------------------------
 
-    def require_ready(self) -> tuple[Engine, AsyncEngine]:
+    def require_ready(self) -> tuple[EngineInfo, AsyncEngine | EngineProcess]:
         if self.status == "ready" and self.engine is not None and self.ae is not None:
             return self.engine, self.ae
+        if self.status == "failed" and self.engine is not None:  # it was up: the engine died
+            raise ApiError(503, f"the engine stopped: {self.error}", code="engine_unavailable")
         if self.status == "loading":
             raise ApiError(503, "the model is still loading; retry shortly", code="loading")
         if self.status == "draining":
@@ -99,11 +139,19 @@ class ServerState:
         raise ApiError(503, f"the model failed to load: {self.error}", code="load_failed")
 
     @property
+    def tokenizer(self):
+        return self.ae.tokenizer
+
+    @property
     def pool_tokens(self) -> int:
         """Tokens of KV one request can hold at most: the whole pool."""
-        assert self.engine is not None
-        bm = self.engine.block_manager
-        return bm.num_blocks * bm.block_size
+        return self.engine.pool_tokens
+
+    async def engine_gauges(self) -> list[str] | None:
+        """The engine's /metrics lines (None before it is loaded or after it died)."""
+        if self.engine is None or self.ae is None:
+            return None
+        return await self.ae.gauge_lines()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (chat templates, encoding) on the tokenizer threads."""
@@ -130,14 +178,10 @@ class ServerState:
         return True
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread (its requests get an abort saying why) and the tokenizer pool."""
+        """Stop the engine (its requests get an abort saying why; it saves its KV prefixes for
+        the next start) and the tokenizer pool. Called off the event loop."""
         if self.ae is not None:
-            self.ae.shutdown(timeout)
-        stopped = self.ae is None or not self.ae._thread.is_alive()
-        if self.engine is not None and stopped:  # save prefixes for the next start
-            saved = self.engine.save_kv_cache()
-            if saved:
-                log.info("saved %d KV blocks to the disk tier", saved)
+            self.ae.close(timeout)
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
 
 
