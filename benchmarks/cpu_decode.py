@@ -1,12 +1,14 @@
 """Engine decode steps on the CPU: the small-op kernels and the KV dtype, compared side by side.
 
     python benchmarks/cpu_decode.py --streams 1 --steps 30 [--threads 2] [--model FILE]
+        [--variants cpu/fp16/qdot,cpu/fp16/fp16]
 
 Each variant is a whole engine (the default model, 64-token prompts, greedy) whose decode steps
 run in turns with the others' in one process, so a busy machine slows all of them alike. Per
 variant: wall and process-CPU ms per step (min and median), and decode tok/s from the median
-wall time. Variants: the kernel registry's references ("ref") or its CPU versions ("cpu",
-kernels/cpu_ops.py), with fp8, fp16 or fp32 KV. The weights are the default fp16 repack.
+wall time. Variants KIND/KV[/WEIGHTS]: the kernel registry's references ("ref") or its CPU
+versions ("cpu", kernels/cpu_ops.py), with fp8, fp16 or fp32 KV, and a `--weights` mode (default:
+auto).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from hetero.model.llama import load_model
 from hetero.models import resolve_model
 from hetero.sampling import SamplingParams
 
-VARIANTS = ("ref/fp8", "cpu/fp8", "cpu/fp16", "cpu/fp32")
+VARIANTS = ("cpu/fp16/fp16", "cpu/fp16/qdot")
 _SELECTING = (runner_mod, layers_mod, kv_cache_mod, llama_mod)  # modules that call select()
 
 
@@ -50,10 +52,11 @@ def kernels(kind: str):
 
 
 def build(variant: str, path, args) -> Engine:
-    kind, kv = variant.split("/")
+    kind, kv, weights = (variant + "/auto").split("/")[:3]
     with kernels(kind):
-        loaded = load_model(path, RuntimeConfig(threads=args.threads))
-        engine = Engine(None, EngineConfig(num_kv_blocks=1024, kv_dtype=kv), loaded=loaded)
+        loaded = load_model(path, RuntimeConfig(threads=args.threads, weights=weights))
+        cfg = EngineConfig(num_kv_blocks=1024, kv_dtype=kv, speculative="off")  # plain decode steps
+        engine = Engine(None, cfg, loaded=loaded)
         rng = random.Random(0)
         params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
         for i in range(args.streams):
@@ -85,7 +88,7 @@ def main() -> None:
     for v in engines:
         w, c = statistics.median(wall[v]), statistics.median(cpu[v])
         print(
-            f"{v:9s} wall ms/step min {min(wall[v]) * 1e3:7.1f} p50 {w * 1e3:7.1f} | "
+            f"{v:13s} wall ms/step min {min(wall[v]) * 1e3:7.1f} p50 {w * 1e3:7.1f} | "
             f"cpu min {min(cpu[v]) * 1e3:7.1f} p50 {c * 1e3:7.1f} | "
             f"{args.streams / w:6.1f} tok/s"
         )

@@ -266,7 +266,7 @@ def profile(refresh, shares, as_json):
 )
 @click.option(
     "--weights",
-    type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16"]),
+    type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot"]),
     default="auto",
 )
 @click.option("--use-all-devices", is_flag=True, help="give every device at least one layer")

@@ -19,11 +19,12 @@ def runtime_options(f):
     )(f)
     f = click.option(
         "--weights",
-        type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16"]),
+        type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot"]),
         default="auto",
         show_default=True,
-        help="auto: fp16 repack on CPU, dense on GPU; dense: exact dequantized weights; "
-        "quant: keep GGUF blocks (reference path); fp16/int4/int8/bf16: CPU repacks",
+        help="auto: qdot on CPU (fp16 where it cannot be built), dense on GPU; dense: exact "
+        "dequantized weights; quant: keep GGUF blocks (reference path); qdot: GGUF blocks times "
+        "int8 activations in native code; fp16/int4/int8/bf16: CPU repacks",
     )(f)
     f = click.option("--threads", type=int, default=0, help="CPU threads (0: torch's default)")(f)
     return f

@@ -70,9 +70,10 @@ class RuntimeConfig:
 
     weights: "quant" keeps weights in their GGUF blocks and dequantizes them in the layer that uses
     them (the reference path); "dense" dequantizes once at load into `dtype` (exact);
-    "fp16" / "int4" / "int8" / "bf16" repack for the CPU's kernels (kernels/cpu_linear.py);
-    "auto" is fp16 on a CPU (1.6-3x faster than fp32, logits within 0.03: BENCHMARKS.md) and
-    dense on a GPU.
+    "qdot" / "fp16" / "int4" / "int8" / "bf16" repack for the CPU's kernels
+    (kernels/cpu_linear.py); "auto" is qdot on a CPU (GGUF blocks times int8 activations in native
+    code, built at first use: BENCHMARKS.md) or fp16 where no C compiler builds it, and dense on a
+    GPU.
     """
 
     device: str = "cpu"
@@ -84,12 +85,16 @@ class RuntimeConfig:
     fuse_linears: bool = True
 
     def weights_mode(self) -> str:
-        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16")
+        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
         if self.weights not in modes:
             raise ValueError(f"weights mode {self.weights!r} is not one of {', '.join(modes)}")
         on_cpu = self.device.startswith("cpu")
         if self.weights == "auto":
-            return "fp16" if on_cpu else "dense"
+            if not on_cpu:
+                return "dense"
+            from hetero.kernels import cpu_qdot
+
+            return "qdot" if cpu_qdot.available() else "fp16"
         if self.weights not in ("dense", "quant") and not on_cpu:
             raise ValueError(f"weights mode {self.weights!r} is for the CPU; use dense or quant")
         return self.weights

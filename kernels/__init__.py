@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hetero.kernels import cpu_native as _cpu_native  # noqa: F401  (C versions, built at first use)
 from hetero.kernels import cpu_ops as _cpu_ops  # noqa: F401  (CPU versions of the small ops)
 from hetero.kernels import paged as _paged  # noqa: F401  (registers the paged references)
 from hetero.kernels import reference as _reference  # noqa: F401  (registers the references)

@@ -13,6 +13,8 @@ the result.
     int8    int8 [N, K], bf16 scale per row    bfloat16        _weight_int8pack_mm      1
     int4    uint4, bf16 (scale, zero) per 32   bfloat16        _weight_int4pack_mm_*    0.625
     w8a8    int8 [N, K], scale per row         uint8 per call  fbgemm dynamic int8      1
+    qdot    GGUF Q4_0/Q4_1/Q8_0 blocks         int8 per 32     C, AVX2 maddubs/madd     0.75-1.1
+            (other types: 8-bit per 32)
 
 Measured on the 2-core AVX2 machine, SmolLM2-135M's linears streamed in model order, 2 threads
 (shared machine: medians, +-30%): fp16 is nearly exact (weights rounded to fp16: 2e-4 relative;
@@ -22,6 +24,12 @@ linears and wins by ~10% on whole-model decode in 3.2x less memory, for logits w
 Q4_1 (bf16 activations); from T=4 it falls behind: its AVX2 kernel is compute-bound (~3 GB/s of
 weights against ~17 GB/s of bandwidth). bf16 matmul has no fast AVX2 path (4-10x slower from
 T=4). w8a8 is fastest from T=4 on but quantizes x per tensor to 7 bits: logits off by up to 17.
+
+qdot is llama.cpp's CPU scheme (kernels/cpu_qdot.py): the weights stay in their GGUF blocks and
+x is rounded to int8 per 32 with a float scale (~5e-3 relative error per product, logits within
+the BENCHMARKS.md figures). It reads 2.7x fewer bytes than fp16 on Q4_1 and is the CPU default
+where a C compiler builds it: 2.6x faster than fp16 over SmolLM2's linears at T=1, on par at
+T=16, ~15% slower at T=64 (1 thread, shared machine).
 
 The int8/int4 kernels have AVX2 code for bfloat16 activations only (float32 goes down a scalar
 loop, 10-50x slower), so they round x to bf16 and return bf16 outputs: the outputs carry bf16's
@@ -48,11 +56,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from hetero.kernels import cpu_qdot
 from hetero.quant import QuantType, dequantize, get_quant
 from hetero.quant.bits import f16_field, low_high_nibbles
 
 _T = GGMLQuantizationType
-SCHEMES = ("fp32", "bf16", "fp16", "int8", "int4", "w8a8")
+SCHEMES = ("fp32", "bf16", "fp16", "int8", "int4", "w8a8", "qdot")
 INT4_GROUP = 32  # the legacy quant block: one (scale, zero) pair per 32 weights of a row
 _K_ALIGN = 32  # the int8/int4 kernels read x rows with aligned 16-byte loads in steps of 8-32
 _N_ALIGN = 16  # the int4 packer wants N % 16 == 0
@@ -69,6 +78,10 @@ def available_schemes() -> tuple[str, ...]:
     """The schemes whose kernels this torch build has (fbgemm ones are deprecated upstream)."""
     ok = []
     for s in SCHEMES:
+        if s == "qdot":
+            if cpu_qdot.available():
+                ok.append(s)
+            continue
         ns, name = _OPS.get(s, ("aten", "linear"))
         if hasattr(getattr(torch.ops, ns), name):
             ok.append(s)
@@ -96,6 +109,8 @@ class PackedLinear:
     def nbytes(self) -> int:
         """Bytes of weight data one call reads."""
         n, k = self.n_padded, self.k_padded
+        if self.scheme == "qdot":
+            return self.weight.nbytes
         per = {"fp32": 4 * n * k, "bf16": 2 * n * k, "fp16": 2 * n * k, "w8a8": n * k + 8 * n}
         if self.scheme in per:
             return per[self.scheme]
@@ -138,6 +153,8 @@ def pack_linear(
     n, k = _check_shape(raw, qt, tuple(shape))
     if scheme == "int4":
         return _pack_int4(raw, qt, n, k)
+    if scheme == "qdot":
+        return _pack_qdot(raw, qt, n, k)
     w = dequantize(raw, qt.ggml_type, (n, k)).contiguous()  # [N, K] float32, exact
     if not torch.isfinite(w).all():
         raise ValueError(f"{qt.name} {n}x{k}: weights hold inf/nan")
@@ -237,6 +254,17 @@ def _pack_int4(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> PackedLinear
     return PackedLinear("int4", n, k, packed, sz, k_padded=kp, n_padded=np_)
 
 
+def _pack_qdot(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> PackedLinear:
+    if qt.ggml_type not in cpu_qdot.NATIVE_TYPES:
+        w = dequantize(raw, qt.ggml_type, (n, k))
+        if not torch.isfinite(w).all():
+            raise ValueError(f"{qt.name} {n}x{k}: weights hold inf/nan")
+    w = cpu_qdot.pack(raw, qt, n, k)
+    if not torch.isfinite(w.d).all() or (w.m is not None and not torch.isfinite(w.m).all()):
+        raise ValueError(f"{qt.name} {n}x{k}: block scales hold inf/nan")
+    return PackedLinear("qdot", n, k, w, k_padded=w.k, n_padded=n)
+
+
 _PACKERS = {
     "fp32": _pack_fp32,
     "bf16": _pack_bf16,
@@ -252,6 +280,8 @@ def packed_linear(x: torch.Tensor, p: PackedLinear) -> torch.Tensor:
         raise ValueError(f"x must be float32 [T, {p.in_features}], got {x.dtype} {tuple(x.shape)}")
     if p.scheme == "fp32":
         return F.linear(x, p.weight)
+    if p.scheme == "qdot":
+        return cpu_qdot.qdot_linear(x, p.weight)
     if p.scheme == "fp16":
         return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), p.weight)
     if p.scheme == "w8a8":
@@ -276,6 +306,8 @@ def unpack(p: PackedLinear) -> torch.Tensor:
     n, k = p.out_features, p.in_features
     if p.scheme in ("fp32", "bf16"):
         return p.weight.float()
+    if p.scheme == "qdot":
+        return cpu_qdot.unpack(p.weight)[:, :k]
     if p.scheme == "fp16":
         return torch.ops.quantized.linear_unpack_fp16(p.weight)[0]
     if p.scheme == "w8a8":
@@ -308,10 +340,14 @@ def pack_error(raw: torch.Tensor, ggml_type, shape, scheme: str) -> float:
 # decode, 30-35 vs 35-39 ms per token; T=4: fp16 37, int4 66, fp32 126; T=16: fp16 87, int8 198,
 # int4 204, fp32 245; T=64: fp16 271, fp32 507, int8 621, int4 756). w8a8 is left out: its
 # per-tensor 7-bit activations cost whole logits on a real model.
+# qdot (kernels/cpu_qdot.py), measured later the same way with 1 thread on the shared machine:
+# T=1 14 vs fp16 37 ms, T=16 94 vs 92, T=64 365 vs 311 (its int8 dot products are bound by
+# maddubs throughput without AVX-VNNI); its pack_error counts the weights only (0 for
+# Q4_0/Q4_1/Q8_0), not its int8 activations (~5e-3 relative per product).
 SPEED_ORDER: tuple[tuple[int, tuple[str, ...]], ...] = (
-    (1, ("int4", "fp16", "int8", "bf16", "fp32")),
-    (16, ("fp16", "int4", "int8", "fp32", "bf16")),
-    (1 << 62, ("fp16", "fp32", "int8", "int4", "bf16")),
+    (1, ("qdot", "int4", "fp16", "int8", "bf16", "fp32")),
+    (16, ("qdot", "fp16", "int4", "int8", "fp32", "bf16")),
+    (1 << 62, ("fp16", "qdot", "fp32", "int8", "int4", "bf16")),
 )
 # Relative RMS weight error admitted by default: int4 on Q4_0/Q4_1 (~2e-3), bf16, fp16 pass;
 # per-row int8 (~1e-2) and 4-bit requantization of 5-8-bit types (>= 1e-2) do not.

@@ -118,5 +118,18 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) 
     if pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
         pairs = pairs.contiguous()  # complex64 views need float pairs at even offsets
     z = torch.view_as_complex(pairs)  # [T, H, R] complex64
-    rot = torch.complex(cos, sin)[:, None, :]  # [T, 1, R]
-    return torch.view_as_real(z * rot).view(t, h, d)
+    return torch.view_as_real(z * _rotation(cos, sin)).view(t, h, d)
+
+
+_last_rotation: list = [None, None, None]  # (cos, sin, cos + i sin): one step's layers share it
+
+
+def _rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos + i sin [T, 1, R], built once per (cos, sin) pair: every layer of a step rotates by
+    the same tensors. Identity, not value, is compared; the cache holds the pair, so their ids
+    cannot be reused while it does."""
+    c, s, rot = _last_rotation
+    if c is not cos or s is not sin:
+        rot = torch.complex(cos, sin)[:, None, :]
+        _last_rotation[:] = [cos, sin, rot]
+    return rot

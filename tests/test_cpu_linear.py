@@ -17,6 +17,7 @@ from hetero.kernels.cpu_linear import (
     packed_linear,
     unpack,
 )
+from hetero.kernels.cpu_qdot import quantize_x_reference
 from hetero.quant import dequantize, get_quant, random_blocks
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "F16", "F32")
@@ -28,6 +29,7 @@ BF16_OUT = ("bf16", "int8", "int4")  # kernels that return bfloat16 outputs
 ERROR_BOUND = {"bf16": 2.5e-3, "fp16": 3e-4, "int8": 1e-2, "w8a8": 1e-2}
 INT4_BOUND = {"Q4_0": 2.5e-3, "Q4_1": 2.5e-3}  # others: 4-bit requantization
 INT4_REQUANT_BOUND = 0.12
+QDOT_BOUND = 8e-3  # 8-bit requantization of other types (measured up to 5.5e-3 on these blocks)
 
 
 def make_weight(ggml_type: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -55,6 +57,10 @@ def assert_matches(y: torch.Tensor, x: torch.Tensor, p: PackedLinear) -> None:
     tol = 1e-5 * scale + 1e-30
     if p.scheme in BF16_OUT:
         tol = tol + 2.0**-8 * ref.abs()  # one bf16 rounding of each output
+    if p.scheme == "qdot":  # x rounded to int8 per 32-block: |error| <= xd / 2 per element
+        xp = torch.nn.functional.pad(xr, (0, p.k_padded - p.in_features))
+        step = quantize_x_reference(xp)[1].repeat_interleave(32, dim=1)[:, : p.in_features]
+        tol = tol + 0.5 * (1 + 1e-5) * (step @ w.abs().t())
     if p.scheme == "w8a8":  # x quantized to 7-bit steps over [min(x, 0), max(x, 0)] per call
         step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
         tol = tol + 0.51 * step * w.abs().sum(1)
@@ -83,6 +89,8 @@ def test_pack_error_within_measured_bound(ggml_type: str, scheme: str):
     err = pack_error(raw, ggml_type, (n, k), scheme)
     if scheme == "fp32" or (scheme == "fp16" and ggml_type == "F16"):
         assert err == 0.0
+    elif scheme == "qdot":  # keeps the legacy blocks, requantizes the rest to 8 bits per 32
+        assert err == 0.0 if ggml_type in ("Q4_0", "Q4_1", "Q8_0") else 0 < err <= QDOT_BOUND
     elif scheme == "int4":
         assert 0 < err <= INT4_BOUND.get(ggml_type, INT4_REQUANT_BOUND)
     else:
@@ -191,17 +199,25 @@ def test_bad_input_raises_value_error():
 def test_choose_scheme_prefers_fast_schemes_within_the_error_budget():
     shape = (32, 256)
     q4, q8, f16 = (make_weight(t, *shape) for t in ("Q4_1", "Q8_0", "F16"))
+    if "qdot" in available_schemes():  # keeps the blocks (weight error 0): fastest up to T=16
+        for tokens in (1, 2, 16):
+            assert choose_scheme(q4, "Q4_1", shape, tokens=tokens) == "qdot"
+            assert choose_scheme(q8, "Q8_0", shape, tokens=tokens) == "qdot"
+        assert choose_scheme(q4, "Q4_1", shape, tokens=512) == "fp16"
+        # F16 requantized to 8 bits (~5e-3) is over the budget
+        assert choose_scheme(f16, "F16", shape, tokens=1) == "fp16"
+    no_qdot = ("fp32", "bf16", "fp16", "int8", "int4")
     # int4 keeps Q4_1's codes (error ~2e-3): measured fastest for one token, fp16 beyond
-    assert choose_scheme(q4, "Q4_1", shape, tokens=1) == "int4"
+    assert choose_scheme(q4, "Q4_1", shape, tokens=1, candidates=no_qdot) == "int4"
     for tokens in (2, 16, 512):
-        assert choose_scheme(q4, "Q4_1", shape, tokens=tokens) == "fp16"
+        assert choose_scheme(q4, "Q4_1", shape, tokens=tokens, candidates=no_qdot) == "fp16"
     # int4 requantizes Q8_0 (~6%): over the budget, so fp16, the next fastest
-    assert choose_scheme(q8, "Q8_0", shape, tokens=1) == "fp16"
+    assert choose_scheme(q8, "Q8_0", shape, tokens=1, candidates=no_qdot) == "fp16"
     # without fp16 (its ops gone from a later torch, say): per-row int8 is over the budget too
     no_fp16 = ("fp32", "bf16", "int8", "int4")
     assert choose_scheme(q8, "Q8_0", shape, tokens=1, candidates=no_fp16) == "bf16"
     assert choose_scheme(q8, "Q8_0", shape, tokens=64, candidates=no_fp16) == "fp32"
-    assert choose_scheme(q8, "Q8_0", shape, tokens=1, max_error=0.0) == "fp32"
+    assert choose_scheme(q8, "Q8_0", shape, tokens=1, max_error=0.0, candidates=no_qdot) == "fp32"
     assert choose_scheme(f16, "F16", shape, tokens=1, max_error=0.0) == "fp16"  # lossless
     big = torch.randn(*shape) * 1e5  # beyond fp16's range: packing it raises, so it is skipped
-    assert choose_scheme(big, "F32", shape, tokens=1) == "bf16"
+    assert choose_scheme(big, "F32", shape, tokens=1, candidates=no_qdot) == "bf16"

@@ -165,7 +165,11 @@ def test_plan_devices_for_a_pipeline(cache_home, monkeypatch, smollm2_path):
     p = plan_devices(smollm2_path, ["cpu"])
     (stage,) = p.stages
     assert (stage.device, stage.layer_start, stage.layer_end) == ("cpu", 0, 30)
-    assert stage.kv_dtype == "fp16" and stage.weights in ("fp16", "dense")
+    assert stage.kv_dtype == "fp16" and stage.weights in (
+        "qdot",
+        "fp16",
+        "dense",
+    )  # qdot: where it builds
     assert stage.mps_percentage is None and p.model_path == str(smollm2_path)
 
 

@@ -27,8 +27,9 @@ BLOCK = 16  # the daemon's default block size: prefix hits come in whole blocks
 
 @pytest.fixture(scope="module")
 def daemon():
-    # fp32 KV on both sides: fp8 rounding turns the last-bit differences of other batch shapes
-    # (a prefix hit computes fewer tokens) into logprob differences of ~5e-3 (BENCHMARKS.md)
+    # fp32 KV and fp16 weights on both sides: fp8 KV or int8 activations (qdot, the CPU default)
+    # turn the last-bit differences of other batch shapes (a prefix hit computes fewer tokens)
+    # into logprob differences of ~5e-3 to 1e-2 (BENCHMARKS.md)
     d = start_daemon(
         "--num-kv-blocks",
         "256",
@@ -38,6 +39,8 @@ def daemon():
         "1",
         "--kv-dtype",
         "fp32",
+        "--weights",
+        "fp16",
     )
     yield d
     assert d.finish() == 0, d.log()
@@ -55,7 +58,7 @@ def tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def offline(smollm2_path, daemon):  # after the daemon: the two loads do not compete
-    return LLM(str(smollm2_path), num_kv_blocks=256, threads=1, kv_dtype="fp32")
+    return LLM(str(smollm2_path), num_kv_blocks=256, threads=1, kv_dtype="fp32", weights="fp16")
 
 
 def fresh_messages(question: str) -> list[dict]:

@@ -26,12 +26,12 @@ def tiny(tmp_path_factory):
     path = write_synthetic(
         tmp_path_factory.mktemp("spec") / "tiny.gguf", "tiny-llama", "q8_0", progress=False
     )
-    return path, load_model(path, RuntimeConfig())
+    return path, load_model(path, RuntimeConfig(weights="fp16"))  # test_engine.py: why fp16
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path):
-    return smollm2_path, load_model(smollm2_path, RuntimeConfig())
+    return smollm2_path, load_model(smollm2_path, RuntimeConfig(weights="fp16"))
 
 
 def engine(model, speculative: str, draft_model: str | None = None, **sched) -> Engine:

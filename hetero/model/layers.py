@@ -6,6 +6,7 @@ replaces the torch reference without the model file changing.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -14,8 +15,8 @@ from torch import nn
 
 from hetero.config import ModelConfig, RopeScaling, RuntimeConfig
 from hetero.gguf_loader import GGUFTensor
-from hetero.kernels import select
-from hetero.kernels.cpu_linear import pack_linear, packed_linear
+from hetero.kernels import cpu_qdot, select
+from hetero.kernels.cpu_linear import PackedLinear, choose_scheme, pack_linear, packed_linear
 from hetero.kernels.registry import prepare_weight
 from hetero.quant import dequantize
 
@@ -104,7 +105,22 @@ class QuantLinear(nn.Module):
         else:
             raw = torch.cat([dequantize(w.torch(), w.ggml_type, w.shape) for w in weights])
             qtype = int(GGMLQuantizationType.F32)
-        self.packed = pack_linear(raw, qtype, (self.out_features, self.in_features), self.mode)
+        shape, scheme = (self.out_features, self.in_features), self.mode
+        if scheme == "qdot" and qtype not in cpu_qdot.NATIVE_TYPES:
+            # other types requantize to 8 bits per 32 for qdot: kept only within the error budget
+            scheme = choose_scheme(raw, qtype, shape, candidates=("qdot", "fp16", "fp32"))
+        self._set_packed(pack_linear(raw, qtype, shape, scheme))
+
+    def _set_packed(self, packed: PackedLinear) -> None:
+        self.packed, self._fast = packed, None
+        w = packed.weight
+        if packed.scheme == "qdot" and w.k == packed.in_features:
+            # pointers taken once: a decode step makes ~120 of these calls
+            m = w.m.data_ptr() if w.m is not None else None
+            self._fast = functools.partial(
+                cpu_qdot.linear_ptrs, is_q4=w.is_q4, n=w.n, k=w.k, wq=w.qs.data_ptr(),
+                wd=w.d.data_ptr(), m=m,
+            )  # fmt: skip
 
     @classmethod
     def tied(cls, embedding: QuantEmbedding) -> QuantLinear:
@@ -116,9 +132,12 @@ class QuantLinear(nn.Module):
         self.splits, self.parts = [self.out_features], None
         if self.mode == "dense":
             self.weight = embedding.weight
+        elif self.mode == "qdot":  # the table's own blocks (Q8_0 stays Q8_0)
+            raw = embedding.table.torch()
+            self._set_packed(pack_linear(raw, embedding.ggml_type, embedding.shape, self.mode))
         elif self.mode != "quant":  # packed from the embedding's exact fp32 table
             f32 = int(GGMLQuantizationType.F32)
-            self.packed = pack_linear(embedding.weight.float(), f32, embedding.shape, self.mode)
+            self._set_packed(pack_linear(embedding.weight.float(), f32, embedding.shape, self.mode))
         else:
             impl = select("qlinear", embedding.qweight.device)
             # the embedding keeps the GGUF rows it looks up; the head gets its own prepared copy
@@ -133,7 +152,10 @@ class QuantLinear(nn.Module):
         if self.mode == "dense":
             y = x @ self.weight.t()
         elif self.mode != "quant":
-            y = packed_linear(x, self.packed).to(x.dtype)
+            if self._fast is not None and x.dtype == torch.float32:
+                y = self._fast(x)
+            else:
+                y = packed_linear(x, self.packed).to(x.dtype)
         elif self.parts is None:
             y = self._qlinear(
                 x, self.qweight, self.ggml_type, (self.out_features, self.in_features)
@@ -158,6 +180,7 @@ class QuantEmbedding(nn.Module):
         self.dtype = rt.torch_dtype()
         if self.mode != "quant":  # dense, or packed linears: rows are looked up from fp32
             self.weight = nn.Parameter(_dense(table, rt), requires_grad=False)
+            self.table = table  # the mapped GGUF tensor, for a tied head that packs its blocks
         else:
             self.qweight = table.torch().to(rt.device)
             self._embed = select("embed", torch.device(rt.device)).fn

@@ -110,20 +110,32 @@ GPU_PREFILL_T = 2048
 
 
 def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
-    """fp16 (fbgemm repack) and dense fp32 on the CPU, the modes a CPU stage runs."""
+    """qdot (where it builds), fp16 (fbgemm repack) and dense fp32: the modes a CPU stage runs.
+    qdot is timed on Q4_1 blocks, the default model's type (other types run as Q8 blocks)."""
+    import numpy as np
     from gguf import GGMLQuantizationType
 
     from hetero.kernels.cpu_linear import available_schemes, pack_linear, packed_linear
+    from hetero.quant import random_blocks
 
     cpu, f32 = torch.device("cpu"), int(GGMLQuantizationType.F32)
     w = torch.randn(shape) * 0.02
+    q4 = torch.from_numpy(random_blocks("Q4_1", w.numel() // 32, np.random.default_rng(0)))
+    sources = {"qdot": (q4.reshape(shape[0], -1), int(GGMLQuantizationType.Q4_1))}
     rates = {}
-    for mode, scheme, kernel in (("fp16", "fp16", "fbgemm-fp16"), ("dense", "fp32", "torch")):
+    modes = (
+        ("qdot", "qdot", "cpu-qdot"),
+        ("fp16", "fp16", "fbgemm-fp16"),
+        ("dense", "fp32", "torch"),
+    )
+    for mode, scheme, kernel in modes:
         if scheme not in available_schemes():
             continue
+        src, qtype = sources.get(scheme, (w, f32))
         packs = _rotation(
-            lambda s=scheme: pack_linear(w, f32, shape, s), lambda p: p.nbytes, rotate_bytes
-        )
+            lambda s=scheme, a=src, q=qtype: pack_linear(a, q, shape, s), lambda p: p.nbytes,
+            rotate_bytes,
+        )  # fmt: skip
         rates[mode] = linear_rate(
             kernel, packs, packed_linear, shape, packs[0].nbytes, cpu, torch.float32, prefill_t,
             CPU_CURVE_T,

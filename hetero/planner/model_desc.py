@@ -43,6 +43,8 @@ def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
         return float(t.nbytes)
     if weights == "dense":
         return (4.0 if on_cpu else 2.0) * t.params  # fp32 on a CPU, bf16 on a GPU
+    if weights == "qdot":  # kernels/cpu_qdot.py: Q4_0/Q4_1 blocks 0.75 B/w, the rest as Q8 blocks
+        return (0.75 if t.ggml_type in ("Q4_0", "Q4_1") else 1.125) * t.params
     return _PACKED_BYTES[weights] * t.params
 
 

@@ -23,7 +23,8 @@ from hetero.planner.plan import (
 from hetero.planner.search import Split, search
 
 GPU_MODES = ("quant", "dense")
-CPU_MODES = ("fp16", "dense")  # exact or nearly so (fp16: logits within 0.03); int4/int8 opt-in
+# exact or nearly so (fp16: logits within 0.03); qdot where its kernel builds; int4/int8 opt-in
+CPU_MODES = ("fp16", "dense")
 
 
 def kv_dtype_for(dev: DeviceProfile, asked: str) -> str:
@@ -38,7 +39,9 @@ def kv_dtype_for(dev: DeviceProfile, asked: str) -> str:
 def _modes(dev: DeviceProfile, asked: str) -> tuple[str, ...]:
     if asked != "auto":
         return (asked,) if dev.is_cpu or asked in GPU_MODES else ("dense",)
-    return CPU_MODES if dev.is_cpu else GPU_MODES
+    if not dev.is_cpu:
+        return GPU_MODES
+    return (("qdot",) if "qdot" in dev.matmul else ()) + CPU_MODES  # measured by the profile
 
 
 @dataclass

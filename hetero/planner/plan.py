@@ -69,7 +69,7 @@ class PlanConfig:
             raise ValueError(f"context must be >= 2, got {self.context}")
         if self.kv_dtype not in ("auto", "fp8", "fp16", "bf16", "fp32"):
             raise ValueError(f"kv_dtype must be auto, fp8, fp16, bf16 or fp32: {self.kv_dtype!r}")
-        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16")
+        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
         if self.weights not in modes:
             raise ValueError(f"weights must be one of {', '.join(modes)}: {self.weights!r}")
         if not 0.0 <= self.margin < 1.0:

@@ -25,7 +25,8 @@ from hetero.planner.device import DeviceProfile, LiveDevice
 from hetero.planner.gpu_profile import measure_gpu, nvml_gpus
 from hetero.planner.measure import copy_gbs, cpu_matmul_rates, matmul_tflops
 
-CACHE_VERSION = 3  # 2: matmul curves over T, eager overheads; 3: GPU decode rates from graph replays
+# 2: matmul curves over T, eager overheads; 3: CPU qdot rates, GPU decode rates from graph replays
+CACHE_VERSION = 3
 
 
 def cpu_name() -> str:
