@@ -28,6 +28,7 @@ from hetero.dist.startup import StartWatch
 from hetero.dist.step import StepPlan, StepResult
 from hetero.dist.worker import STOP, StageArgs, stage_main
 from hetero.engine.config import EngineConfig
+from hetero.exit_status import exit_reason
 from hetero.kernels.registry import forced
 
 log = logging.getLogger("hetero.dist")
@@ -41,19 +42,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def mps_running() -> bool:
@@ -216,7 +204,7 @@ class Pipeline:
     def _failure(self, what: str) -> StageFailure:
         time.sleep(0.2)  # let a dying stage's reason reach the queue
         dead = [
-            f"stage {r} ({self.stages[r].describe()}) {_exit_reason(p.exitcode)}"
+            f"stage {r} ({self.stages[r].describe()}) {exit_reason(p.exitcode)}"
             for r, p in self.procs.items()
             if not p.is_alive()
         ]

@@ -18,7 +18,6 @@ import itertools
 import logging
 import multiprocessing as mp
 import pickle
-import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 
@@ -26,6 +25,7 @@ from hetero.engine.async_engine import EngineDeadError, merge_outputs
 from hetero.engine.core_process import engine_main
 from hetero.engine.core_wire import EngineInfo, dumps
 from hetero.engine.engine import StepOutput
+from hetero.exit_status import exit_reason
 from hetero.sampling import SamplingParams
 
 log = logging.getLogger("hetero.engine")
@@ -225,17 +225,6 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5.0)
-
-
-def exit_reason(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _widen(conn) -> None:
