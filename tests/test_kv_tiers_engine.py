@@ -20,7 +20,7 @@ from hetero.config import RuntimeConfig
 from hetero.llm import LLM
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
-from hetero.server.metrics import Metrics, parse_metrics
+from hetero.server.metrics import Metrics, engine_gauge_lines, parse_metrics
 from hetero.synth import write_synthetic
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
@@ -115,7 +115,7 @@ def test_metrics_show_tiers(model_files, loaded, tmp_path):
     run(llm, ids)
     llm.engine.kv_tiers.offload_all(llm.engine.block_manager)
     run(llm, ids)
-    m = parse_metrics(Metrics().render(llm.engine, "ready"))
+    m = parse_metrics(Metrics().render(engine_gauge_lines(llm.engine), "ready"))
     assert m['hetero_kv_tier_hits_total{tier="ram"}'] == 11
     assert m['hetero_kv_tier_blocks_cached{tier="ram"}'] == 11
     assert m['hetero_kv_tier_bytes_moved_total{direction="ram->device"}'] == 11 * (
