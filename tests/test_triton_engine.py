@@ -109,7 +109,10 @@ def test_verify_step_through_decode_buffers_with_triton_attention(model_file, mo
             out = eng.scheduler.schedule({"a": [5, 6, 7, 8, 9]})
             graphs = DecodeGraphs(loaded[1], eng.pool, 8, 64)
             assert graphs.fits(out)
-            fn = graphs.run if kernels is TRITON else lambda s: eng.runner.run(out)[0]
-            logits.append(fn(out.scheduled).float().cpu())
+            if kernels is TRITON:
+                step = graphs.run(out.scheduled)
+            else:
+                step = eng.runner.run(out)[0]
+            logits.append(step.float().cpu())
     assert logits[1].shape == (6, SHAPE.vocab_size)
     assert torch.allclose(logits[1], logits[0], atol=1e-4)
