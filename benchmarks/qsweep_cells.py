@@ -137,24 +137,9 @@ def cell_jobs(
 
 def graph_us(fns: list, replays: int = REPLAYS) -> float:
     """Microseconds per call of fns (run in turn), from CUDA-graph replays timed with events."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return float(np.median(times))
+    from gpu_qmatmul import graph_time  # the benchmarks' one graph timer (same folder)
+
+    return graph_time(fns, replays) * 1e6
 
 
 class _Shape:
