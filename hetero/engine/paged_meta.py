@@ -58,7 +58,13 @@ def decode_slots_from_tables(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's decode view, computed on the device without host values:
-    slots [B, L] (L = max_blocks * block_size) of every position, mask [B, L] where real."""
+    slots [B, L] (L = max_blocks * block_size) of every position, mask [B, L] where real.
+
+    Positions past a sequence's length read its last written slot, not whatever the table's
+    padding or an unwritten slot holds: the mask drops them, but a NaN read there would still
+    reach the output (0 * NaN in the weighted sum of V)."""
     pos = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)
-    blocks = block_tables.long()[:, pos // block_size]  # [B, L]
-    return blocks * block_size + pos % block_size, pos[None, :] < seq_lens[:, None]
+    mask = pos[None, :] < seq_lens[:, None]
+    read = torch.minimum(pos[None, :], (seq_lens.long() - 1).clamp_min(0)[:, None])  # [B, L]
+    blocks = block_tables.long().gather(1, read // block_size)
+    return blocks * block_size + read % block_size, mask

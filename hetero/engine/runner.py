@@ -74,6 +74,7 @@ def build_meta(
         slots = torch.zeros(len(scheduled), lmax, dtype=torch.long)
         mask = torch.zeros(len(scheduled), lmax, dtype=torch.bool)
         for b, c in enumerate(meta.ctx_slots):
+            slots[b] = c[0]  # padding reads a written slot: masked out, but never NaN bytes
             slots[b, : c.shape[0]] = c
             mask[b, : c.shape[0]] = True
         meta.decode_slots, meta.decode_mask = slots, mask
