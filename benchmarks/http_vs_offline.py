@@ -10,13 +10,16 @@ same N requests (the same seeded random prompts, a seed per C so no run hits ano
 with C streaming clients. One row per C and mode: both aggregate output rates, their ratio, and
 median TTFT on both sides (closed loop: TTFT includes the wait for a free slot).
 
+`--stream-intervals auto,0` starts each mode once per `--stream-interval-ms` value (a row each);
+`--client-processes P` spreads the HTTP clients over P processes (one Python process parsing
+every event of 64 fast streams is itself a bound that real clients do not share).
+
 Every step is bounded: the daemon's start (--start-timeout) and each timed run (ten times its
 expected length, at least two minutes).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -35,7 +38,7 @@ from hetero.cli_options import engine_options
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDE_KEYS = ("concurrency", "seconds", "input_len", "output_len", "modes", "side", "out", "model")
-SIDE_KEYS += ("start_timeout", "port")
+SIDE_KEYS += ("start_timeout", "port", "client_processes", "stream_intervals")
 
 
 def _seed(c: int) -> int:
@@ -118,21 +121,18 @@ def stop_daemon(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def http_side(url: str, vocab: int, cs: list[int], offline: dict, inp: int, outp: int) -> dict:
+def http_side(
+    url: str, vocab: int, cs: list[int], offline: dict, inp: int, outp: int, procs: int
+) -> dict:
     from hetero.server.bench_http import run_http_bench
 
-    async def bounded(coro, seconds: float):
-        return await asyncio.wait_for(coro, seconds)
-
     out = {}
-    asyncio.run(run_http_bench(url, vocab, 1, 1, min(inp, 16), 4, seed=2))
+    run_http_bench(url, vocab, 1, 1, min(inp, 16), 4, seed=2, timeout=120)
     for c in cs:
         n = offline[c]["n"]
-        expected = n * outp / offline[c]["tok_s"]
-        warm = run_http_bench(url, vocab, c, c, inp, 8, seed=_seed(c) + 2)
-        asyncio.run(bounded(warm, max(120.0, 10 * expected)))
-        timed = run_http_bench(url, vocab, n, c, inp, outp, seed=_seed(c))
-        r = asyncio.run(bounded(timed, max(120.0, 10 * expected)))
+        bound = max(120.0, 10 * n * outp / offline[c]["tok_s"])
+        run_http_bench(url, vocab, c, c, inp, 8, _seed(c) + 2, procs, bound)  # warm-up
+        r = run_http_bench(url, vocab, n, c, inp, outp, _seed(c), procs, bound)
         out[c] = {"tok_s": r.output_tok_s, "ttft_ms": _median_ms(r.ttft_s)}
         print(f"HTTP C={c}: {r.output_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
     return out
@@ -164,12 +164,25 @@ def run_offline_child(ctx: click.Context, model: str, budget: float) -> dict:
 )
 @click.option("--start-timeout", type=float, default=300.0, show_default=True)
 @click.option("--port", type=int, default=18080, show_default=True)
+@click.option(
+    "--stream-intervals",
+    default="auto",
+    show_default=True,
+    help="hetero-serve --stream-interval-ms values to run each mode with (comma-separated)",
+)
+@click.option(
+    "--client-processes",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="processes the HTTP clients are spread over (bench_http --processes)",
+)
 @click.option("--side", type=click.Choice(["both", "offline"]), default="both", hidden=True)
 @click.option("--out", default=None, hidden=True)
 @engine_options
 @click.pass_context
 def main(ctx, model, concurrency, seconds, input_len, output_len, modes, start_timeout, port,
-         side, out, **options) -> None:  # fmt: skip
+         stream_intervals, client_processes, side, out, **options) -> None:  # fmt: skip
     cs = [int(c) for c in concurrency.split(",")]
     model = str(Path(model).resolve())  # the daemon and the offline side run from the repository
     if side == "offline":
@@ -182,20 +195,24 @@ def main(ctx, model, concurrency, seconds, input_len, output_len, modes, start_t
     offline = run_offline_child(ctx, model, budget=start_timeout + 20 * seconds * len(cs))
     rows = []
     for mode in modes.split(","):
-        proc, log = start_daemon(model, serve_flags(ctx), mode, port, start_timeout)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            http = http_side(url, vocab, cs, offline, input_len, output_len)
-        finally:
-            stop_daemon(proc)
-        os.unlink(log)
-        rows += [(c, mode, offline[c], http[c]) for c in cs]
+        for interval in stream_intervals.split(","):
+            flags = [*serve_flags(ctx), "--stream-interval-ms", interval]
+            proc, log = start_daemon(model, flags, mode, port, start_timeout)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                args = (cs, offline, input_len, output_len, client_processes)
+                http = http_side(url, vocab, *args)
+            finally:
+                stop_daemon(proc)
+            os.unlink(log)
+            label = mode if interval == "auto" else f"{mode}@{interval}ms"
+            rows += [(c, label, offline[c], http[c]) for c in cs]
     click.echo(f"{input_len} in / {output_len} out, ~{seconds:.0f} s per timed run")
-    click.echo(f"{'C':>4} {'N':>6} {'mode':>18} {'offline tok/s':>14} {'HTTP tok/s':>11} "
+    click.echo(f"{'C':>4} {'N':>6} {'mode':>22} {'offline tok/s':>14} {'HTTP tok/s':>11} "
                f"{'ratio':>6} {'TTFT off ms':>12} {'TTFT HTTP ms':>13}")  # fmt: skip
     for c, mode, off, h in rows:
         click.echo(
-            f"{c:>4} {off['n']:>6} {mode:>18} {off['tok_s']:>14.1f} {h['tok_s']:>11.1f} "
+            f"{c:>4} {off['n']:>6} {mode:>22} {off['tok_s']:>14.1f} {h['tok_s']:>11.1f} "
             f"{h['tok_s'] / off['tok_s']:>6.1%} {off['ttft_ms']:>12.1f} {h['ttft_ms']:>13.1f}"
         )
 

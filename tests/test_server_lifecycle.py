@@ -20,6 +20,7 @@ from hetero.server.config_file import apply_config
 from tests.server_fixture import free_port, sse_events, start_daemon
 
 NAME = "from-toml"
+PACE_MS = 150
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -40,6 +41,11 @@ def config(tmp_path_factory):
         "shutdown_grace = 2.0\n"
         "threads = 1\n"
         'kv_dtype = "fp16"\n'
+        f'stream_interval_ms = {PACE_MS}  # a number (or "auto")\n'
+        # n-gram guesses from an earlier answer change a later one's batch shapes, and with
+        # the CPU's int8 activations that can flip a greedy near-tie: the pacing test compares
+        # two runs of one prompt
+        'speculative = "off"\n'
     )
     return path
 
@@ -88,6 +94,44 @@ def test_config_file_and_flags(loading_seen):
     status, _, raw = d.request("GET", "/v1/models")
     assert status == 200 and json.loads(raw)["data"][0]["id"] == NAME  # from the file
     assert d.metrics()['hetero_kv_blocks_total{tier="cpu"}'] == 48  # the flag won
+
+
+def test_paced_stream_groups_tokens_and_loses_none(loading_seen):
+    """--stream-interval-ms from the file: a stream's events come at least that far apart, each
+    carrying the tokens of its interval; the text is the non-streamed text, the count exact."""
+    import http.client
+
+    d, _ = loading_seen
+    body = {"model": NAME, "prompt": "The colors of the rainbow are", "max_tokens": 40}
+    body |= {"temperature": 0, "ignore_eos": True}
+    status, plain = d.post("/v1/completions", body)
+    assert status == 200 and plain["usage"]["completion_tokens"] == 40
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
+    stream_body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/completions", json.dumps(stream_body))
+    resp = conn.getresponse()
+    arrivals, raw = [], b""
+    while chunk := resp.read1(65536):
+        arrivals.append(time.perf_counter())
+        raw += chunk
+    events = sse_events(raw)
+    texts = [e["choices"][0]["text"] for e in events[:-1] if isinstance(e, dict) and e["choices"]]
+    assert "".join(texts) == plain["choices"][0]["text"]
+    assert events[-2]["usage"]["completion_tokens"] == 40 and events[-1] == "[DONE]"
+    assert 1 < len(texts) < 40  # grouped, and still streamed
+    # reads that each got one text event: the gaps between them keep the interval
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) >= len(texts) - 1 and min(gaps[: len(texts) - 2]) >= PACE_MS / 1e3 * 0.8
+
+
+def test_bench_http_spreads_its_clients_over_processes(loading_seen):
+    from hetero.server.bench_http import run_http_bench
+
+    d, _ = loading_seen
+    r = run_http_bench(d.url, 4096, 6, 4, 8, 5, seed=3, processes=2, timeout=240)
+    assert (r.num_requests, r.concurrency, r.output_tokens) == (6, 4, 30)
+    assert len(r.ttft_s) == 6 and all(t > 0 for t in r.ttft_s)  # every request streamed
+    assert r.wall_s >= max(r.ttft_s)
 
 
 def test_sigterm_lets_short_requests_finish_and_tells_the_others_why(loading_seen):
@@ -154,6 +198,8 @@ def test_sigterm_lets_short_requests_finish_and_tells_the_others_why(loading_see
         ('kv_dtype = "fp4"\n', "kv_dtype"),
         ("port = 70000\n", "port"),
         ("threads = [\n", "not valid TOML"),
+        ('stream_interval_ms = "soon"\n', "expected 'auto' or milliseconds"),
+        ("stream_interval_ms = -5\n", ">= 0"),
     ],
 )
 def test_bad_config_files_are_refused(tmp_path, text, message):

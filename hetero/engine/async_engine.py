@@ -13,7 +13,8 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from hetero.engine.core_wire import EngineInfo
@@ -83,9 +84,14 @@ class AsyncEngine:
     # -- caller side (any thread with an event loop) ------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        pace: Pace | None = None,
     ) -> AsyncIterator[StepOutput]:
-        """Stream the StepOutputs of one sequence; aborting it if the caller stops listening."""
+        """Stream the StepOutputs of one sequence (see `paced`); aborting it if the caller stops
+        listening."""
         if self._dead is not None or self._stop.is_set():
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shutting down'}")
         loop = asyncio.get_running_loop()
@@ -93,17 +99,10 @@ class AsyncEngine:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add(request_id, prompt_ids, params, sink, loop, done))
         await asyncio.wrap_future(done)  # raises the engine's ValueError for a bad request
-        finished = False
-        try:
-            while not finished:
-                out: StepOutput = await sink.get()
-                while not out.finished and not sink.empty():
-                    out = merge_outputs(out, sink.get_nowait())
-                finished = out.finished
+        # closed here, not by the collector: the abort must reach the engine when the caller goes
+        async with aclosing(paced(sink, pace, lambda: self.abort(request_id))) as outs:
+            async for out in outs:
                 yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -175,6 +174,47 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 cmd.done.set_exception(EngineDeadError(reason))
+
+
+Pace = Callable[[], float]  # seconds a stream waits after an output before it takes the next
+
+
+async def paced(
+    sink: asyncio.Queue, pace: Pace | None, abort: Callable[[], None]
+) -> AsyncIterator[StepOutput]:
+    """One sequence's outputs from its queue, until the finished one; `abort` when the caller
+    stops listening first. An exception in the queue (the engine refused the request) is raised.
+
+    Every output waiting in the queue is taken at once, merged (merge_outputs). After each output
+    the stream waits `pace()` seconds (none while it returns 0) before it looks again, so the
+    steps of that time arrive as one output: the caller's work per output (detokenizing, one
+    event, one socket write) is then paid once per interval instead of once per step. The first
+    output never waits, and neither does a finished one beyond the interval it falls in.
+    """
+    loop = asyncio.get_running_loop()
+    last = None
+    finished = False
+    try:
+        while not finished:
+            if last is not None and pace is not None:
+                wait = last + pace() - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            out = await sink.get()
+            while True:
+                if isinstance(out, Exception):
+                    finished = True  # the engine has forgotten it: nothing to abort
+                    raise out
+                if out.finished or sink.empty():
+                    break
+                nxt = sink.get_nowait()
+                out = nxt if isinstance(nxt, Exception) else merge_outputs(out, nxt)
+            finished = out.finished
+            yield out
+            last = loop.time()
+    finally:
+        if not finished:
+            abort()
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:

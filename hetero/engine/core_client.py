@@ -20,8 +20,9 @@ import multiprocessing as mp
 import pickle
 import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
-from hetero.engine.async_engine import EngineDeadError, merge_outputs
+from hetero.engine.async_engine import EngineDeadError, Pace, paced
 from hetero.engine.core_process import engine_main
 from hetero.engine.core_wire import EngineInfo, dumps
 from hetero.engine.engine import StepOutput
@@ -36,15 +37,6 @@ GAUGES_TIMEOUT_S = 5.0  # the engine answers between steps
 
 class EngineLoadError(RuntimeError):
     """The engine process could not load the model (the message names the error there)."""
-
-
-class Refused:
-    """A request the engine would not take (too long, bad token ids): raised in its handler."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
 
 
 class EngineProcess:
@@ -100,28 +92,23 @@ class EngineProcess:
     # -- requests ------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        pace: Pace | None = None,
     ) -> AsyncIterator[StepOutput]:
-        """Stream the StepOutputs of one sequence; aborting it if the caller stops listening."""
+        """Stream the StepOutputs of one sequence (async_engine.paced); aborting it if the caller
+        stops listening. A request the engine refused raises ValueError with its reason."""
         if self.dead is not None or self._closing:
             raise EngineDeadError(f"the engine is not running: {self.dead or 'shutting down'}")
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request_id] = sink
         self._send(("add", request_id, prompt_ids, params))
-        finished = False
-        try:
-            while not finished:
-                out = await sink.get()
-                if isinstance(out, Refused):
-                    finished = True
-                    raise ValueError(out.message)
-                while not out.finished and not sink.empty():
-                    out = merge_outputs(out, sink.get_nowait())
-                finished = out.finished
+        # closed here, not by the collector: the abort must reach the engine when the caller goes
+        async with aclosing(paced(sink, pace, lambda: self.abort(request_id))) as outs:
+            async for out in outs:
                 yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None and self.dead is None:
@@ -174,7 +161,7 @@ class EngineProcess:
             for rid, message in msg[2]:
                 sink = sinks.pop(rid, None)
                 if sink is not None:
-                    sink.put_nowait(Refused(message))
+                    sink.put_nowait(ValueError(message))  # raised in its handler
         elif kind == "gauges":
             fut = self._gauges.get(msg[1])
             if fut is not None and not fut.done():

@@ -26,7 +26,26 @@ SERVER_KEYS = (
     "shutdown_grace",
     "log_level",
     "engine_process",
+    "stream_interval_ms",
 )
+
+
+class AutoOrMs(click.ParamType):
+    """'auto' (None) or milliseconds >= 0; in a TOML file a number or "auto"."""
+
+    name = "auto|ms"
+    toml_kinds = (str, int, float)
+
+    def convert(self, value, param, ctx) -> float | None:
+        if value is None or str(value).strip().lower() == "auto":
+            return None
+        try:
+            ms = float(value)
+        except ValueError:
+            self.fail(f"expected 'auto' or milliseconds, got {value!r}", param, ctx)
+        if not ms >= 0:
+            self.fail(f"must be >= 0 milliseconds, got {value!r}", param, ctx)
+        return ms
 
 
 @click.command(name="hetero-serve", context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,6 +83,15 @@ SERVER_KEYS = (
     show_default=True,
     help="run the engine in its own process (its loop and the HTTP work then have an "
     "interpreter each) or on a thread of the server's process",
+)
+@click.option(
+    "--stream-interval-ms",
+    type=AutoOrMs(),
+    default="auto",
+    show_default=True,
+    help="least time between two streamed events of one request; its tokens of that time go "
+    "in one event (0: each engine step's tokens at once; auto: 0 while at most 8 requests run, "
+    "20 ms beyond, so that HTTP keeps up with a fast engine at many streams)",
 )
 @engine_options
 @click.pass_context

@@ -21,6 +21,9 @@ except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard libra
 def _kind_ok(param: click.Parameter, value: Any) -> bool:
     """TOML already types its values: require the one the option takes (no "8" for 8)."""
     t = param.type
+    kinds = getattr(t, "toml_kinds", None)  # an option's own type that takes several
+    if kinds is not None:
+        return isinstance(value, kinds) and not isinstance(value, bool)
     if isinstance(t, click.types.BoolParamType):
         return isinstance(value, bool)
     if isinstance(t, click.types.IntParamType):

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from hetero.engine.async_engine import AsyncEngine
+from hetero.engine.async_engine import AsyncEngine, Pace
 from hetero.engine.engine import TokenLogprob
 from hetero.engine.output import TextStream
 from hetero.sampling import SamplingParams
@@ -76,8 +76,10 @@ class Job:
         prompts: Sequence[list[int]],
         params: SamplingParams,
         prefix: str,
+        pace: Pace | None = None,
     ) -> None:
         self.ae = ae
+        self.pace = pace  # how long a stream waits between events (ServerState.pace)
         self.metrics = metrics
         self.prompts = list(prompts)
         self.params = params
@@ -115,7 +117,7 @@ class Job:
         sid = f"{self.id}/{choice.index}"
         prompt = self.prompts[choice.prompt]
         stream = choice.stream
-        async with aclosing(self.ae.generate(sid, prompt, stream.params)) as steps:
+        async with aclosing(self.ae.generate(sid, prompt, stream.params, self.pace)) as steps:
             async for step in steps:
                 if choice.clock.last is None and step.num_prompt_tokens:
                     choice.started = True

@@ -246,9 +246,8 @@ async def infill(request: web.Request) -> web.StreamResponse:
         raise context_error(0, n_predict, room, engine.max_model_len, pool, "n_predict")
     reserve = n_predict or min(OUTPUT_RESERVE, room // 4)
     ids, truncated = await state.off_loop(build_infill, tok, inp, room - reserve)
-    job = Job(
-        ae, tok, state.metrics, [ids], make_params(kw, n_predict or room - len(ids)), "infill"
-    )
+    params = make_params(kw, n_predict or room - len(ids))
+    job = Job(ae, tok, state.metrics, [ids], params, "infill", state.pace)
     limits = LineLimits(body.get("n_indent") or 0, body.get("t_max_predict_ms") or 0, warm_only)
     with state.in_flight():
         return await _run(request, state, job, limits, bool(body.get("stream")), truncated)

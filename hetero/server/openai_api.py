@@ -135,7 +135,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     requested = body.get("max_completion_tokens") or body.get("max_tokens")
     max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, state.pool_tokens)
     params = make_params(kw, max_tokens)
-    job = Job(ae, ae.tokenizer, state.metrics, [ids], params, "chatcmpl")
+    job = Job(ae, ae.tokenizer, state.metrics, [ids], params, "chatcmpl", state.pace)
     with state.in_flight():
         if body.get("stream"):
             return await _stream_chat(request, state, job, include_usage(body), logprobs)
@@ -277,7 +277,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     limits = (engine.max_model_len, state.pool_tokens)
     for p in prompts:
         resolve_max_tokens(requested, len(p), *limits, prompt_param="prompt")
-    job = Job(ae, tok, state.metrics, prompts, make_params(kw, requested), "cmpl")
+    job = Job(ae, tok, state.metrics, prompts, make_params(kw, requested), "cmpl", state.pace)
     echo = [_echo_text(tok, p) for p in items] if body.get("echo") else None
     with state.in_flight():
         if body.get("stream"):

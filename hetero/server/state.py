@@ -50,10 +50,22 @@ class ServerSettings:
     # engine (the engine's step and the per-token HTTP work stop sharing one GIL); on a 2-core CPU
     # it measured as fast as the thread or a little faster, at the same CPU time per token.
     engine_process: bool = True
+    # Milliseconds a stream waits after sending before it sends again (its tokens of that time go
+    # as one event); None: auto (see ServerState.pace).
+    stream_interval_ms: float | None = None
 
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model_path.stem
+
+
+# --stream-interval-ms auto: every step's tokens go out at once while few requests stream; past
+# AUTO_PACE_STREAMS a stream sends at most one event per AUTO_PACE_S (50 a second, smoother than
+# a screen shows text). Per event the server pays a detokenize, a JSON encode and a socket write
+# (~70 us, the write half of it), and the client as much again: at 64 streams of a fast engine
+# that work, not the engine, bounded the HTTP path (BENCHMARKS.md, the daemon on the H200).
+AUTO_PACE_STREAMS = 8
+AUTO_PACE_S = 0.02
 
 
 class ServerState:
@@ -156,6 +168,13 @@ class ServerState:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (chat templates, encoding) on the tokenizer threads."""
         return await asyncio.get_running_loop().run_in_executor(self.tok_pool, fn, *args)
+
+    def pace(self) -> float:
+        """Seconds a stream waits after one event before it takes the next (async_engine.paced)."""
+        ms = self.settings.stream_interval_ms
+        if ms is not None:
+            return ms / 1e3
+        return AUTO_PACE_S if self.metrics.in_flight > AUTO_PACE_STREAMS else 0.0
 
     @contextmanager
     def in_flight(self) -> Iterator[None]:

@@ -1,0 +1,95 @@
+"""async_engine.paced: one sequence's outputs from its queue, merged and paced.
+
+The queue is filled the way the engines fill it (one StepOutput per step, from a timer standing
+in for the engine's steps), and read the way the server reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from hetero.engine.async_engine import paced
+from hetero.engine.engine import StepOutput
+
+
+async def _feed(sink: asyncio.Queue, steps: int, every: float, rid: str = "r") -> None:
+    for i in range(steps):
+        await asyncio.sleep(every)
+        last = i == steps - 1
+        sink.put_nowait(
+            StepOutput(rid, [i], finished=last, finish_reason="length" if last else None)
+        )
+
+
+async def _read(steps: int, every: float, pace) -> list[tuple[float, list[int], bool]]:
+    sink: asyncio.Queue = asyncio.Queue()
+    aborted: list[bool] = []
+    feeder = asyncio.create_task(_feed(sink, steps, every))
+    got = []
+    async for out in paced(sink, pace, lambda: aborted.append(True)):
+        got.append((time.perf_counter(), out.new_token_ids, out.finished))
+    await feeder
+    assert not aborted  # it ended by itself
+    return got
+
+
+def test_without_pace_every_step_is_its_own_output() -> None:
+    got = asyncio.run(_read(6, 0.01, None))
+    assert [ids for _, ids, _ in got] == [[i] for i in range(6)]
+    assert [f for _, _, f in got] == [False] * 5 + [True]
+
+
+def test_paced_outputs_carry_every_token_in_order_and_keep_the_interval() -> None:
+    pace = 0.06
+    got = asyncio.run(_read(20, 0.01, lambda: pace))
+    tokens = [t for _, ids, _ in got for t in ids]
+    assert tokens == list(range(20))  # none lost, none repeated
+    assert got[0][1] == [0]  # the first never waits
+    assert len(got) < 20 and any(len(ids) > 1 for _, ids, _ in got)
+    assert got[-1][2] and not any(f for _, _, f in got[:-1])
+    gaps = [b[0] - a[0] for a, b in zip(got, got[1:])]
+    assert min(gaps) >= pace * 0.9, gaps
+
+
+def test_pace_is_asked_after_every_output() -> None:
+    """A pace that turns on midway (auto: more streams arrived) takes effect at once."""
+    calls = []
+
+    def pace() -> float:
+        calls.append(1)
+        return 0.0 if len(calls) < 4 else 0.05
+
+    got = asyncio.run(_read(15, 0.01, pace))
+    assert [len(ids) for _, ids, _ in got[:4]] == [1, 1, 1, 1]
+    assert len(got) < 15 and [t for _, ids, _ in got for t in ids] == list(range(15))
+
+
+def test_a_refusal_in_the_queue_is_raised_and_not_aborted() -> None:
+    async def run() -> list[bool]:
+        sink: asyncio.Queue = asyncio.Queue()
+        aborted: list[bool] = []
+        sink.put_nowait(ValueError("prompt too long"))
+        with pytest.raises(ValueError, match="too long"):
+            async for _ in paced(sink, None, lambda: aborted.append(True)):
+                pass
+        return aborted
+
+    assert asyncio.run(run()) == []
+
+
+def test_a_reader_that_stops_early_aborts_its_sequence() -> None:
+    async def run() -> list[bool]:
+        sink: asyncio.Queue = asyncio.Queue()
+        aborted: list[bool] = []
+        feeder = asyncio.create_task(_feed(sink, 10, 0.01))
+        stream = paced(sink, lambda: 0.02, lambda: aborted.append(True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        feeder.cancel()
+        return aborted
+
+    assert asyncio.run(run()) == [True]
