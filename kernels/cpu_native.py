@@ -1,10 +1,15 @@
-"""Native (C) versions of the small per-layer ops, registered above kernels/cpu_ops.py's.
+"""Native (C) versions of the small per-layer ops and of paged attention, registered above
+kernels/cpu_ops.py's.
 
 A decode step on the CPU calls rms_norm / add_rms_norm ~60 times and silu_mul 30 times on
 [T, 576]-sized tensors; torch's rms_norm costs ~40 us a call there (a reduction's setup), the C
 loop a few us through ctypes (kernels/cpu_small_ops.c). Float32 rows only; anything else (other
 dtypes, odd strides) takes the torch path of the same op. Tested against the references in
 tests/test_cpu_native.py.
+
+Paged attention (kernels/cpu_attention.c) reads each context's K and V rows where they lie in the
+cache instead of gathering a padded float32 copy for scaled_dot_product_attention: the host lists
+of PagedMeta are flattened once per step (at its first layer) into the int64 arrays it takes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hetero.kernels import cpu_ops, native
+from hetero.kernels.paged import FP8
 from hetero.kernels.registry import register
 
 
@@ -64,4 +70,57 @@ def silu_mul_native(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     native.load().native_silu_mul(
         gate.data_ptr(), up.data_ptr(), out.data_ptr(), t, f, gate.stride(0)
     )
+    return out
+
+
+_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, FP8: 2}
+
+
+def _flat_meta(meta) -> tuple[torch.Tensor, ...]:
+    """PagedMeta's host lists as the kernel's arrays, made once per step (the meta is shared by
+    every layer): q_start, q_len, ctx_len, slot_off [S] and the concatenated slots."""
+    flat = meta.native_flat
+    if flat is None:
+        lens = [int(c.shape[0]) for c in meta.ctx_slots]
+        offsets = [0]
+        for n in lens[:-1]:
+            offsets.append(offsets[-1] + n)
+        as_i64 = [torch.tensor(v, dtype=torch.int64) for v in (meta.q_starts, meta.q_lens, lens)]
+        slots = (
+            torch.cat(meta.ctx_slots).to(torch.int64) if lens else torch.zeros(0, dtype=torch.int64)
+        )
+        flat = (*as_i64, torch.tensor(offsets, dtype=torch.int64), slots.contiguous())
+        meta.native_flat = flat
+    return flat
+
+
+@register("paged_attention", "native", priority=2, supports=native_cpu)
+def paged_attention_native(q, k_cache, v_cache, k_scale, v_scale, meta, scale: float):
+    """paged_attention_ref for float32 q [T, H, D] (rows of H * D values, any row stride) over
+    float32, float16 or e4m3 caches; anything else takes kernels/cpu_ops.py's path."""
+    code = _CACHE_DTYPES.get(k_cache.dtype)
+    t, h, d = q.shape
+    ok = (
+        code is not None
+        and q.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == d
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and (code != 2 or (k_scale.is_contiguous() and v_scale.is_contiguous()))
+        and len(meta.ctx_slots) == len(meta.q_starts) > 0
+    )
+    if not ok:
+        return cpu_ops.paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
+    q_start, q_len, ctx_len, slot_off, slots = _flat_meta(meta)
+    out = torch.empty(t, h, d)
+    scales = (k_scale.data_ptr(), v_scale.data_ptr()) if code == 2 else (None, None)
+    failed = native.load().native_paged_attention(
+        q.data_ptr(), q.stride(0), t, h, k_cache.shape[1], d, k_cache.data_ptr(),
+        v_cache.data_ptr(), *scales, code, len(meta.q_starts), q_start.data_ptr(),
+        q_len.data_ptr(), ctx_len.data_ptr(), slot_off.data_ptr(), slots.data_ptr(), scale,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        return cpu_ops.paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
     return out

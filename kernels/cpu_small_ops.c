@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_simd.h"
+
 static void norm_row(const float *x, const float *w, float *out, int64_t C, float eps) {
     double ss = 0.0;
     for (int64_t j = 0; j < C; j++) ss += (double)x[j] * x[j];
@@ -34,6 +36,15 @@ void native_silu_mul(const float *gate, const float *up, float *out, int64_t T, 
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate + t * stride, *u = up + t * stride;
         float *o = out + t * F;
-        for (int64_t j = 0; j < F; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        int64_t j = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; j + 8 <= F; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < F; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
 }

@@ -19,7 +19,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_qdot.c", "cpu_small_ops.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_qdot.c", "cpu_small_ops.c", "cpu_attention.c")
+)
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)  # included by the sources: in the cache key
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,10 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "native_rms_norm": ([_PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_silu_mul": ([_PTR, _PTR, _PTR, _I64, _I64, _I64], None),
+    "native_paged_attention": (
+        [_PTR, *([_I64] * 5), *([_PTR] * 4), _INT, _I64, *([_PTR] * 5), _F32, _PTR, _INT],
+        _INT,
+    ),
 }
 
 
@@ -62,7 +69,7 @@ def build() -> Path | None:
     if cc is None:
         return None
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    text = b"".join(s.read_bytes() for s in SOURCES) + version.encode()
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + version.encode()
     for flags in (FLAGS + ("-fopenmp",), FLAGS):
         key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
         out = cache_dir() / f"hetero-native-{key}.so"

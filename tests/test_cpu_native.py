@@ -48,3 +48,67 @@ def test_silu_mul_on_split_views_and_contiguous():
     torch.testing.assert_close(fast(a, b), ref(a, b), rtol=1e-5, atol=1e-6)
     big = torch.tensor([[-100.0, 100.0, 0.0, -1e-3]])  # exp overflow and underflow stay finite
     torch.testing.assert_close(fast(big, big), ref(big, big))
+
+
+def _paged_case(dtype, q_lens, ctx_lens, heads=(9, 3), d=64, seed=0):
+    """A random pool and sequences: per sequence q_len new queries at the end of its context,
+    its slots scattered over the pool (the new tokens' KV already written)."""
+    from hetero.engine.runner import PagedMeta
+    from hetero.kernels.paged import FP8, quantize_fp8
+
+    g = torch.Generator().manual_seed(seed)
+    h, kv = heads
+    n_slots = sum(ctx_lens) + 37
+    k, v = (torch.randn(n_slots, kv, d, generator=g) * 2 for _ in range(2))
+    ks = vs = None
+    if dtype == FP8:
+        (kc, ks), (vc, vs) = quantize_fp8(k), quantize_fp8(v)
+    else:
+        kc, vc = k.to(dtype), v.to(dtype)
+    perm = torch.randperm(n_slots, generator=g)
+    ctx, starts, at, row = [], [], 0, 0
+    for n, c in zip(q_lens, ctx_lens, strict=True):
+        ctx.append(perm[at : at + c])
+        starts.append(row)
+        at, row = at + c, row + n
+    q = torch.randn(row, h, d, generator=g)
+    return q, kc, vc, ks, vs, PagedMeta(starts, list(q_lens), ctx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, "fp8"])
+@pytest.mark.parametrize(
+    "q_lens, ctx_lens",
+    [
+        ([1] * 16, [100 + 7 * i for i in range(16)]),  # decodes of unequal lengths
+        ([5], [5]),  # a first prefill chunk
+        ([12, 1, 3], [40, 1, 19]),  # a chunk after a cached prefix, a fresh decode, guesses
+    ],
+)
+def test_paged_attention_reads_the_cache_in_place(dtype, q_lens, ctx_lens):
+    from hetero.kernels.paged import FP8
+
+    dtype = FP8 if dtype == "fp8" else dtype
+    ref, fast = pair("paged_attention")
+    q, kc, vc, ks, vs, meta = _paged_case(dtype, q_lens, ctx_lens)
+    want = ref(q, kc, vc, ks, vs, meta, 0.125)
+    got = fast(q, kc, vc, ks, vs, meta, 0.125)
+    assert meta.native_flat is not None  # the C kernel ran, not the fallback
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    again = fast(q, kc, vc, ks, vs, meta, 0.125)  # the flat arrays are reused
+    assert torch.equal(again, got)
+
+
+def test_paged_attention_on_a_strided_query_and_odd_shapes():
+    ref, fast = pair("paged_attention")
+    q, kc, vc, ks, vs, meta = _paged_case(torch.float16, [3, 1], [9, 30], heads=(4, 4), d=40)
+    fused = torch.cat([q.flatten(1), torch.randn(q.shape[0], 17)], dim=1)  # q as a view
+    view = fused[:, : q.shape[1] * q.shape[2]].view(q.shape)
+    assert not view.is_contiguous()
+    want = ref(q, kc, vc, ks, vs, meta, 0.3)
+    torch.testing.assert_close(fast(view, kc, vc, ks, vs, meta, 0.3), want, rtol=1e-4, atol=1e-5)
+    # bfloat16 caches are not the kernel's: the torch path answers, the same
+    qb, kb, vb, _, _, mb = _paged_case(torch.bfloat16, [2], [6])
+    torch.testing.assert_close(
+        fast(qb, kb, vb, None, None, mb, 0.2), ref(qb, kb, vb, None, None, mb, 0.2)
+    )
+    assert mb.native_flat is None

@@ -27,6 +27,7 @@ class PagedMeta:
     decode_slots: torch.Tensor | None = None  # [B, Lmax] when every sequence has one query
     decode_mask: torch.Tensor | None = None  # [B, Lmax] True where a slot is real
     tensors: TensorMeta | None = None  # block tables etc. for the Triton kernels (paged_meta.py)
+    native_flat: tuple | None = None  # the C attention's arrays, made at the first layer
 
 
 class PagedAttention:
