@@ -52,7 +52,6 @@ def test_graph_rows_leave_room_for_guesses() -> None:
     assert graph_rows(4, 20, 8) == 20  # never more rows than the step's token budget
 
 
-
 def poison(pool) -> None:
     """NaN in every slot of a fresh pool: what an unwritten slot may hold (the pool is allocated
     empty, and reused memory can hold any bytes). A padded decode view reads slots past each
