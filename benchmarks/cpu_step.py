@@ -1,0 +1,91 @@
+"""Where one engine decode step goes on the CPU: step time, and each qdot linear's share.
+
+    python benchmarks/cpu_step.py [MODEL] -c 16 [--steps 20]
+
+C requests of --input-len random tokens are prefilled in one step, a few decode steps warm up,
+then --steps decode steps are timed. The qdot linears (kernels/cpu_qdot.py) and the native paged
+attention are timed per call around their C entry points; the rest of the step is torch ops and
+Python. Prints the step time, the decode rate C / step, and per linear shape (N x K) its ms per
+step and its rate in GFLOP/s (2 N K T per call).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import click
+
+from hetero.cli_options import engine_options
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--concurrency", "-c", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--input-len", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=20, show_default=True)
+@engine_options
+def main(model, concurrency, input_len, steps, **options) -> None:
+    from hetero.bench import make_prompts
+    from hetero.engine.engine import Engine
+    from hetero.kernels import cpu_qdot, native
+    from hetero.llm import build_configs
+    from hetero.models import resolve_model
+    from hetero.sampling import SamplingParams
+
+    spent: dict = collections.defaultdict(lambda: [0.0, 0])
+    qdot = cpu_qdot.linear_ptrs
+
+    def timed_linear(x, is_q4, n, k, *args, **kw):
+        t = time.perf_counter()
+        y = qdot(x, is_q4, n, k, *args, **kw)
+        entry = spent[("linear", n, k, x.shape[0])]
+        entry[0] += time.perf_counter() - t
+        entry[1] += 1
+        return y
+
+    cpu_qdot.linear_ptrs = timed_linear
+    lib = native.load()
+    attention = lib.native_paged_attention if lib is not None else None
+    if attention is not None:
+
+        def timed_attention(*args):
+            t = time.perf_counter()
+            r = attention(*args)
+            spent[("attention",)][0] += time.perf_counter() - t
+            spent[("attention",)][1] += 1
+            return r
+
+        lib.native_paged_attention = timed_attention
+    options.setdefault("speculative", "off")
+    config, runtime = build_configs(**options)
+    engine = Engine(str(resolve_model(model)), config, runtime, progress=False)
+    prompts = make_prompts(engine, "random", concurrency, input_len, 0)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    t0 = time.perf_counter()
+    engine.step()
+    click.echo(f"prefill of {concurrency} x {input_len} tokens: {time.perf_counter() - t0:.3f} s")
+    for _ in range(3):
+        engine.step()
+    spent.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step = (time.perf_counter() - t0) / steps
+    click.echo(f"decode step {step * 1e3:.1f} ms: {concurrency / step:.1f} tok/s")
+    for key, (s, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+        if key[0] == "attention":
+            click.echo(f"  paged attention: {s / steps * 1e3:.2f} ms per step ({n // steps} calls)")
+        else:
+            _, n_out, k, t = key
+            rate = 2 * n_out * k * t * n / s / 1e9
+            click.echo(
+                f"  linear {n_out}x{k}: {s / steps * 1e3:.2f} ms per step, {rate:.1f} GFLOP/s"
+            )
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
