@@ -118,6 +118,14 @@ def engine_options(f):
             "--max-model-len", type=click.IntRange(2), default=None, help="default: the model's"
         ),
         click.option(
+            "--admit-wait-ms",
+            type=click.FloatRange(0.0),
+            default=0.0,
+            show_default=True,
+            help="while decodes run, new prompts wait up to this long for others, to be "
+            "prefilled in one step (a prefill step cannot replay a CUDA graph); 0: at once",
+        ),
+        click.option(
             "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True
         ),
         click.option(

@@ -44,9 +44,11 @@ def params(max_tokens: int, **kw) -> SimpleNamespace:
 class Engine:
     """The scheduler, the block manager and a simulated KV pool and model, stepped together."""
 
-    def __init__(self, num_blocks: int, block_size: int, config: SchedulerConfig) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, config: SchedulerConfig, clock=None
+    ) -> None:
         self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(config, self.bm)
+        self.sched = Scheduler(config, self.bm, *([clock] if clock is not None else []))
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.steps = 0
 

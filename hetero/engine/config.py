@@ -23,14 +23,22 @@ class SchedulerConfig:
         oldest one taking the whole budget.
     max_model_len: the longest sequence (prompt + output) the model serves; a request reaching it
         finishes with reason "length" (None: only max_tokens and the pool size bound it).
+    admit_wait_ms: while decodes run, a new prompt waits until the oldest waiting one has waited
+        this long (or enough wait to take every free seat), so prompts arriving a few ms apart
+        are prefilled in one step instead of one step each. On CUDA a step with prefill tokens
+        cannot replay a decode graph and costs several decode steps (TGI's max_waiting_tokens
+        batches arrivals for the same reason). 0: admit at once. Preempted requests never wait.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
+    admit_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.admit_wait_ms >= 0:
+            raise ValueError(f"admit_wait_ms must be >= 0, got {self.admit_wait_ms}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         # Every running request may need its decode token in one step: with fewer tokens than

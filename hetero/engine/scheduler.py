@@ -7,7 +7,9 @@ One step, under a budget of max_num_batched_tokens tokens:
   2. running prompts still being prefilled, oldest first: the next chunk, as much as the budget
      (and long_prefill_token_threshold) leaves;
   3. unless this step preempted someone, waiting requests in FIFO order while the budget and
-     max_num_seqs allow, a prompt longer than what is left being cut into a first chunk.
+     max_num_seqs allow, a prompt longer than what is left being cut into a first chunk; with
+     admit_wait_ms, new prompts wait while decodes run until the oldest has waited that long or
+     enough wait to fill the free seats (arrivals a few ms apart then share one prefill step).
 
 So a long prompt never stalls the running streams: it gets what they leave. When the pool has no
 block for a running request, the newest running request (latest arrival) is preempted: its KV is
@@ -25,7 +27,9 @@ restore rather than recompute (the block manager's cost model picks the faster).
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hetero.engine.block_manager import BlockManager
@@ -69,9 +73,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock  # the clock of Request.arrival (admit_wait_ms)
+        self.held_steps = 0  # steps that ran decodes while new prompts waited (admit_wait_ms)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order: the newest is last
         self.num_preemptions = 0
@@ -189,7 +200,7 @@ class Scheduler:
             n = self._chunk(req, req.num_computed_tokens)
             if self._reserve(req, n, out):
                 self._put(req, req.num_computed_tokens, n)
-        if not out.preempted:
+        if not out.preempted and not self._holding():
             self._admit(out)
         if spec:
             self._speculate(spec)
@@ -272,6 +283,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
+
+    def _holding(self) -> bool:
+        """Whether new prompts wait this step (admit_wait_ms): decodes are scheduled, the head
+        of the queue is new (not preempted), it has waited less than admit_wait_ms, and fewer
+        prompts wait than there are free seats."""
+        wait = self.config.admit_wait_ms / 1e3
+        if wait <= 0 or not self.waiting or not self._step:
+            return False
+        head = self.waiting[0]
+        if head.num_preemptions or self.clock() - head.arrival >= wait:
+            return False
+        if len(self.waiting) >= self.config.max_num_seqs - len(self.running):
+            return False
+        self.held_steps += 1
+        return True
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Admit waiting requests in FIFO order while budget, seats and blocks last."""
