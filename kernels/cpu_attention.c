@@ -156,8 +156,8 @@ static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64
     for (int64_t j = 0; j < n; j += 4) { /* scores [G, n] */
         const int R = n - j < 4 ? (int)(n - j) : 4;
         /* Contexts are read once a step, so their rows come from DRAM: ask for the K and V rows
-         * PREFETCH positions ahead (the V pass then finds its rows in cache). Measured: 2.4x on
-         * 16 sequences of 80 positions with a cold cache. */
+         * PREFETCH positions ahead (the V pass then finds its rows in cache). Measured with a
+         * cold cache, 16 sequences of 80 positions, 2 threads: 332 -> 284 us a call. */
         for (int64_t r = j + PREFETCH; r < j + PREFETCH + 4 && r < n; r++) {
             const int64_t at = (slots[r] * KV + g) * row_bytes;
             for (int64_t b = 0; b < row_bytes; b += 64) {
