@@ -114,6 +114,38 @@ static inline __attribute__((always_inline)) void axpys(float *y, const float *p
         for (int r = 0; r < R; r++) y[j] += p[r] * rows[r][j];
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+#define HALF_ROWS 1
+static inline __m256 load8h(const uint16_t *h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* dots on float16 rows, converted in registers (D a multiple of 8) */
+static inline __attribute__((always_inline)) void dots_h(const float *a, const uint16_t *const *rows,
+                                                         int R, int64_t D, float *out) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (int64_t j = 0; j < D; j += 8) {
+        const __m256 av = _mm256_loadu_ps(a + j);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(av, load8h(rows[r] + j), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* axpys on float16 rows, converted in registers (D a multiple of 8) */
+static inline __attribute__((always_inline)) void axpys_h(float *y, const float *p,
+                                                          const uint16_t *const *rows, int R,
+                                                          int64_t D) {
+    __m256 pv[4];
+    for (int r = 0; r < R; r++) pv[r] = _mm256_set1_ps(p[r]);
+    for (int64_t j = 0; j < D; j += 8) {
+        __m256 acc = _mm256_loadu_ps(y + j);
+        for (int r = 0; r < R; r++) acc = _mm256_fmadd_ps(pv[r], load8h(rows[r] + j), acc);
+        _mm256_storeu_ps(y + j, acc);
+    }
+}
+#endif
+
 /* sc[0 .. n-1] = exp(sc - max); returns their sum */
 static float softmax_numerators(float *sc, int64_t n) {
     float m = -INFINITY, l = 0.0f;
@@ -153,6 +185,8 @@ static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64
     const float *rows[4];
     float sc[4];
     const int64_t row_bytes = D * (dtype == 0 ? 4 : dtype == 1 ? 2 : 1);
+    const int half = dtype == 1 && D % 8 == 0; /* float16 rows converted in registers */
+    (void)half;
     for (int64_t j = 0; j < n; j += 4) { /* scores [G, n] */
         const int R = n - j < 4 ? (int)(n - j) : 4;
         /* Contexts are read once a step, so their rows come from DRAM: ask for the K and V rows
@@ -165,6 +199,18 @@ static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64
                 __builtin_prefetch((const char *)vc + at + b);
             }
         }
+#ifdef HALF_ROWS
+        if (half) { /* float16 rows straight from the cache */
+            const uint16_t *hr[4];
+            for (int r = 0; r < R; r++) hr[r] = (const uint16_t *)kc + (slots[j + r] * KV + g) * D;
+            for (int64_t i = 0; i < G; i++) {
+                if (R == 4) dots_h(qg + i * D, hr, 4, D, sc);
+                else dots_h(qg + i * D, hr, R, D, sc);
+                for (int r = 0; r < R; r++) scores[i * n + j + r] = sc[r] * scale;
+            }
+            continue;
+        }
+#endif
         for (int r = 0; r < R; r++) rows[r] = load_row(kc, ks, dtype, slots[j + r] * KV + g, D, buf + r * D);
         for (int64_t i = 0; i < G; i++) {
             if (R == 4) dots(qg + i * D, rows, 4, D, sc); /* unrolled for 4 */
@@ -177,6 +223,17 @@ static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64
     memset(og, 0, (size_t)(G * D) * sizeof(float));
     for (int64_t j = 0; j < n; j += 4) {
         const int R = n - j < 4 ? (int)(n - j) : 4;
+#ifdef HALF_ROWS
+        if (half) {
+            const uint16_t *hr[4];
+            for (int r = 0; r < R; r++) hr[r] = (const uint16_t *)vc + (slots[j + r] * KV + g) * D;
+            for (int64_t i = 0; i < G; i++) {
+                if (R == 4) axpys_h(og + i * D, scores + i * n + j, hr, 4, D);
+                else axpys_h(og + i * D, scores + i * n + j, hr, R, D);
+            }
+            continue;
+        }
+#endif
         for (int r = 0; r < R; r++) rows[r] = load_row(vc, vs, dtype, slots[j + r] * KV + g, D, buf + r * D);
         for (int64_t i = 0; i < G; i++) {
             if (R == 4) axpys(og + i * D, scores + i * n + j, rows, 4, D);
