@@ -73,6 +73,61 @@ def silu_mul_native(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@register("rope", "native", priority=2, supports=native_cpu)
+def rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """rope_ref for float32 x [T, H, D] whose heads are contiguous (rows any stride): one call
+    instead of the complex multiply's five ops."""
+    t, h, d = x.shape
+    r = cos.shape[-1]
+    ok = (
+        x.dtype == cos.dtype == sin.dtype == torch.float32
+        and style in ("normal", "neox")
+        and 2 * r <= d
+        and x.stride(2) == 1
+        and x.stride(1) == d
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape == (t, r)
+    )
+    if not ok:
+        return cpu_ops.rope_cpu(x, cos, sin, style)
+    out = torch.empty(t, h, d)
+    native.load().native_rope(
+        x.data_ptr(), x.stride(0), t, h, d, cos.data_ptr(), sin.data_ptr(), r,
+        int(style == "neox"), out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+@register("kv_write", "native", priority=2, supports=native_cpu)
+def kv_write_native(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
+    """kv_write_ref for float32 or float16 caches from float32 k, v [T, KV, D] (rows any stride,
+    heads contiguous), rows of slot -1 skipped; e4m3 caches take kernels/cpu_ops.py's path."""
+    half = k_cache.dtype == torch.float16
+    ok = (
+        (half or k_cache.dtype == torch.float32)
+        and k.dtype == v.dtype == torch.float32
+        and k.shape == v.shape
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+    )
+    if ok:
+        t, kv, d = k.shape
+        failed = native.load().native_kv_write(
+            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.data_ptr(), k.stride(0),
+            v.data_ptr(), v.stride(0), t, kv * d, int(half),
+        )  # fmt: skip
+        if not failed:
+            return
+    keep = slots >= 0
+    if not bool(keep.all()):  # padding rows: the torch path stores every row it is given
+        slots, k, v = slots[keep], k[keep], v[keep]
+    cpu_ops.kv_write_cpu(k_cache, v_cache, k_scale, v_scale, slots, k, v)
+
+
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, FP8: 2}
 
 

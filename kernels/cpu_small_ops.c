@@ -1,4 +1,5 @@
-/* Small per-layer ops of a CPU decode step in plain C (float32, rows of C contiguous values).
+/* Small per-layer ops of a CPU decode step in plain C (float32, rows of C contiguous values):
+ * RMSNorm (+ residual add), SiLU-and-mul, RoPE and the KV write.
  *
  * At decode a layer's norms and activations work on [T, 576]-sized tensors, where a torch op's
  * fixed cost (dispatch, a reduction's setup: ~40 us for rms_norm on this CPU) dwarfs the work.
@@ -7,6 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_simd.h"
 
@@ -47,4 +49,57 @@ void native_silu_mul(const float *gate, const float *up, float *out, int64_t T, 
 #endif
         for (; j < F; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
+}
+
+/* RoPE of x [T, H, D] (rows of H * D floats `x_stride` apart) into out [T, H, D] contiguous:
+ * the first 2R dims of each head rotate by cos, sin [T, R]; the rest is copied. neox = 0 pairs
+ * (x[2i], x[2i+1]) (GGML's "normal"), 1 pairs (x[i], x[i+R]). */
+__attribute__((optimize("fp-contract=off"))) /* a*c - b*s rounded as torch rounds it */
+void native_rope(const float *x, int64_t x_stride, int64_t T, int64_t H, int64_t D,
+                 const float *cos, const float *sin, int64_t R, int neox, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * R, *s = sin + t * R;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xi = x + t * x_stride + h * D;
+            float *o = out + (t * H + h) * D;
+            for (int64_t i = 0; i < R; i++) {
+                const int64_t ia = neox ? i : 2 * i, ib = neox ? i + R : 2 * i + 1;
+                const float a = xi[ia], b = xi[ib];
+                o[ia] = a * c[i] - b * s[i];
+                o[ib] = a * s[i] + b * c[i];
+            }
+            for (int64_t j = 2 * R; j < D; j++) o[j] = xi[j];
+        }
+    }
+}
+
+/* KV write: rows k, v [T, KV * D] (float32, `k_stride` / `v_stride` floats apart) into slots [T]
+ * of caches [slots, KV * D] of float32 (half = 0) or float16 (half = 1, round to nearest even);
+ * slot < 0 is a padding row, skipped. Returns 1 when float16 is asked without F16C. */
+int native_kv_write(void *k_cache, void *v_cache, const int64_t *slots, const float *k,
+                    int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t W,
+                    int half) {
+#if !(defined(__F16C__) && defined(__AVX2__))
+    if (half) return 1;
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        for (int which = 0; which < 2; which++) {
+            const float *src = which ? v + t * v_stride : k + t * k_stride;
+            void *cache = which ? v_cache : k_cache;
+            if (!half) {
+                memcpy((float *)cache + slots[t] * W, src, (size_t)W * sizeof(float));
+                continue;
+            }
+#if defined(__F16C__) && defined(__AVX2__)
+            uint16_t *dst = (uint16_t *)cache + slots[t] * W;
+            int64_t j = 0;
+            for (; j + 8 <= W; j += 8)
+                _mm_storeu_si128((__m128i *)(dst + j),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+            for (; j < W; j++) dst[j] = _cvtss_sh(src[j], _MM_FROUND_TO_NEAREST_INT);
+#endif
+        }
+    }
+    return 0;
 }

@@ -34,6 +34,8 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "native_rms_norm": ([_PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_silu_mul": ([_PTR, _PTR, _PTR, _I64, _I64, _I64], None),
+    "native_rope": ([_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT, _PTR], None),
+    "native_kv_write": ([_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT], _INT),
     "native_paged_attention": (
         [_PTR, *([_I64] * 5), *([_PTR] * 4), _INT, _I64, *([_PTR] * 5), _F32, _PTR, _INT],
         _INT,

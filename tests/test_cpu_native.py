@@ -112,3 +112,45 @@ def test_paged_attention_on_a_strided_query_and_odd_shapes():
         fast(qb, kb, vb, None, None, mb, 0.2), ref(qb, kb, vb, None, None, mb, 0.2)
     )
     assert mb.native_flat is None
+
+
+@pytest.mark.parametrize("style", ["normal", "neox"])
+@pytest.mark.parametrize("rot", [32, 20])  # every dim, or a partial rotary part (2R < D)
+def test_rope_on_a_view_of_the_fused_projection(style, rot):
+    ref, fast = pair("rope")
+    g = torch.Generator().manual_seed(3)
+    t, h, d = 5, 6, 64
+    fused = torch.randn(t, h * d + 96, generator=g)  # q | k heads, then v: a strided view
+    x = fused[:, : h * d].view(t, h, d)
+    ang = torch.randn(t, rot, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    assert torch.equal(fast(x, cos, sin, style), ref(x, cos, sin, style))  # bit for bit
+    xb = x.to(torch.bfloat16)  # other dtypes take the torch path
+    torch.testing.assert_close(fast(xb, cos, sin, style), ref(xb, cos, sin, style))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, "fp8"])
+def test_kv_write_from_strided_rows_skips_padding(dtype):
+    from hetero.kernels.paged import FP8
+
+    dtype = FP8 if dtype == "fp8" else dtype
+    ref, fast = pair("kv_write")
+    g = torch.Generator().manual_seed(4)
+    t, kv, d, n_slots = 6, 3, 64, 40
+    fused = torch.randn(t, 2 * kv * d + 50, generator=g) * 3
+    k = fused[:, : kv * d].view(t, kv, d)
+    v = fused[:, kv * d : 2 * kv * d].view(t, kv, d)
+    slots = torch.tensor([7, 0, -1, 39, 12, -1])  # -1: a padding row, not stored
+    caches = []
+    for fn in (ref, fast):
+        kc = torch.zeros(n_slots, kv, d, dtype=dtype)
+        vc = torch.zeros(n_slots, kv, d, dtype=dtype)
+        ks = vs = None
+        if dtype == FP8:
+            ks, vs = torch.zeros(n_slots, kv), torch.zeros(n_slots, kv)
+        fn(kc, vc, ks, vs, slots, k, v)
+        caches.append((kc, vc, ks, vs))
+    for a, b in zip(*caches, strict=True):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bit for bit
+    assert caches[1][0].float().abs().sum() > 0

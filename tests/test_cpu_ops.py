@@ -18,7 +18,7 @@ def pair(op: str):
 
 
 def test_cpu_versions_are_selected_on_cpu_only():
-    native_ops = ("rms_norm", "add_rms_norm", "silu_mul", "paged_attention")  # C where built
+    native_ops = ("rms_norm", "add_rms_norm", "silu_mul", "paged_attention", "rope", "kv_write")
     for op in ("paged_attention", "kv_write", "rms_norm", "rope", "silu_mul"):
         expected = "native" if op in native_ops and native.available() else "cpu"
         assert select(op, "cpu").name == expected
