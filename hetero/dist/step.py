@@ -57,7 +57,9 @@ class StepPlan:
         for s in out.scheduled:
             r, end = s.req, s.start_pos + s.num_new_tokens
             table = r.block_table[: cdiv(end, block_size)]
-            plan.seqs.append(SeqStep(s.start_pos, r.tokens(s.start_pos, end), table, s.produces_token))
+            plan.seqs.append(
+                SeqStep(s.start_pos, r.tokens(s.start_pos, end), table, s.produces_token)
+            )
             if s.produces_token:
                 p = params[r.request_id]
                 rep = p.repetition_penalty != 1
