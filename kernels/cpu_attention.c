@@ -266,7 +266,12 @@ int native_paged_attention(const float *q, int64_t q_stride, int64_t T, int64_t 
         if (!scores || !row) {
 #pragma omp atomic write
             failed = 1;
-        } else {
+        }
+#pragma omp barrier
+        int any_failed;
+#pragma omp atomic read
+        any_failed = failed;
+        if (!any_failed) { /* the same answer on every thread: all or none reach the loop */
 #pragma omp for schedule(dynamic, 4)
             for (int64_t task = 0; task < tasks; task++) {
                 const int64_t t = task / KV, g = task % KV;
