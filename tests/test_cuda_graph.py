@@ -25,6 +25,7 @@ from hetero.llm import LLM
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
 from hetero.synth import write_synthetic
+from tests import exact_weights
 
 CUDA = torch.cuda.is_available()
 
@@ -66,9 +67,7 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("graphs")
     path = write_synthetic(folder / "tiny.gguf", "tiny-llama", "q8_0", progress=False)
     dev = "cuda" if CUDA else "cpu"
-    # fp16 weights on a CPU: qdot rounds activations to int8, so float noise between batch
-    # shapes becomes ~1e-2 logit steps (test_engine.py says more); these tests compare shapes
-    weights = "auto" if CUDA else "fp16"
+    weights = "auto" if CUDA else exact_weights.WEIGHTS
     return load_model(
         path, RuntimeConfig(device=dev, dtype="fp32" if not CUDA else "auto", weights=weights)
     )

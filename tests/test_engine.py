@@ -14,23 +14,20 @@ import random
 import pytest
 import torch
 
-from hetero.config import RuntimeConfig
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.engine import Engine
 from hetero.generate import generate_ids
 from hetero.llm import LLM
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
+from tests import exact_weights
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 
 @pytest.fixture(scope="module")
 def loaded(smollm2_path):
-    # fp16 weights: near-exact, so other batch shapes change logits only in the last bits. The
-    # CPU default (qdot) rounds activations to int8 per 32, which turns such float noise into
-    # ~1e-2 logit steps; its accuracy is measured against fp32 in BENCHMARKS.md instead.
-    return load_model(smollm2_path, RuntimeConfig(weights="fp16"))
+    return load_model(smollm2_path, exact_weights.runtime())
 
 
 def make_llm(loaded, **options) -> LLM:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from hetero.config import RuntimeConfig
 from hetero.llm import LLM
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
 from hetero.server.metrics import Metrics, engine_gauge_lines, parse_metrics
 from hetero.synth import write_synthetic
+from tests import exact_weights
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
 
@@ -36,8 +36,7 @@ def model_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(model_files):
-    # fp16: near-exact weights for the batch-invariance checks (tests/test_engine.py says why)
-    return load_model(model_files[0], RuntimeConfig(weights="fp16"))
+    return load_model(model_files[0], exact_weights.runtime())  # batch-invariance checks
 
 
 def prompt(n=90, seed=0) -> list[int]:

@@ -19,6 +19,7 @@ import pytest
 from hetero.llm import LLM
 from hetero.sampling import SamplingParams
 from hetero.tokenizer import Tokenizer
+from tests import exact_weights
 from tests.server_fixture import start_daemon
 
 NAME = "smol"
@@ -39,8 +40,7 @@ def daemon():
         "1",
         "--kv-dtype",
         "fp32",
-        "--weights",
-        "fp16",
+        *exact_weights.FLAGS,
     )
     yield d
     assert d.finish() == 0, d.log()
@@ -58,7 +58,10 @@ def tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def offline(smollm2_path, daemon):  # after the daemon: the two loads do not compete
-    return LLM(str(smollm2_path), num_kv_blocks=256, threads=1, kv_dtype="fp32", weights="fp16")
+    return LLM(
+        str(smollm2_path), num_kv_blocks=256, threads=1, kv_dtype="fp32",
+        weights=exact_weights.WEIGHTS,
+    )  # fmt: skip
 
 
 def fresh_messages(question: str) -> list[dict]:

@@ -9,6 +9,7 @@ import json
 import openai
 import pytest
 
+from tests import exact_weights
 from tests.server_fixture import start_daemon
 
 NAME = "smol"
@@ -21,9 +22,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def daemon():
-    # fp16 weights: int8 activations (qdot) turn batch-shape noise into ~1e-2 logit steps
     d = start_daemon(
-        "--num-kv-blocks", "512", "--served-model-name", NAME, "--threads", "1", "--weights", "fp16"
+        "--num-kv-blocks", "512", "--served-model-name", NAME, "--threads", "1",
+        *exact_weights.FLAGS,
     )  # fmt: skip
     yield d
     assert d.finish() == 0, d.log()

@@ -19,6 +19,7 @@ from hetero.llm import LLM
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
 from hetero.synth import write_synthetic
+from tests import exact_weights
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +27,12 @@ def tiny(tmp_path_factory):
     path = write_synthetic(
         tmp_path_factory.mktemp("spec") / "tiny.gguf", "tiny-llama", "q8_0", progress=False
     )
-    return path, load_model(path, RuntimeConfig(weights="fp16"))  # test_engine.py: why fp16
+    return path, load_model(path, exact_weights.runtime())
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path):
-    return smollm2_path, load_model(smollm2_path, RuntimeConfig(weights="fp16"))
+    return smollm2_path, load_model(smollm2_path, exact_weights.runtime())
 
 
 def engine(model, speculative: str, draft_model: str | None = None, **sched) -> Engine:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests import exact_weights
 from tests.server_fixture import start_daemon
 
 NAME = "smol"
@@ -14,9 +15,8 @@ MESSAGES = [{"role": "user", "content": "Repeat this code exactly:\n" + CODE}]
 
 @pytest.fixture(scope="module")
 def daemons():
-    # fp16 weights: int8 activations (qdot) turn batch-shape noise into ~1e-2 logit steps
     common = ("--num-kv-blocks", "128", "--served-model-name", NAME, "--kv-dtype", "fp32")
-    common += ("--weights", "fp16")
+    common += exact_weights.FLAGS
     spec = start_daemon(*common, "--speculative", "ngram", "--num-speculative-tokens", "6")
     try:
         plain = start_daemon(*common, "--speculative", "off")
