@@ -13,6 +13,7 @@ import pytest
 from hetero.engine.async_engine import AsyncEngine
 from hetero.engine.config import EngineConfig
 from hetero.engine.engine import Engine
+from hetero.llm import LLM
 from hetero.sampling import SamplingParams
 from hetero.synth import write_synthetic
 
@@ -28,14 +29,10 @@ def model_path(tmp_path_factory):
 
 
 def offline(path) -> list[list[int]]:
-    engine = Engine(str(path), EngineConfig(num_kv_blocks=64))
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, PARAMS)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return [tokens[str(i)] for i in range(len(PROMPTS))]
+    """Each prompt's tokens from the offline engine."""
+    return [
+        o.outputs[0].token_ids for o in LLM(str(path), num_kv_blocks=64).generate(PROMPTS, PARAMS)
+    ]
 
 
 class CountingLoop(asyncio.SelectorEventLoop):

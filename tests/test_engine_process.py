@@ -24,7 +24,7 @@ import pytest
 from hetero.config import RuntimeConfig
 from hetero.engine.config import EngineConfig
 from hetero.engine.core_client import EngineProcess
-from hetero.engine.engine import Engine
+from hetero.llm import LLM
 from hetero.sampling import SamplingParams
 from hetero.server.app import serve_cli
 from hetero.server.config_file import apply_config
@@ -48,14 +48,11 @@ def model_path(tmp_path_factory) -> Path:
 
 
 def offline(path) -> list[list[int]]:
-    engine = Engine(str(path), CONFIG, RUNTIME)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, PARAMS)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return [tokens[str(i)] for i in range(len(PROMPTS))]
+    """Each prompt's tokens from the offline engine."""
+    return [
+        o.outputs[0].token_ids
+        for o in LLM(str(path), num_kv_blocks=64, threads=1).generate(PROMPTS, PARAMS)
+    ]
 
 
 def gauges(lines: list[str]) -> dict[str, float]:
