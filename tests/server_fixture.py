@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,27 @@ class Daemon:
     def post(self, path: str, body: Any, **kw) -> tuple[int, Any]:
         status, _, raw = self.request("POST", path, body, **kw)
         return status, json.loads(raw)
+
+    def stream(
+        self, path: str, body: Any, first: threading.Event | None = None, timeout: float = 120.0
+    ) -> tuple[int, bytes, list[float]]:
+        """POST body and read the answer as it arrives: (status, the bytes, the perf_counter
+        time of each read). `first` is set once the first bytes are in (or the answer ended)."""
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
+        try:
+            conn.request("POST", path, json.dumps(body))
+            resp = conn.getresponse()
+            raw, arrivals = b"", []
+            while chunk := resp.read1(65536):
+                arrivals.append(time.perf_counter())
+                raw += chunk
+                if first is not None:
+                    first.set()
+            return resp.status, raw, arrivals
+        finally:
+            if first is not None:
+                first.set()
+            conn.close()
 
     def metrics(self) -> dict[str, float]:
         status, _, raw = self.request("GET", "/metrics")

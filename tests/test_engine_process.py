@@ -9,8 +9,6 @@ The other server tests run in this mode too: HETERO_TEST_ENGINE_PROCESS=1 (tests
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import os
 import re
 import signal
@@ -134,16 +132,9 @@ def test_engine_process_option_in_the_config_file(tmp_path):
         assert apply_config(ctx, values, values.pop("config_path"))["engine_process"] is False
 
 
-def stream_until_cut(port: int, out: dict, started: threading.Event) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+def stream_until_cut(d, out: dict, started: threading.Event) -> None:
     body = {"prompt": "once", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body))
-    resp = conn.getresponse()
-    raw = resp.read1(65536)
-    started.set()
-    while chunk := resp.read1(65536):
-        raw += chunk
-    out["stream"] = (resp.status, raw)
+    out["stream"] = d.stream("/v1/completions", body, started, timeout=60)[:2]
 
 
 def post_until_cut(d, out: dict) -> None:
@@ -158,7 +149,7 @@ def test_a_killed_engine_process_fails_requests_and_stops_the_daemon(model_path)
         out: dict = {}
         started = threading.Event()
         threads = [
-            threading.Thread(target=stream_until_cut, args=(d.port, out, started)),
+            threading.Thread(target=stream_until_cut, args=(d, out, started)),
             threading.Thread(target=post_until_cut, args=(d, out)),
         ]
         for t in threads:

@@ -99,21 +99,13 @@ def test_config_file_and_flags(loading_seen):
 def test_paced_stream_groups_tokens_and_loses_none(loading_seen):
     """--stream-interval-ms from the file: a stream's events come at least that far apart, each
     carrying the tokens of its interval; the text is the non-streamed text, the count exact."""
-    import http.client
-
     d, _ = loading_seen
     body = {"model": NAME, "prompt": "The colors of the rainbow are", "max_tokens": 40}
     body |= {"temperature": 0, "ignore_eos": True}
     status, plain = d.post("/v1/completions", body)
     assert status == 200 and plain["usage"]["completion_tokens"] == 40
-    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
     stream_body = body | {"stream": True, "stream_options": {"include_usage": True}}
-    conn.request("POST", "/v1/completions", json.dumps(stream_body))
-    resp = conn.getresponse()
-    arrivals, raw = [], b""
-    while chunk := resp.read1(65536):
-        arrivals.append(time.perf_counter())
-        raw += chunk
+    _, raw, arrivals = d.stream("/v1/completions", stream_body)
     events = sse_events(raw)
     texts = [e["choices"][0]["text"] for e in events[:-1] if isinstance(e, dict) and e["choices"]]
     assert "".join(texts) == plain["choices"][0]["text"]
@@ -140,20 +132,11 @@ def test_sigterm_lets_short_requests_finish_and_tells_the_others_why(loading_see
     first_chunks = threading.Event()
 
     def stream():
-        import http.client
-
-        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
         body = {
             "model": NAME, "prompt": "Once upon a time", "max_tokens": 500, "stream": True,
             "ignore_eos": True,  # sampled: an early end of text would finish within the grace
         }  # fmt: skip
-        conn.request("POST", "/v1/completions", json.dumps(body))
-        resp = conn.getresponse()
-        raw = resp.read1(65536)
-        first_chunks.set()
-        while chunk := resp.read1(65536):
-            raw += chunk
-        results["stream"] = (resp.status, raw)
+        results["stream"] = d.stream("/v1/completions", body, first_chunks)[:2]
 
     def post(key, max_tokens):
         body = {
