@@ -76,11 +76,12 @@ def decode(model, ids: list[int], n_new: int) -> tuple[list[int], float, float]:
 
 
 def model_report(path: Path, configs: dict, n_new: int, rounds: int) -> None:
+    from hetero.config import RuntimeConfig
     from hetero.model.llama import load_model
     from hetero.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
-    _, model = load_model(path)
+    _, model = load_model(path, RuntimeConfig(weights="dense"))  # the float32 reference path
     tensors = model_tensors(path, linear_modules(model)[0])
     ids = Tokenizer.from_gguf(path).encode(PROMPT)
     ref = prompt_logits(model, ids)
