@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_simd.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -159,13 +161,6 @@ static void q4_rows(int64_t g0, int64_t g1, int64_t N, int64_t nb, int64_t T, co
 /* ---- Q8: row by row ------------------------------------------------------------------------ */
 
 #ifdef __AVX2__
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One weight row against `tt` activation rows (tt <= TILE, a constant after inlining). */
 static inline __attribute__((always_inline)) void q8_row(int tt, int64_t nb, const int8_t *wq,
                                                          const float *wd, const int8_t *xq,
@@ -185,7 +180,7 @@ static inline __attribute__((always_inline)) void q8_row(int tt, int64_t nb, con
             acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[i]);
         }
     }
-    for (int i = 0; i < tt; i++) out[i] = hsum(acc[i]);
+    for (int i = 0; i < tt; i++) out[i] = hsum8(acc[i]);
 }
 #else
 static void q8_row(int tt, int64_t nb, const int8_t *wq, const float *wd, const int8_t *xq,
