@@ -115,3 +115,16 @@ class RuntimeConfig:
         if self.dtype not in table:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(table)}")
         return table[self.dtype]
+
+
+def bind_device(device: str) -> None:
+    """Make a CUDA `device` the current one of the calling thread. Triton launches on the current
+    device's stream, and a CUDA-graph capture records only what runs on its capture stream: an
+    engine on cuda:1 in a thread whose current device is cuda:0 would launch its kernels there
+    and capture empty graphs. A no-op for other devices."""
+    if device.startswith("cuda"):
+        import torch
+
+        d = torch.device(device)
+        if d.index is not None and torch.cuda.current_device() != d.index:
+            torch.cuda.set_device(d)

@@ -208,3 +208,40 @@ def tiny32(tiny):
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])
 def test_gpu_captured_graphs_with_guesses_equal_plain(tiny32, kv_dtype: str) -> None:
     _compare_spec(tiny32, True, kv_dtype, REPEATS, 16)
+
+
+TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_a_second_gpu_captures_its_own_work() -> None:
+    """torch's default capture stream is made once, on the device current at the first capture:
+    a later capture for cuda:1 on it records nothing (the profile then read cuda:1 at 50 TB/s)."""
+    from hetero.planner.measure import replayed
+
+    for dev in (torch.device("cuda:0"), torch.device("cuda:1")):
+        x = torch.randn(4096, device=dev)
+        y = torch.zeros_like(x)
+        run = replayed(lambda x=x, y=y: y.copy_(x * 2), dev)
+        y.zero_()
+        run()
+        torch.cuda.synchronize(dev)
+        assert torch.equal(y, x * 2), f"the replay on {dev} did not run the captured copy"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_an_engine_on_the_second_gpu_replays_real_graphs(tmp_path) -> None:
+    """An engine on cuda:1 in a process whose current device is cuda:0 (graphs captured on cuda:0
+    first): the same greedy tokens as on cuda:0, through its own decode graphs."""
+    path = write_synthetic(tmp_path / "tiny.gguf", "tiny-llama", "q8_0", progress=False)
+    outs = []
+    for dev in ("cuda:0", "cuda:1"):
+        torch.cuda.set_device(0)
+        llm = LLM(str(path), device=dev, dtype="float32", kv_dtype="fp16", num_kv_blocks=64,
+                  max_model_len=128, max_num_seqs=8, speculative="off")  # fmt: skip
+        got = llm.generate(PROMPTS, PARAMS)
+        assert llm.engine.runner.graphs.steps > 0
+        outs.append(got)
+    _same(outs[0], outs[1], "fp16")

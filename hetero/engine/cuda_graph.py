@@ -217,7 +217,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         for b in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
+            # the capture stream must be on this device: torch's default one is made once, on
+            # whichever device was current first, and would capture nothing of this one's work
+            with torch.cuda.graph(graph, pool=mempool, stream=side):
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)

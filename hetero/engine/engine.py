@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hetero.config import RuntimeConfig
+from hetero.config import RuntimeConfig, bind_device
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.cuda_graph import capture_decode_graphs, graph_rows
@@ -74,6 +74,7 @@ class Engine:
             loaded = load_model(self.model_path, runtime or RuntimeConfig(), progress=progress)
         self.gguf, self.model = loaded
         self.runtime = self.model.runtime
+        bind_device(self.runtime.device)
         self.model_config = self.gguf.config
         self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.runtime.device)
@@ -195,6 +196,7 @@ class Engine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        bind_device(self.runtime.device)  # steps may run on another thread than the load
         guesses = self._guesses()
         tiered = self.kv_tiers
         if tiered is not None:

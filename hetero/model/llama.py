@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hetero.config import ModelConfig, RuntimeConfig
+from hetero.config import ModelConfig, RuntimeConfig, bind_device
 from hetero.gguf_loader import GGUFModel
 from hetero.kernels import select
 from hetero.model.forward_batch import ForwardBatch
@@ -105,6 +105,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         cfg = self.config = gm.config
         self.runtime = rt
+        bind_device(rt.device)  # load-time repacks launch kernels on the current device
         self.layer_range = layers if layers is not None else range(cfg.n_layers)
         # A pipeline stage holds only its layers: the embedding on the first stage, the final
         # norm and lm_head on the last (which keeps the embedding too when lm_head is tied to it).

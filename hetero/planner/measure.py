@@ -44,16 +44,22 @@ def replayed(fn: Callable[[], object], device: torch.device) -> Callable[[], obj
     fails, `fn` itself (eager launches, as an eager step has them)."""
     if device.type != "cuda":
         return fn
-    fn()  # compile and allocate outside the capture
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
+    with torch.cuda.device(device):  # a second GPU's kernels must run on its own stream
+        fn()  # compile and allocate outside the capture
         torch.cuda.synchronize(device)
-        return fn
-    return graph.replay
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+                fn()
+        except RuntimeError:
+            torch.cuda.synchronize(device)
+            return fn
+
+    def replay() -> None:
+        with torch.cuda.device(device):
+            graph.replay()
+
+    return replay
 
 
 def copy_gbs(device: torch.device, nbytes: int) -> float:
