@@ -3,15 +3,20 @@
 # whole run BUDGET seconds, default 570), so a hang costs that step only; a step's processes
 # (its whole process group) are killed with it.
 #
-#   bash benchmarks/gpu_pipeline_suite.sh [all | synth profile gpus gpucpu mps]...
+#   bash benchmarks/gpu_pipeline_suite.sh [all | synth profile gpus greedy gpucpu mps slowgpu]...
 #
 #   synth    the Llama-3-8B-shaped Q4_K_M file (hetero synth, ~20 s), once, in $MODEL
 #   profile  hetero profile (cached): the planner's split and prediction for every row
 #   gpus     1 GPU vs two NCCL stages on cuda:0 + cuda:1, even and as planned for a slower
 #            cuda:1 (cuda:1@50%); 1, 16 and 64 streams; greedy tokens vs the one GPU
+#   greedy   the gpus rows again in float32 activations and fp16 KV, one stream: greedy tokens
+#            of each split against the one GPU where bf16 near-ties of random weights cannot
+#            decide it
 #   gpucpu   28 layers on cuda:0 + 4 (and the head) on the CPU, 1 and 16 streams
 #   mps      two stages on cuda:0 under MPS shares 60/40 (daemon started and stopped here):
 #            even vs the planner's split, 1 and 64 streams
+#   slowgpu  the gpus rows with cuda:1's stage really on --slow's SM share (MPS on both GPUs):
+#            a slower second card emulated, even split vs the planner's
 # gpucpu and mps compare with the one-GPU row of gpus (its JSON); without it they run their own.
 #
 # Prints one line per row: decode tok/s (streams / median inter-token latency) per stream count,
@@ -56,6 +61,11 @@ gpus() {
   run gpus 200 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpus --streams 1,16,64 \
     "${COMMON[@]}" --json "$OUT/gpus.json"
 }
+greedy() {
+  run greedy 150 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpus --streams 1 --dtype float32 \
+    --kv-dtype fp16 --input-len 32 --output-len 4 --check-tokens 32 --num-kv-blocks 512 \
+    --stage-timeout 120 --json "$OUT/greedy.json"
+}
 gpucpu() {
   # shellcheck disable=SC2046
   run gpucpu 110 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpucpu --cpu-layers 4 \
@@ -69,6 +79,18 @@ mps() {
   # shellcheck disable=SC2046
   run mps 130 "$PY" benchmarks/pipeline.py "$MODEL" --preset mps --mps 60,40 --streams 1,64 \
     "${COMMON[@]}" --json "$OUT/mps.json" $(base 2,3)
+  echo quit | nvidia-cuda-mps-control
+}
+
+slowgpu() {
+  if ! nvidia-cuda-mps-control -d; then
+    echo "== slowgpu: nvidia-cuda-mps-control -d failed: skipped"
+    return 0
+  fi
+  # shellcheck disable=SC2046
+  run slowgpu 200 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpus --slow-real \
+    --slow "${SLOW:-cuda:1@40%}" --streams 1,64 "${COMMON[@]}" --json "$OUT/slowgpu.json" \
+    $(base 2,3)
   echo quit | nvidia-cuda-mps-control
 }
 

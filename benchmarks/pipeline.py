@@ -131,12 +131,23 @@ def main() -> None:
     ap.add_argument(
         "--slow", default="cuda:1@50%", help="gpus: what the planner prices the second GPU as"
     )
+    ap.add_argument(
+        "--slow-real",
+        action="store_true",
+        help="gpus: run cuda:1's stage on --slow's SM share (needs `nvidia-cuda-mps-control -d`)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the most streams")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--kv-dtype", default="fp8")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="activations (auto: bf16 on a GPU); float32 makes the greedy check exact enough "
+        "that random-weight models do not split at bf16 near-ties",
+    )
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument(
         "--stage-timeout",
@@ -160,6 +171,7 @@ def main() -> None:
     args = ap.parse_args()
     args.engine = {
         "kv_dtype": args.kv_dtype,
+        "dtype": args.dtype,
         "num_kv_blocks": args.num_kv_blocks,
         "stage_timeout": args.stage_timeout,
         "max_num_seqs": args.max_num_seqs or max(args.streams),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import tempfile
 
+from hetero.planner.shares import parse_share
+
 Stage = tuple[str, int, int, int | None]  # device, [start, end), MPS percentage
 
 
@@ -48,9 +50,13 @@ def have_profile() -> bool:
         return False
 
 
-def planned_bounds(model: str, names: list[str], fallback: list[int]) -> tuple[list[int], str]:
-    """Where the planner cuts the layers over `names` at one stream (every device used), or
-    `fallback` when it cannot plan them (no profile, no planner)."""
+def planned_bounds(
+    model: str, names: list[str], fallback: list[int], concurrency: int
+) -> tuple[list[int], str]:
+    """Where the planner cuts the layers over `names` (every device used) for `concurrency`
+    streams, or `fallback` when it cannot plan them (no profile, no planner). The rows compare
+    splits at their most streams: at one stream the planner rightly puts all but one layer on
+    the fastest device, as a pipeline cannot speed up a single stream."""
     if not have_profile():
         return fallback, "fallback (no profile)"
     try:
@@ -59,14 +65,15 @@ def planned_bounds(model: str, names: list[str], fallback: list[int]) -> tuple[l
         from hetero.planner.resolve import resolve_devices
 
         devices = resolve_devices(names, progress=False)
-        p = plan(describe(model), devices, PlanConfig(use_all_devices=True, context=4096))
-        return [s.layer_start for s in p.stages[1:]], "planned"
+        cfg = PlanConfig(use_all_devices=True, context=4096, concurrency=concurrency)
+        p = plan(describe(model), devices, cfg)
+        return [s.layer_start for s in p.stages[1:]], f"planned for {concurrency} streams"
     except Exception as e:  # a benchmark row must still run: say why, use the fallback
         return fallback, f"fallback ({type(e).__name__}: {str(e)[:80]})"
 
 
 def rows(name: str, model: str, n: int, args) -> list[tuple[str, dict, list[Stage]]]:
-    w = args.weights
+    w, most = args.weights, max(args.streams)
     one = ("1 stage cuda:0", {"device": "cuda:0", "weights": w}, [("cuda:0", 0, n, None)])
 
     def pipe(label: str, stages: list[Stage]):
@@ -75,17 +82,21 @@ def rows(name: str, model: str, n: int, args) -> list[tuple[str, dict, list[Stag
 
     if name == "gpus":  # two real GPUs over NCCL; the planned split prices cuda:1 as slower
         slow = args.slow
-        cut, how = planned_bounds(model, ["cuda:0", slow], [n * 5 // 8])
+        cut, how = planned_bounds(model, ["cuda:0", slow], [n * 5 // 8], most)
+        # --slow-real: cuda:1's stage really runs on that share of its SMs (MPS), so the slower
+        # card is emulated, not only priced
+        mps = [None, round(parse_share(slow).percent)] if args.slow_real else None
+        tag = f" (cuda:1 at {mps[1]}% under MPS)" if mps else ""
+        gpu2 = ["cuda:0", "cuda:1"]
         return [
             one,
-            pipe("cuda:0,cuda:1 even", split_at(["cuda:0", "cuda:1"], [n // 2], n)),
-            pipe(f"cuda:0,cuda:1 split {how} for cuda:0+{slow}",
-                 split_at(["cuda:0", "cuda:1"], cut, n)),
-        ]  # fmt: skip
+            pipe(f"cuda:0,cuda:1 even{tag}", split_at(gpu2, [n // 2], n, mps)),
+            pipe(f"cuda:0,cuda:1 split {how} for cuda:0+{slow}{tag}", split_at(gpu2, cut, n, mps)),
+        ]
     if name == "mps":  # one GPU as two unequal ones (run `nvidia-cuda-mps-control -d` first)
         a, b = args.mps
         names = [f"cuda:0@{a}%", f"cuda:0@{b}%"]
-        cut, how = planned_bounds(model, names, [round(n * a / (a + b))])
+        cut, how = planned_bounds(model, names, [round(n * a / (a + b))], most)
         gpu2 = ["cuda:0", "cuda:0"]
         return [
             one,

@@ -80,6 +80,18 @@ def test_two_shares_of_one_gpu_get_an_uneven_split():
     assert Plan.from_json(p.to_json()).stages == p.stages
 
 
+def test_uncapped_shares_of_one_gpu_divide_its_memory():
+    from hetero.planner.resolve import resolve_devices
+
+    free = load_spec("h200").memory_free
+    a, b = resolve_devices(["h200@60%", "h200@40%"])
+    assert a.usable_memory == b.usable_memory == free // 2  # as the stages size their pools
+    capped, rest = resolve_devices(["h200@60%:40GB", "h200@40%"])
+    assert capped.usable_memory == 40 * 10**9 and rest.usable_memory == free - 40 * 10**9
+    c, d = resolve_devices(["h200@60%", "rtx4090@40%"])  # different cards: nothing shared
+    assert c.usable_memory == free and d.usable_memory == load_spec("rtx4090").memory_free
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hetero.cli", *args],

@@ -99,7 +99,24 @@ def resolve_devices(
         if not name:
             raise PlanError("--devices has an empty entry")
         out.append(_share(machine, name) if is_share(name) else _base(machine, name))
-    return _unique(out)
+    return _split_shared_memory(_unique(out))
+
+
+def _split_shared_memory(profiles: list[DeviceProfile]) -> list[DeviceProfile]:
+    """Shares of one GPU without a memory cap divide what the capped ones leave of its free
+    memory, as the stages that run them do (each sizes its KV pool from its share)."""
+    shares = [parse_share(p.id) if is_share(p.id) else None for p in profiles]
+    out = list(profiles)
+    for base in {s.base for s in shares if s is not None}:
+        mine = [i for i, s in enumerate(shares) if s is not None and s.base == base]
+        open_ = [i for i in mine if not profiles[i].memory_cap]
+        if len(mine) < 2 or not open_:
+            continue
+        capped = sum(profiles[i].memory_cap for i in mine if profiles[i].memory_cap)
+        left = max(0, profiles[open_[0]].memory_free - capped)
+        for i in open_:
+            out[i] = profiles[i].replace(memory_free=left // len(open_))
+    return out
 
 
 def _unique(profiles: list[DeviceProfile]) -> list[DeviceProfile]:
