@@ -49,6 +49,37 @@ def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3 if xs else float("nan")
 
 
+STEP_KEYS = ("steps", "busy_s", "decode_steps", "decode_s")
+
+
+def stats_counters(stats) -> dict:
+    """The engine's step counters (EngineStats), as /metrics reports them."""
+    return dict(zip(STEP_KEYS, (stats.steps, stats.busy_s, stats.decode[0], stats.decode[2])))
+
+
+def metrics_counters(url: str) -> dict:
+    from hetero.server.metrics import parse_metrics
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        m = parse_metrics(r.read().decode())
+    names = ("steps_total", "busy_seconds_total", "decode_steps_total", "decode_seconds_total")
+    return {k: m[f"hetero_engine_{n}"] for k, n in zip(STEP_KEYS, names)}
+
+
+def step_summary(before: dict, after: dict, wall_s: float) -> dict:
+    """Where a timed run's wall time went in the engine: the share spent in steps, and the
+    steps that ran prompt tokens (eager on a GPU) against the decode-only ones."""
+    d = {k: after[k] - before[k] for k in STEP_KEYS}
+    prompt_steps = d["steps"] - d["decode_steps"]
+    return {
+        "busy": d["busy_s"] / wall_s,
+        "decode_steps": int(d["decode_steps"]),
+        "decode_ms": 1e3 * d["decode_s"] / max(d["decode_steps"], 1),
+        "prompt_steps": int(prompt_steps),
+        "prompt_ms": 1e3 * (d["busy_s"] - d["decode_s"]) / max(prompt_steps, 1),
+    }
+
+
 def offline_side(model: str, cs: list[int], seconds: float, inp: int, outp: int, options) -> dict:
     """Per C: N, output tok/s and median TTFT of the offline engine (run in a child process)."""
     from hetero.bench import run_bench
@@ -64,8 +95,10 @@ def offline_side(model: str, cs: list[int], seconds: float, inp: int, outp: int,
             cal = run_bench(engine, 2 * c, c, inp, outp, seed=_seed(c) + 1)
             wave = cal.wall_s / 2
             n = c * max(4, round(seconds / wave))
+            before = stats_counters(engine.stats)
             r = run_bench(engine, n, c, inp, outp, seed=_seed(c))
-            out[c] = {"n": n, "tok_s": r.output_tok_s, "ttft_ms": _median_ms(r.ttft_s)}
+            steps = step_summary(before, stats_counters(engine.stats), r.wall_s)
+            out[c] = {"n": n, "tok_s": r.output_tok_s, "ttft_ms": _median_ms(r.ttft_s), **steps}
             print(f"offline C={c}: N={n} {r.output_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
     finally:
         engine.close()
@@ -132,8 +165,10 @@ def http_side(
         n = offline[c]["n"]
         bound = max(120.0, 10 * n * outp / offline[c]["tok_s"])
         run_http_bench(url, vocab, c, c, inp, 8, _seed(c) + 2, procs, bound)  # warm-up
+        before = metrics_counters(url)
         r = run_http_bench(url, vocab, n, c, inp, outp, _seed(c), procs, bound)
-        out[c] = {"tok_s": r.output_tok_s, "ttft_ms": _median_ms(r.ttft_s)}
+        steps = step_summary(before, metrics_counters(url), r.wall_s)
+        out[c] = {"tok_s": r.output_tok_s, "ttft_ms": _median_ms(r.ttft_s), **steps}
         print(f"HTTP C={c}: {r.output_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
     return out
 
@@ -215,6 +250,15 @@ def main(ctx, model, concurrency, seconds, input_len, output_len, modes, start_t
             f"{c:>4} {off['n']:>6} {mode:>22} {off['tok_s']:>14.1f} {h['tok_s']:>11.1f} "
             f"{h['tok_s'] / off['tok_s']:>6.1%} {off['ttft_ms']:>12.1f} {h['ttft_ms']:>13.1f}"
         )
+    click.echo("engine steps in the timed runs (offline / HTTP): share of the wall in steps; "
+               "decode-only steps, ms each; steps with prompt tokens, ms each")  # fmt: skip
+    for c, mode, off, h in rows:
+        cells = [
+            f"{x['busy']:.0%} | {x['decode_steps']} x {x['decode_ms']:.2f} ms | "
+            f"{x['prompt_steps']} x {x['prompt_ms']:.2f} ms"
+            for x in (off, h)
+        ]
+        click.echo(f"{c:>4} {mode:>22}  offline {cells[0]}  /  HTTP {cells[1]}")
 
 
 if __name__ == "__main__":

@@ -151,6 +151,11 @@ def _engine_gauges(add: _Writer, engine: Engine) -> None:
     add.counter("hetero_engine_steps_total", "engine steps", [("", stats.steps)])
     add.counter("hetero_engine_tokens_total", "tokens computed by steps", [("", stats.tokens)])
     add.counter("hetero_engine_busy_seconds_total", "time in steps", [("", stats.busy_s)])
+    # the other steps ran prompt tokens (prefill chunks, alone or beside decodes)
+    add.counter("hetero_engine_decode_steps_total", "decode-only steps", [("", stats.decode[0])])
+    add.counter(
+        "hetero_engine_decode_seconds_total", "time in decode-only steps", [("", stats.decode[2])]
+    )
     _speculation(add, engine)
 
 
