@@ -273,6 +273,13 @@ def profile(refresh, shares, as_json):
 @click.option(
     "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
 )
+@click.option(
+    "--cuda-graph-max-tokens",
+    type=click.IntRange(0),
+    default=512,
+    show_default=True,
+    help="as the engine's flag: prompt chunks up to this many tokens replay CUDA graphs",
+)
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")

@@ -134,6 +134,15 @@ def engine_options(f):
             help="no CUDA graphs: decode steps run eagerly (graphs are captured at start on GPU)",
         ),
         click.option(
+            "--cuda-graph-max-tokens",
+            type=click.IntRange(0),
+            default=512,
+            show_default=True,
+            help="steps with prompt tokens replay CUDA graphs too, up to this many tokens "
+            "(short prompts beside running decodes, a prompt of up to this length); 0: decode "
+            "steps only",
+        ),
+        click.option(
             "--kv-ram-gb",
             type=click.FloatRange(0.0),
             default=None,

@@ -81,17 +81,17 @@ PARAMS = [replace(GREEDY, max_tokens=n) for n in (4, 12, 8, 10, 16)]
 
 def _generate(
     tiny, graphs: bool, capture: bool, kv_dtype: str, spec: str = "off", rows: int = 4,
-    prompts=PROMPTS, params=PARAMS,
+    prompts=PROMPTS, params=PARAMS, max_rows: int = 0, step_tokens: int = 2048,
 ):  # fmt: skip
     llm = LLM(
         loaded=tiny, kv_dtype=kv_dtype, num_kv_blocks=48, block_size=16, max_model_len=128,
         max_num_seqs=5, enforce_eager=True, device=tiny[1].runtime.device, speculative=spec,
-        num_speculative_tokens=6,
+        num_speculative_tokens=6, max_num_batched_tokens=step_tokens,
     )  # fmt: skip
     runner = llm.engine.runner
     poison(llm.engine.pool)
     if graphs:  # max batch 4: steps of 3 pad to 4, steps of 5 are too many (eager)
-        runner.graphs = DecodeGraphs(tiny[1], llm.engine.pool, rows, 128)
+        runner.graphs = DecodeGraphs(tiny[1], llm.engine.pool, rows, 128, max_rows)
         if capture:
             runner.graphs.capture()
     outs = llm.generate(prompts, params)
@@ -125,18 +125,62 @@ def test_static_buffer_path_equals_eager(tiny) -> None:
     _compare(tiny, capture=False, kv_dtype="fp32")
 
 
-def test_fits_only_decode_steps_and_needs_tensor_kernels(tiny) -> None:
+def _compare_mixed(tiny, capture: bool, kv_dtype: str) -> None:
+    """Prompt chunks of 12-token steps (a step budget of 12 tokens cuts every prompt, and later
+    prompts start beside running decodes): through buckets of up to 32 rows, against eager."""
+    refs = {} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}
+    with forcing(refs):
+        eager, _, _ = _generate(tiny, False, False, kv_dtype, step_tokens=12)
+        static, graphs, _ = _generate(
+            tiny, True, capture, kv_dtype, rows=8, max_rows=32, step_tokens=12
+        )
+    assert graphs.prompt_steps > 0 and graphs.steps > graphs.prompt_steps
+    _same(eager, static, kv_dtype)
+
+
+def test_prompt_chunks_through_the_static_buffers_equal_eager(tiny) -> None:
+    _compare_mixed(tiny, capture=False, kv_dtype="fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
+def test_gpu_captured_prompt_chunks_equal_eager(tiny, kv_dtype: str) -> None:
+    _compare_mixed(tiny, capture=True, kv_dtype=kv_dtype)
+
+
+def test_prompt_rows_past_the_context_budget_run_eagerly(tiny, monkeypatch) -> None:
+    """A step whose prompt rows would read more than PROMPT_ROW_CONTEXT row-positions (each row
+    reads its whole context) runs eagerly: the 30-token prompt alone reads 465."""
+    from hetero.engine import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "PROMPT_ROW_CONTEXT", 400)
+    with forcing({} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}):
+        eager, _, _ = _generate(tiny, False, False, "fp32", prompts=[PROMPTS[2]], params=[GREEDY])
+        static, graphs, _ = _generate(
+            tiny, True, False, "fp32", rows=8, max_rows=64, prompts=[PROMPTS[2]], params=[GREEDY]
+        )
+    assert graphs.prompt_steps == 0 and graphs.steps == GREEDY.max_tokens - 1
+    _same(eager, static, "fp32")
+
+
+def test_fits_within_the_buckets_and_needs_tensor_kernels(tiny) -> None:
     llm = LLM(loaded=tiny, kv_dtype="fp32", num_kv_blocks=16, max_model_len=64, enforce_eager=True)
     if not CUDA:  # the CPU kernels read host lists: refused, not silently wrong
         with pytest.raises(ValueError, match="host lists"):
             DecodeGraphs(tiny[1], llm.engine.pool, 2, 64)
     with forcing({} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}):
-        graphs = DecodeGraphs(tiny[1], llm.engine.pool, 2, 64)
+        decode_only = DecodeGraphs(tiny[1], llm.engine.pool, 2, 64)
+        mixed = DecodeGraphs(tiny[1], llm.engine.pool, 2, 64, max_rows=4)
+    assert mixed.buckets == [1, 2, 4]
     eng = llm.engine
     eng.add_request("a", [1, 2, 3], GREEDY)
     out = eng.scheduler.schedule()
-    assert not graphs.fits(out)  # a prefill
+    assert not decode_only.fits(out)  # 3 prompt rows: more than its 2
+    assert mixed.fits(out)  # one producing row of 3, in the 4-row bucket
     eng.scheduler.abort("a")
+    eng.add_request("b", list(range(1, 60)), GREEDY)
+    assert not mixed.fits(eng.scheduler.schedule())  # 59 rows
+    eng.scheduler.abort("b")
 
 
 @pytest.mark.gpu

@@ -93,7 +93,8 @@ def test_stages_decode_through_the_static_graph_buffers(tiny_llama, split, caplo
     """The path a GPU stage replays from CUDA graphs, run uncaptured on the CPU: first stage
     tokens in / hidden out, middle hidden in / out, last hidden in / logits. The forced reference
     kernels (which read the buffers' tensor metadata) reach the stage processes; decode batches
-    of 1..3 pad to buckets 1, 2, 4 (max_num_seqs 8 over 2 or 3 groups)."""
+    of 1..3 pad to buckets 1, 2, 4 (max_num_seqs 8 over 2 or 3 groups); 16-token steps cut the
+    prompts into chunks beside running decodes, which take the larger buckets."""
     import logging
 
     from hetero.kernels.registry import forcing
@@ -106,10 +107,10 @@ def test_stages_decode_through_the_static_graph_buffers(tiny_llama, split, caplo
     with forcing({"kv_write": "torch", "paged_attention": "torch"}):
         outs, _ = run_pipeline(
             tiny_llama, prompts, params, split=split, num_kv_blocks=64, max_num_seqs=8,
-            max_model_len=96,
+            max_model_len=96, max_num_batched_tokens=16,
         )  # fmt: skip
     n, top = split.count(",") + 1, 4 if "0-1" in split else 3
-    paths = "; ".join([f"static buffers up to batch {top}"] * n)
+    paths = "; ".join([f"static buffers up to batch {top}, prompt steps up to 16 rows"] * n)
     assert f"decode steps per stage: {paths}" in caplog.text
     loaded = load_model(tiny_llama, RuntimeConfig(weights="dense"))
     for prompt, out, p in zip(prompts, outs, params):
@@ -252,7 +253,8 @@ def test_gpu_stages_match_the_cpu(tiny_llama, split, caplog):
     caplog.set_level(logging.INFO, logger="hetero.dist")
     prompts = synth_prompts(8, seed=7)
     outs, _ = run_pipeline(tiny_llama, prompts, split=split, dtype="fp32", num_kv_blocks=64)
-    want = "CUDA graphs up to batch 128; " + ("eager" if "cpu" in split else "CUDA graphs")
+    first = "CUDA graphs up to batch 128, prompt steps up to 512 rows; "
+    want = first + ("eager" if "cpu" in split else "CUDA graphs")
     assert f"decode steps per stage: {want}" in caplog.text
     loaded = load_model(tiny_llama, RuntimeConfig(weights="dense"))
     check_outputs(loaded, prompts, outs, GREEDY.max_tokens, set())

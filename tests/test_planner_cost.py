@@ -75,17 +75,25 @@ def test_eager_steps_take_the_longer_of_host_and_device_on_a_gpu(llama8b):
     assert cpu.step_seconds(32, 0.1, True) == pytest.approx(0.1 + host)
 
 
-def test_plan_prices_prefill_eagerly_and_decode_as_replayed(llama8b):
-    cfg = PlanConfig(concurrency=1, context=512, prompt_len=128)
-    graphed = plan(llama8b, [gpu()], cfg)
-    eager = plan(llama8b, [gpu()], PlanConfig(concurrency=1, context=512, enforce_eager=True))
-    assert graphed.ttft_s >= 2e-3 + 32 * 5e-4  # the prefill step's host time at least
-    # the same profile without host overheads for eager steps: a faster first token
-    bare = plan(llama8b, [gpu(eager_step_overhead_s=0.0, eager_layer_overhead_s=1e-9)], cfg)
-    assert bare.ttft_s < graphed.ttft_s
+def test_plan_prices_short_prompts_as_replayed_and_long_ones_eagerly(llama8b):
+    """A 128-token prompt replays a graph (cuda_graph_max_tokens 512): no eager host time; with
+    the option at 0, or a 2048-token prompt (past the rows and the row-context budget), the
+    prefill step pays the host's launches. Decode replays either way unless --enforce-eager."""
+    host = 2e-3 + 32 * 5e-4
+    cfg = dict(concurrency=1, context=4096, prompt_len=128)
+    graphed = plan(llama8b, [gpu()], PlanConfig(**cfg))
+    no_prompt_graphs = plan(llama8b, [gpu()], PlanConfig(**cfg, cuda_graph_max_tokens=0))
+    eager = plan(llama8b, [gpu()], PlanConfig(**cfg, enforce_eager=True))
+    assert graphed.ttft_s < host <= no_prompt_graphs.ttft_s
+    assert eager.ttft_s >= host
+    slow_host = gpu(eager_layer_overhead_s=5e-3)  # launches outlast the device's work
+    long = plan(llama8b, [slow_host], PlanConfig(**{**cfg, "prompt_len": 2048}))
+    assert long.ttft_s >= 2e-3 + 32 * 5e-3  # eager: its host time counts
+    short = plan(llama8b, [slow_host], PlanConfig(**cfg))
+    assert short.ttft_s == pytest.approx(graphed.ttft_s)  # replayed: no eager host time
     assert eager.single_stream_tok_s < graphed.single_stream_tok_s
     (s,) = eager.stages
-    assert s.single_step_s >= 2e-3 + 32 * 5e-4
+    assert s.single_step_s >= host
 
 
 def test_pipeline_stages_replay_graphs_unless_eager(llama8b):

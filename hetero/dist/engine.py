@@ -87,6 +87,8 @@ class PipelineEngine(Engine):
             "weights": self.runtime.weights,
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enforce_eager": cfg.enforce_eager,
+            "cuda_graph_max_tokens": cfg.cuda_graph_max_tokens,
         }
 
     def _start(self) -> None:

@@ -124,11 +124,12 @@ class Stage:
         groups = ecfg.pipeline.micro_batches or len(self.args.stages)
         max_batch = -(-ecfg.scheduler.max_num_seqs // groups)
         max_len = ecfg.scheduler.max_model_len or self.model.config.context_length
+        rows = min(ecfg.cuda_graph_max_tokens, ecfg.scheduler.max_num_batched_tokens)
         if self.device.type == "cuda":
             self.status.phase(f"capturing decode CUDA graphs (batches up to {max_batch})")
-            return capture_decode_graphs(self.model, pool, max_batch, max_len)
+            return capture_decode_graphs(self.model, pool, max_batch, max_len, rows)
         try:
-            return DecodeGraphs(self.model, pool, max_batch, max_len)
+            return DecodeGraphs(self.model, pool, max_batch, max_len, rows)
         except ValueError:
             return None  # the CPU's kernels read host lists: its eager path
 
@@ -136,7 +137,10 @@ class Stage:
         g = self.runner.graphs
         if g is None:
             return "eager"
-        return f"{'CUDA graphs' if g.graphs else 'static buffers'} up to batch {g.buckets[-1]}"
+        how = f"{'CUDA graphs' if g.graphs else 'static buffers'} up to batch {g.max_batch}"
+        return how + (
+            f", prompt steps up to {g.buckets[-1]} rows" if g.buckets[-1] > g.max_batch else ""
+        )
 
     def _own_blocks(self) -> int:
         """Blocks this stage's own free memory holds; stages sharing a device share it."""
@@ -213,7 +217,11 @@ class Stage:
             thread.join()  # the stop message came back round: every result is delivered
         self.links.flush()
         graphs = self.runner.graphs
-        replayed = f", {graphs.steps} through the decode graphs" if graphs else ""
+        replayed = (
+            f", {graphs.steps} through the graphs ({graphs.prompt_steps} with prompt rows)"
+            if graphs
+            else ""
+        )
         print(f"stage {self.args.rank} ({self.args.spec.describe()}): {clock.report()}{replayed}",
               file=sys.stderr, flush=True)  # fmt: skip
 

@@ -86,6 +86,9 @@ class EngineConfig:
     num_speculative_tokens: int = 8  # the most tokens proposed per request and step
     draft_model: str | None = None  # a small GGUF with the target's vocabulary
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (cuda_graph.py)
+    # steps with prompt chunks replay graphs too, up to this many rows (decodes + prompt tokens)
+    # and within cuda_graph.PROMPT_ROW_CONTEXT; 0: decode steps only
+    cuda_graph_max_tokens: int = 512
     # lower KV tiers (kv_tiers.py): host RAM in GiB (None: with a GPU half the free RAM, at
     # most 16 GiB, leaving 8 free; 0 on a CPU, whose pool is in RAM already), and an optional
     # disk directory capped at kv_disk_gb GiB (None: half the free space there)

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: captured once per batch size at start, replayed per step.
+"""CUDA graphs for decode steps (and short prompt chunks): captured once per batch size at
+start, replayed per step.
 
 A decode step of a small batch launches a few hundred kernels whose work is microseconds each;
 the host, not the GPU, would bound it. Captured, the step is one graph launch.
@@ -11,8 +12,8 @@ sized for the largest captured batch:
 
 A step of n rows runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
 largest captured); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and seq_len 0
-(attention gives 0), their logits dropped. Steps with prefill tokens, more rows than the largest
-bucket or a context past max_blocks run eagerly.
+(attention gives 0), their logits dropped. Steps with more rows than the largest bucket, a
+context past max_blocks or prompt rows past PROMPT_ROW_CONTEXT (below) run eagerly.
 
 A speculative verify step (engine/spec/) fits too: a decode with guesses g_1 .. g_k at position p
 is k + 1 rows, each a one-query decode of the same sequence:
@@ -25,6 +26,17 @@ Each layer writes the KV of all rows (kv_write, one launch) before any row atten
 launch after it), so row i attends over the prefix and t_0 .. t_i: exactly the causal attention
 the eager step's prefill kernel gives the k + 1 queries. Its logits rows come back in that order,
 what spec/verify.py reads.
+
+Prompt chunks fit the same way (max_rows > max_batch adds larger buckets for them): a chunk of
+m prompt tokens at positions p .. p + m - 1 is m one-query rows with seq_len p + i + 1, so a step
+that admits a few short prompts beside running decodes (or one prompt of up to max_rows tokens)
+replays a graph instead of paying an eager step's host launches (~0.5 ms a layer on the H200: a
+mixed step cost ten decode steps). Each row reads its whole context, where the eager prefill
+kernel reads it once per tile of queries, so a step fits only while its prompt rows read at most
+PROMPT_ROW_CONTEXT row-positions in all (a 512-token prompt: 131k); longer prompts (and a chunk
+after a long cached prefix) run eagerly, where their device work outweighs the launches anyway.
+Only the rows that produce a token reach the output projection: their indices go in one more
+static buffer, logit_rows [L] (L = min(bucket, max_batch), padding rows pointing at row 0).
 
 A pipeline stage after the first starts from the previous stage's hidden states, so it has one
 more static buffer, hidden [Bmax, C]; a stage before the last returns its hidden states [n, C]
@@ -53,17 +65,16 @@ from hetero.model.llama import LlamaModel
 log = logging.getLogger(__name__)
 
 MAX_SPEC_ROWS = 64  # graph rows speculation may add beyond max_num_seqs (graph_rows)
+PROMPT_ROW_CONTEXT = 1 << 18  # row-positions a step's prompt rows may read in a graph (fits)
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """Powers of two up to max_batch, and max_batch itself: [1, 2, 4, ..., max_batch]."""
+def batch_buckets(max_batch: int, max_rows: int = 0) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself: [1, 2, 4, ..., max_batch]; then, for
+    steps with prompt rows, the powers of two past it up to max_rows, and max_rows itself."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
+    top = max(max_batch, max_rows)
+    return sorted({*(1 << i for i in range(top.bit_length()) if 1 << i < top), max_batch, top})
 
 
 def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int = 0) -> int:
@@ -87,6 +98,17 @@ def _is_decode(s: ScheduledRequest) -> bool:
     return s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids)
 
 
+def prompt_row_context(sched: list[ScheduledRequest]) -> int:
+    """Row-positions the prompt rows of a step read as one-query rows: a chunk of m tokens after
+    p cached ones reads p + 1, p + 2, ... p + m positions."""
+    total = 0
+    for s in sched:
+        if not _is_decode(s):
+            m, p = s.num_new_tokens, s.start_pos
+            total += m * p + m * (m + 1) // 2
+    return total
+
+
 def _check_kernels(device: torch.device) -> bool:
     """Whether attention is the reference (which reads per-position slots, derived here from the
     tables). Other kernels must read the tensor metadata and skip slot -1 (the Triton ones do);
@@ -102,10 +124,20 @@ def _check_kernels(device: torch.device) -> bool:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, pool: KVPool, max_batch: int, max_model_len: int):
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: KVPool,
+        max_batch: int,
+        max_model_len: int,
+        max_rows: int = 0,
+    ):
+        """max_batch: the most rows that produce a token (sequences, plus guesses); max_rows:
+        the most rows of a step with prompt chunks (0: decode steps only)."""
         self.model, self.pool = model, pool
         self.device = pool.k.device
-        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.buckets = batch_buckets(max_batch, max_rows)
         self.block_size = pool.block_size
         self.max_blocks = -(-max_model_len // pool.block_size)
         bmax, dev = self.buckets[-1], self.device
@@ -115,7 +147,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(bmax, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.q_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
-        self.rows = torch.arange(bmax, dtype=torch.long, device=dev)
+        self.logit_rows = torch.arange(max_batch, dtype=torch.long, device=dev)
         self.hidden = None  # [Bmax, C]: the previous stage's activations (a later stage only)
         if not model.is_first:
             dtype = model.runtime.torch_dtype()
@@ -124,50 +156,74 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._ref_attention = _check_kernels(self.device)
-        self.steps = 0  # decode steps run through the static buffers (replayed or not)
-        self.rows_run = 0  # their rows (sequences, plus guesses)
+        self.steps = 0  # steps run through the static buffers (replayed or not)
+        self.rows_run = 0  # their rows (sequences, guesses, prompt tokens)
+        self.prompt_steps = 0  # those of them with prompt rows
 
     def fits(self, out: SchedulerOutput) -> bool:
-        """A step of decodes only (each one known token, plus its guesses) these buffers hold."""
+        """A step these buffers hold: decodes (each one known token, plus its guesses) and prompt
+        chunks, within the largest bucket, the logits rows, the block table and the prompt rows'
+        context budget."""
         sched, cap = out.scheduled, self.max_blocks * self.block_size
-        return 0 < sum(s.num_new_tokens for s in sched) <= self.buckets[-1] and all(
-            _is_decode(s) and s.start_pos + s.num_new_tokens <= cap for s in sched
+        n = sum(s.num_new_tokens for s in sched)
+        if not 0 < n <= self.buckets[-1]:
+            return False
+        if any(s.start_pos + s.num_new_tokens > cap for s in sched):
+            return False
+        producing = sum(1 + len(s.spec_ids) for s in sched if s.produces_token)
+        return producing <= self._logit_count(bucket_for(n, self.buckets)) and (
+            prompt_row_context(sched) <= PROMPT_ROW_CONTEXT
         )
+
+    def _logit_count(self, b: int) -> int:
+        """Rows of a bucket that reach the output projection (padding included)."""
+        return min(b, self.max_batch)
 
     def run(
         self, sched: list[ScheduledRequest], hidden: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits [n, V] float32 of a decode step of n rows (one a sequence, 1 + k for one that
-        speculates k tokens), in the order of `sched`; a pipeline stage before the last gets its
-        hidden states [n, C] instead, and a later stage passes the previous one's `hidden`."""
+        """Logits [N, V] float32 of the rows that produce a token (one a decoding sequence or a
+        finished prompt, 1 + k for one that speculates k tokens), in the order of `sched`; a
+        pipeline stage before the last gets its hidden states [n, C] of all n rows instead, and
+        a later stage passes the previous one's `hidden`."""
         n = sum(s.num_new_tokens for s in sched)
         b = bucket_for(n, self.buckets)
-        self._fill(sched, b)
+        produced = self._fill(sched, b)
         if (hidden is None) != (self.hidden is None):
             raise ValueError("a pipeline stage after the first (only) takes hidden states")
         if hidden is not None:  # rows n .. b - 1 keep stale finite values: padding, dropped
             self.hidden[:n].copy_(hidden)
         self.steps += 1
         self.rows_run += n
+        self.prompt_steps += not all(_is_decode(s) for s in sched)
+        keep = produced if self.model.is_last else n
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.outputs[b][:n].clone()  # the graph's buffer is rewritten next replay
-        return self._forward(b)[:n]
+            return self.outputs[b][:keep].clone()  # the graph's buffer is rewritten next replay
+        return self._forward(b)[:keep]
 
-    def _fill(self, sched: list[ScheduledRequest], b: int) -> None:
-        """Host values of the step into the static buffers, rows n .. b - 1 as padding."""
+    def _fill(self, sched: list[ScheduledRequest], b: int) -> int:
+        """Host values of the step into the static buffers, rows n .. b - 1 as padding; returns
+        how many rows produce a token (their indices lead logit_rows)."""
         bs = self.block_size
-        tokens, positions = [], []
+        tokens, positions, produce = [], [], []
         tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
         row = 0
         for s in sched:
             pos, m = s.start_pos, s.num_new_tokens
-            tokens += [s.req.tokens(pos, pos + 1)[0], *s.spec_ids]
+            known = m - len(s.spec_ids)  # 1 for a decode, the chunk's tokens for a prompt
+            tokens += [*s.req.tokens(pos, pos + known), *s.spec_ids]
             positions += range(pos, pos + m)
             table = s.req.block_table[: (pos + m - 1) // bs + 1]
             tables[row : row + m, : len(table)] = torch.tensor(table, dtype=torch.int32)
             row += m
+            if s.produces_token:
+                produce += range(row - 1 - len(s.spec_ids), row)
         pad = b - row
+        lc = self._logit_count(b)
+        self.logit_rows[:lc].copy_(
+            torch.tensor(produce + [0] * (lc - len(produce)), dtype=torch.long), non_blocking=True
+        )
         pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
         lens = torch.where(torch.arange(b) < row, pos_t + 1, 0).to(torch.int32)
         blocks = tables.gather(
@@ -182,6 +238,7 @@ class DecodeGraphs:
             (tables, self.block_tables),
         ):
             static[:b].copy_(host, non_blocking=True)
+        return len(produce)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The model over the first b rows of the static buffers: [b, V] float32."""
@@ -196,7 +253,7 @@ class DecodeGraphs:
             meta.decode_slots, meta.decode_mask = decode_slots_from_tables(tables, lens, bs)
         first = self.model.layer_range.start
         attn = PagedAttention(self.pool, first, self.slots[:b], meta, self.scale)
-        batch = ForwardBatch(self.positions[:b], self.rows[:b], attn)
+        batch = ForwardBatch(self.positions[:b], self.logit_rows[: self._logit_count(b)], attn)
         hidden = None if self.hidden is None else self.hidden[:b]
         return self.model(self.tokens[:b], batch, hidden)
 
@@ -228,13 +285,14 @@ class DecodeGraphs:
 
 
 def capture_decode_graphs(
-    model: LlamaModel, pool: KVPool, max_batch: int, max_model_len: int
+    model: LlamaModel, pool: KVPool, max_batch: int, max_model_len: int, max_rows: int = 0
 ) -> DecodeGraphs | None:
-    """Graphs for the scheduler's batch sizes, or None (logged) where capture fails: the engine
-    then runs every step eagerly, as with --enforce-eager."""
+    """Graphs for the scheduler's batch sizes (and steps with prompt rows up to max_rows), or
+    None (logged) where capture fails: the engine then runs every step eagerly, as with
+    --enforce-eager."""
     log.info("kernels on %s: %s", pool.k.device, chosen_kernels(pool.k.device))
     try:
-        return DecodeGraphs(model, pool, max_batch, max_model_len).capture()
+        return DecodeGraphs(model, pool, max_batch, max_model_len, max_rows).capture()
     except (RuntimeError, ValueError) as e:
         log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
         return None

@@ -111,8 +111,9 @@ class Engine:
             sc = self.scheduler.config
             k = 0 if self.spec is None else cfg.num_speculative_tokens
             rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, k)
+            mixed = min(cfg.cuda_graph_max_tokens, sc.max_num_batched_tokens)
             self.runner.graphs = capture_decode_graphs(
-                self.model, self.pool, rows, self.max_model_len
+                self.model, self.pool, rows, self.max_model_len, mixed
             )
         self.sampler = Sampler(cfg.seed)
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)

@@ -107,7 +107,8 @@ class ModelRunner:
         """
         self.pool.copy_blocks(out.copies)
         if self.graphs is not None and self.graphs.fits(out):
-            return self.graphs.run(out.scheduled, hidden), list(out.scheduled)
+            producing = [s for s in out.scheduled if s.produces_token]
+            return self.graphs.run(out.scheduled, hidden), producing
         sched = out.scheduled
         tokens, positions, last_rows, producing = [], [], [], []
         row = 0

@@ -94,6 +94,17 @@ class _Setup:
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
 
+    def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
+        """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
+        replays a CUDA graph on device i (cuda_graph.DecodeGraphs.fits)."""
+        from hetero.engine.cuda_graph import PROMPT_ROW_CONTEXT
+
+        c = self.costs[i]
+        if not c.graphs or c.dev.is_cpu or n > self.config.cuda_graph_max_tokens:
+            return False
+        m = n / seqs
+        return seqs * (m * cached + m * (m + 1) / 2) <= PROMPT_ROW_CONTEXT
+
     def prefill_s(self, i: int, a: int, b: int, tokens: int, seqs: int) -> float:
         """Stage i's time for `tokens` prompt tokens of `seqs` prompts, in budget-sized chunks."""
         c, budget, total, done = self.costs[i], self.config.max_num_batched_tokens, 0.0, 0
@@ -103,7 +114,12 @@ class _Setup:
             rows = max(1, round(seqs * n / tokens))
             work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
             last = b == self.desc.n_layers
-            total += c.step_seconds(b - a, work + (c.head_seconds(rows) if last else 0.0), True)
+            work += c.head_seconds(rows) if last else 0.0
+            if self._replays_prompt(i, n, cached, rows):  # as a decode step's replay
+                work += (b - a) * c.dev.layer_overhead_s + n * c.dev.seq_overhead_s
+                total += c.step_seconds(b - a, work, False)
+            else:
+                total += c.step_seconds(b - a, work, True)
             if not last and i + 1 < len(self.costs):
                 total += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
             done += n

@@ -39,6 +39,9 @@ class PlanConfig:
         fp8/fp16/bf16/fp32; fp8 asked of a GPU without FP8 falls back to fp16.
     enforce_eager: plan for an engine run with --enforce-eager (no CUDA graphs: decode steps
         pay the host's launch time).
+    cuda_graph_max_tokens: the engine's option of that name: prompt chunks of up to this many
+        tokens (and within cuda_graph.PROMPT_ROW_CONTEXT) replay graphs instead of running
+        eagerly.
     use_all_devices: give every device at least one layer (to test a split where one device
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
@@ -57,6 +60,7 @@ class PlanConfig:
     kv_memory_fraction: float = 0.9
     use_all_devices: bool = False
     enforce_eager: bool = False
+    cuda_graph_max_tokens: int = 512
     margin: float = 0.05
     gpu_margin_bytes: int = 768 << 20
     cpu_margin_bytes: int = 2 << 30
