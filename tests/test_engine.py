@@ -214,3 +214,13 @@ def test_bad_requests_are_refused_clearly(loaded):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int3")
+
+
+def test_an_engine_on_a_loaded_model_names_that_model(tmp_path):
+    """Given a model already in memory (and no MODEL), the engine works from that file: its path
+    keys the disk KV tier and the pipeline's stages, and no default model need be installed."""
+    from hetero.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "tiny.gguf", "tiny-llama", "q8_0", progress=False)
+    eng = Engine(config=EngineConfig(num_kv_blocks=16), loaded=load_model(path))
+    assert eng.model_path == path

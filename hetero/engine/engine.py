@@ -69,7 +69,8 @@ class Engine:
         from hetero.tokenizer import Tokenizer
 
         self.config = config or EngineConfig()
-        self.model_path = resolve_model(model)
+        # a model already loaded names its own file (no default model needed beside it)
+        self.model_path = resolve_model(model) if loaded is None or model else loaded[0].path
         if loaded is None:
             loaded = load_model(self.model_path, runtime or RuntimeConfig(), progress=progress)
         self.gguf, self.model = loaded
