@@ -108,3 +108,44 @@ def test_a_caller_that_falls_behind_gets_the_waiting_steps_merged(model_path):
     assert [lp.token_id for o in outs for lp in o.logprobs] == tokens
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert not any(o.finished for o in outs[:-1])
+
+
+def _paced_run(sink, interval: float) -> tuple[list, list]:
+    """Token 1 at once, token 2 50 ms later, the finished token 3 50 ms after that, read through
+    paced() with `interval`: (seconds of each output since the start, its tokens), aborts."""
+    from hetero.engine.async_engine import paced
+    from hetero.engine.engine import StepOutput
+
+    async def main():
+        loop, aborted = asyncio.get_running_loop(), []
+
+        async def feed():
+            sink.put_nowait(StepOutput("r", [1]))
+            await asyncio.sleep(0.05)
+            sink.put_nowait(StepOutput("r", [2]))
+            await asyncio.sleep(0.05)
+            sink.put_nowait(StepOutput("r", [3], finished=True, finish_reason="length"))
+
+        t0 = loop.time()
+        task = asyncio.create_task(feed())
+        got = [
+            (loop.time() - t0, out.new_token_ids, out.finished)
+            async for out in paced(sink, lambda: interval, lambda: aborted.append(True))
+        ]
+        await task
+        return got, aborted
+
+    return asyncio.run(main())
+
+
+def test_a_paced_stream_ends_without_waiting_out_its_interval():
+    """The last output of a paced stream comes when the engine has it, not at the end of the
+    interval it falls in: a client's answer ends (and its next request can start) at once. The
+    outputs inside the interval still come merged."""
+    from hetero.engine.async_engine import OutputQueue
+
+    got, aborted = _paced_run(OutputQueue(), interval=0.6)
+    assert [(tokens, fin) for _, tokens, fin in got] == [([1], False), ([2, 3], True)]
+    assert got[0][0] < 0.04 and 0.09 < got[1][0] < 0.3 and not aborted
+    plain, _ = _paced_run(asyncio.Queue(), interval=0.6)  # without the end signal: the interval
+    assert [tokens for _, tokens, _ in plain] == [[1], [2, 3]] and plain[1][0] >= 0.55

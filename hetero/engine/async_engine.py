@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -95,7 +96,7 @@ class AsyncEngine:
         if self._dead is not None or self._stop.is_set():
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shutting down'}")
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = OutputQueue()
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add(request_id, prompt_ids, params, sink, loop, done))
         await asyncio.wrap_future(done)  # raises the engine's ValueError for a bad request
@@ -179,6 +180,21 @@ class AsyncEngine:
 Pace = Callable[[], float]  # seconds a stream waits after an output before it takes the next
 
 
+class OutputQueue(asyncio.Queue):
+    """One sequence's outputs (put from the event loop's thread). `ended` is set once the last
+    one (finished, or an exception) is in: a paced stream stops waiting for its interval then,
+    so a client gets the end of its answer (and sends its next request) at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    def put_nowait(self, item) -> None:
+        super().put_nowait(item)
+        if isinstance(item, Exception) or item.finished:
+            self.ended.set()
+
+
 async def paced(
     sink: asyncio.Queue, pace: Pace | None, abort: Callable[[], None]
 ) -> AsyncIterator[StepOutput]:
@@ -189,17 +205,22 @@ async def paced(
     the stream waits `pace()` seconds (none while it returns 0) before it looks again, so the
     steps of that time arrive as one output: the caller's work per output (detokenizing, one
     event, one socket write) is then paid once per interval instead of once per step. The first
-    output never waits, and neither does a finished one beyond the interval it falls in.
+    output never waits, and neither does the last: an OutputQueue cuts the wait short when it
+    comes (a plain queue waits out the interval it falls in).
     """
     loop = asyncio.get_running_loop()
+    ended = getattr(sink, "ended", None)
     last = None
     finished = False
     try:
         while not finished:
             if last is not None and pace is not None:
                 wait = last + pace() - loop.time()
-                if wait > 0:
+                if wait > 0 and ended is None:
                     await asyncio.sleep(wait)
+                elif wait > 0 and not ended.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(ended.wait(), wait)
             out = await sink.get()
             while True:
                 if isinstance(out, Exception):

@@ -22,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from hetero.engine.async_engine import EngineDeadError, Pace, paced
+from hetero.engine.async_engine import EngineDeadError, OutputQueue, Pace, paced
 from hetero.engine.core_process import engine_main
 from hetero.engine.core_wire import EngineInfo, dumps
 from hetero.engine.engine import StepOutput
@@ -102,7 +102,7 @@ class EngineProcess:
         stops listening. A request the engine refused raises ValueError with its reason."""
         if self.dead is not None or self._closing:
             raise EngineDeadError(f"the engine is not running: {self.dead or 'shutting down'}")
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = OutputQueue()
         self._sinks[request_id] = sink
         self._send(("add", request_id, prompt_ids, params))
         # closed here, not by the collector: the abort must reach the engine when the caller goes
