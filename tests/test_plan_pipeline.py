@@ -71,7 +71,8 @@ def test_a_cpu_listed_twice_is_shared_by_its_stages(cached_cpu):
     threads = torch.get_num_threads()
     f = max(1, threads // 2) / threads  # the pipeline gives each CPU stage threads // 2
     for p in (a, b):
-        assert p.memory_free == one.memory_free // 2
+        # free memory is read live at each call: the machine's other work moves it a little
+        assert p.memory_free == pytest.approx(one.memory_free // 2, rel=0.02)
         assert p.matmul["fp16"].decode_gbs == pytest.approx(one.matmul["fp16"].decode_gbs * f)
         assert p.attn_gbs == pytest.approx(one.attn_gbs * f)
         assert p.layer_overhead_s == one.layer_overhead_s  # host work per process: unchanged

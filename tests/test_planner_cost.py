@@ -124,8 +124,8 @@ def test_calibration_with_the_gpu_settings_batched_attention_pair_runs_on_the_cp
     prof = load_spec("desktop-ddr5").replace(id="cpu")
     got = calibrate(prof, "cpu", "fp16", setting=_Setting({}, 8, 96, 256))
     assert set(got) == {
-        "step_overhead_s", "layer_overhead_s", "seq_overhead_s", "attn_gbs",
-        "eager_step_overhead_s", "eager_layer_overhead_s",
+        "step_overhead_s", "layer_overhead_s", "seq_overhead_s", "seq_step_overhead_s",
+        "attn_gbs", "eager_step_overhead_s", "eager_layer_overhead_s",
     }  # fmt: skip
     assert all(math.isfinite(v) and v >= 0 for v in got.values()) and got["attn_gbs"] > 0
     # a prefill step and a decode step on a real engine are not free

@@ -8,8 +8,14 @@ w(...) is what the cost model predicts for a step's matmuls and KV reads alone:
     attn_gbs       = KV bytes the longer context adds / (t[S seqs, long] - t[S seqs, short])
     layer_overhead = ((t[6 layers] - w) - (t[2 layers] - w)) / 4
     step_overhead  = (t[2 layers] - w) - 2 * layer_overhead
-    seq_overhead   = ((t[8 seqs] - w) - (t[1 seq] - w)) / (7 * 6)   a layer and an extra row
+    d[L]           = (t[L layers, 8 seqs] - w) - (t[L layers, 1 seq] - w)   7 more sequences
+    seq_overhead   = (d[6] - d[2]) / (7 * 4)          a layer and an extra row
+    seq_step       = d[2] / 7 - 2 * seq_overhead      an extra sequence, once a step (sampler,
+                                                      scheduler, metadata: not per layer)
     eager_*        = the same two lines over the time to first token of a 16-token prompt
+
+(A per-row cost measured on the 6-layer model alone and charged per layer made a 32-layer model's
+batched decode steps a third too slow on the H200: the sampler's per-sequence work is paid once.)
 
 On a CPU the model is tiny (the profile stays quick). On a GPU its attention is 8 KV heads of
 128 (an 8B model's) and the context 1536 tokens at 8 sequences, so the longer context reads tens
@@ -90,9 +96,9 @@ def _measure(device: str, kv_dtype: str, s: _Setting, folder: Path, bar) -> tupl
         engine = _engine(path, device, kv_dtype, s.num_kv_blocks)
         t[f"L{n_layers}"] = _step_s(engine, 1, PROMPT)
         t[f"P{n_layers}"] = _ttft_s(engine)
+        t[f"B{n_layers}"] = _step_s(engine, 8, PROMPT)
         if n_layers == 6:
-            t["B8"] = _step_s(engine, 8, PROMPT)
-            short = t["L6"] if s.attn_seqs == 1 else t["B8"]
+            short = t["L6"] if s.attn_seqs == 1 else t["B6"]
             t["long"] = _step_s(engine, s.attn_seqs, s.long_context) - short
         desc = from_gguf(str(path))
         del engine
@@ -117,12 +123,15 @@ def calibrate(
     attn = kv_bytes / t["long"] / 1e9 if t["long"] > 0 else profile.mem_bw_gbs
     w = _work(desc, profile.replace(attn_gbs=attn), kv_dtype)
     layer = max((t["L6"] - w(6, 1)) - (t["L2"] - w(2, 1)), 0.0) / 4
-    seq = max((t["B8"] - w(6, 8)) - (t["L6"] - w(6, 1)), 0.0) / (7 * 6)
+    d = {n: (t[f"B{n}"] - w(n, 8)) - (t[f"L{n}"] - w(n, 1)) for n in (2, 6)}
+    seq = max(d[6] - d[2], 0.0) / (7 * 4)
+    seq_step = max(d[2] / 7 - 2 * seq, 0.0)
     eager_layer = max((t["P6"] - w(6, 0)) - (t["P2"] - w(2, 0)), 0.0) / 4
     return dict(
         step_overhead_s=max(t["L2"] - w(2, 1) - 2 * layer, 0.0),
         layer_overhead_s=layer,
         seq_overhead_s=seq,
+        seq_step_overhead_s=seq_step,
         attn_gbs=attn,
         eager_step_overhead_s=max(t["P2"] - w(2, 0) - 2 * eager_layer, 0.0),
         eager_layer_overhead_s=eager_layer,
@@ -135,7 +144,7 @@ def _work(desc, profile: DeviceProfile, kv_dtype: str):
     from hetero.planner.cost import DeviceCost
 
     bare = profile.replace(
-        step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0,
+        step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0, seq_step_overhead_s=0.0,
         eager_step_overhead_s=0.0, eager_layer_overhead_s=0.0,
     )  # fmt: skip
     cost = DeviceCost(desc, bare, engine_weights(profile), kv_dtype, graphs=True, max_num_seqs=8)

@@ -4,14 +4,16 @@ A decode step over m sequences on a stage holding layers [a, b) runs T = m rows,
 CUDA-graph bucket T >= m the engine replays (1, 2, 4, ... max_num_seqs; padding rows cost as
 real ones). Replayed (or on a CPU, where decode overheads are measured from decode steps):
 
-    step_overhead + sum over layers of (layer_overhead + T * seq_overhead     host, launches
+    step_overhead + m * seq_step_overhead                                    host, per step
+    + sum over layers of (layer_overhead + T * seq_overhead                   host, launches
                                         + sum over its matrices of matmul(bytes, params, T)
                                         + m * ctx * kv_bytes_per_token / attn_gbs)  KV reads
     + (last stage) the output projection and m * V float32 logits read twice
     + (not last) m * d_model * 2 bytes sent to the next stage / link GB/s + latency
 
 matmul(T) is the registry kernel's measured time at T (MatmulRate: a curve over small T, then the
-prefill rate). An eager step (every prefill; decode under --enforce-eager) costs host time
+prefill rate). An eager step (a prefill past the prompt graphs' rows, or past their context
+budget; any step under --enforce-eager) costs host time
 eager_step + L * eager_layer and device time (the sums above without the overheads): on a GPU the
 longer of the two (the host enqueues while the device runs), on a CPU their sum.
 

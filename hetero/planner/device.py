@@ -78,10 +78,12 @@ class DeviceProfile:
     matmul: rates by key "<weights mode>" or "<weights mode>:<GGUF type>" (e.g. "quant:Q4_K",
         "dense", "fp16"); see `matmul_rate`.
     attn_gbs: KV bytes per second the decode attention reads (its dequantization included).
-    step_overhead_s / layer_overhead_s / seq_overhead_s: what a decode step costs besides the
-        matmuls and attention reads: per step, per layer, and per layer and sequence (host work,
-        launches, small ops), measured by running the engine's decode steps on a tiny model (on
-        CUDA replayed from CUDA graphs, as the engine runs them unless --enforce-eager).
+    step_overhead_s / layer_overhead_s / seq_overhead_s / seq_step_overhead_s: what a decode
+        step costs besides the matmuls and attention reads: per step, per layer, per layer and
+        sequence (small ops over its rows), and per sequence once a step (the sampler, the
+        scheduler's and the step metadata's host work), measured by running the engine's decode
+        steps on tiny models (on CUDA replayed from CUDA graphs, as the engine runs them unless
+        --enforce-eager).
     eager_step_overhead_s / eager_layer_overhead_s: host time of an eagerly run step (every
         prefill step; decode too under --enforce-eager), measured from the engine's prefill of a
         tiny model. On a GPU the host enqueues while the device works, so an eager step takes
@@ -104,6 +106,7 @@ class DeviceProfile:
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
+    seq_step_overhead_s: float = 0.0
     eager_step_overhead_s: float = 0.0
     eager_layer_overhead_s: float = 0.0
     bus_id: str = ""

@@ -89,7 +89,8 @@ class _Setup:
         # does (hetero/dist/worker.py), unless --enforce-eager (DeviceCost.graphs).
         prefix = self._decode_prefix(i, m, True)
         work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
-        t = c.step_seconds(b - a, work, c.eager(m, True))
+        eager = c.eager(m, True)
+        t = c.step_seconds(b - a, work + (0.0 if eager else m * c.dev.seq_step_overhead_s), eager)
         if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
@@ -116,8 +117,9 @@ class _Setup:
             last = b == self.desc.n_layers
             work += c.head_seconds(rows) if last else 0.0
             if self._replays_prompt(i, n, cached, rows):  # as a decode step's replay
-                work += (b - a) * c.dev.layer_overhead_s + n * c.dev.seq_overhead_s
-                total += c.step_seconds(b - a, work, False)
+                d = c.dev
+                work += (b - a) * (d.layer_overhead_s + n * d.seq_overhead_s)
+                total += c.step_seconds(b - a, work + rows * d.seq_step_overhead_s, False)
             else:
                 total += c.step_seconds(b - a, work, True)
             if not last and i + 1 < len(self.costs):

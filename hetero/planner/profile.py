@@ -25,8 +25,9 @@ from hetero.planner.device import DeviceProfile, LiveDevice
 from hetero.planner.gpu_profile import measure_gpu, nvml_gpus
 from hetero.planner.measure import copy_gbs, cpu_matmul_rates, matmul_tflops
 
-# 2: matmul curves over T, eager overheads; 3: CPU qdot rates, GPU decode rates from graph replays
-CACHE_VERSION = 3
+# 2: matmul curves over T, eager overheads; 3: CPU qdot rates, GPU decode rates from graph replays;
+# 4: a sequence's overhead once a step apart from its per-layer one
+CACHE_VERSION = 4
 
 
 def cpu_name() -> str:

@@ -81,7 +81,8 @@ def format_profiles(profiles: list[DeviceProfile]) -> str:
     for d in profiles:
         lines.append(
             f"{d.id}: step overhead {d.step_overhead_s * 1e3:.2f} ms, per layer "
-            f"{d.layer_overhead_s * 1e3:.3f} ms (+{d.seq_overhead_s * 1e6:.1f} us a sequence); "
+            f"{d.layer_overhead_s * 1e3:.3f} ms (+{d.seq_overhead_s * 1e6:.1f} us a sequence), "
+            f"{d.seq_step_overhead_s * 1e6:.1f} us a sequence once a step; "
             f"eager {d.eager_step_overhead_s * 1e3:.2f} ms + {d.eager_layer_overhead_s * 1e3:.3f} "
             "ms a layer; "
             f"attention {d.attn_gbs:.3g} GB/s of KV, host links {d.h2d_gbs:.1f}/{d.d2h_gbs:.1f} "
