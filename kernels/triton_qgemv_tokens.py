@@ -24,13 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetero.kernels.triton_qkernels import (
-    NO_SPECIALIZE,
-    _field,
-    _group_scales,
-    _load_step,
-    _split_k_store,
-)
+from hetero.kernels.triton_qdecode import _field, _group_scales, _load_step
+from hetero.kernels.triton_qkernels import NO_SPECIALIZE, _split_k_store
 
 
 @triton.jit

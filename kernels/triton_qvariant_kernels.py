@@ -21,13 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetero.kernels.triton_qkernels import (
-    NO_SPECIALIZE,
-    _decode_tile,
-    _field,
-    _load_step,
-    _split_k_store,
-)
+from hetero.kernels.triton_qdecode import _decode_tile, _field, _load_step
+from hetero.kernels.triton_qkernels import NO_SPECIALIZE, _split_k_store
 
 
 @triton.jit

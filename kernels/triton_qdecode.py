@@ -1,0 +1,213 @@
+"""Decoding packed GGUF words in registers: the building blocks of the kernels in
+`triton_qkernels` (layout and formula: `hetero.kernels.repack`).
+
+A program walks W [N, K] in steps of BN rows x S chunks (a chunk: 4 code words, E codes). One
+16-byte load per row and chunk gives a thread the words [BN, S, 4]; field f of them is the
+weights of elements chunk*E + 4f + c, c < 4, so a static loop over f decodes the step in place:
+
+    v_f  = bitcast(word & (mask << p) | (150 - p) << 23)     (one LOP3; p: the field's bit)
+         = 2^(23-p) + q      exactly: the code lands in the mantissa of a float whose exponent
+                             makes one mantissa step worth 1 (an int -> float conversion runs at
+                             a quarter of the integer rate)
+    qf_f = v_f - (2^(23-p) - OFF) = q + OFF                   (exact)
+    w_f  = qf_f * A - B                                       (A, B per group: the references')
+
+(The decode kernel never forms w_f: it sums qf_f * x over a group, then applies A and B once.)
+
+Fields whose bits would leave the 23-bit mantissa are read from word >> 16 (one shift a word).
+The high-bit plane (Q5_*, Q6_K, Q3_K) is shifted into place next to the low field first.
+
+    _load_step       a step's code words and high plane
+    _field           one field of the words as q + OFF (float32)
+    _group_scales    a group's A and B from the scale planes
+    _decode_tile     the step's weights [BN, S*E] in element order (through _leaf .. _hex)
+
+Like `triton_qkernels`, imported on first use only (it imports triton).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_step(
+    codes_ptr, high_ptr, rows, rmask, c0, c_end, code_stride,
+    S: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
+):  # fmt: skip
+    """Chunks c0 .. c0+S (those below c_end) of rows [BN]: the code words [BN, S, 4] int32 and
+    the high plane (int32; the words again where the type has none).
+
+    Loaded as [BN, 4S] (contiguous along K, so 16-byte vectors with threads along K first) and
+    only then split into chunks: the split keeps every thread's 4 words in place.
+    """
+    j = tl.arange(0, 4 * S)
+    off = rows[:, None] * code_stride + c0 * 4 + j[None, :]
+    m = rmask[:, None] & (c0 + j // 4 < c_end)[None, :]
+    words = tl.reshape(tl.load(codes_ptr + off, mask=m, other=0), [rows.shape[0], S, 4])
+    high = words
+    if HB > 0:
+        high = tl.load(high_ptr + off, mask=m, other=0).to(tl.int32)
+        high = tl.reshape(high, [rows.shape[0], S, 4])
+    return words, high
+
+
+@triton.jit
+def _field(
+    words, words_hi, high, zero,
+    f: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
+):  # fmt: skip
+    """float32 q + OFF of field f of every word, exact (see the module docstring).
+
+    `zero` is a run-time 0: with the exponent bits in a register, the compiler emits one LOP3
+    (a & mask | c) per code instead of an AND and an OR with two immediates.
+    """
+    s: tl.constexpr = LB * f
+    if s + LB + HB <= 23:
+        p: tl.constexpr = s
+        src = words
+    else:
+        p: tl.constexpr = s - 16
+        src = words_hi
+    bits = src & (((1 << LB) - 1) << p)
+    if HB > 0:
+        hpos: tl.constexpr = p + LB  # the high bits' place above the low field
+        if hpos >= HB * f:
+            h = high << (hpos - HB * f)
+        else:
+            h = high >> (HB * f - hpos)
+        bits = bits | (h & (((1 << HB) - 1) << hpos))
+    v = (bits | (((150 - p) << 23) + zero)).to(tl.float32, bitcast=True)
+    return v - ((1 << (23 - p)) - OFF)
+
+
+@triton.jit
+def _group_scales(
+    scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask, grp_stride, sb_stride,
+    f: tl.constexpr, LB: tl.constexpr, G: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+):  # fmt: skip
+    """(A, B) float32 [BN, S, 1] of the group holding field f of chunks ch [S] (B: only with
+    mins). A chunk holds E / G groups (E >= G), or is part of one (Q8_0: E = 16, G = 32).
+
+    The callers' steps never cross a 256-code super-block, so d and dmin are one value a row:
+    [BN] loads, cheap to place in any layout (the [BN, S] ones cost a layout conversion).
+    """
+    E: tl.constexpr = 4 * (32 // LB)
+    if E >= G:
+        grp = ch * (E // G) + (4 * f) // G
+    else:
+        grp = ch // (G // E)
+    m = rmask[:, None] & cmask[None, :]
+    gidx = rows[:, None] * grp_stride + grp[None, :]
+    b = tl.zeros([1, 1], dtype=tl.float32)  # unused unless HAS_MIN
+    if KQUANT:
+        sb = rows * sb_stride + (c0 * E) // 256
+        d = tl.load(d_ptr + sb, mask=rmask, other=0).to(tl.float32)[:, None]
+        sc = tl.load(scale_ptr + gidx, mask=m, other=0)
+        if PACKED_MIN:  # Q2_K: one byte m << 4 | sc
+            sc = sc.to(tl.int32)
+            mn = sc >> 4
+            sc = sc & 15
+        a = d * sc.to(tl.float32)
+        if HAS_MIN:
+            if not PACKED_MIN:
+                mn = tl.load(min_ptr + gidx, mask=m, other=0)
+            dmin = tl.load(dmin_ptr + sb, mask=rmask, other=0).to(tl.float32)[:, None]
+            b = dmin * mn.to(tl.float32)
+    else:
+        a = tl.load(scale_ptr + gidx, mask=m, other=0).to(tl.float32)
+        if HAS_MIN:
+            b = -tl.load(min_ptr + gidx, mask=m, other=0).to(tl.float32)
+    return a[:, :, None], b[:, :, None]
+
+
+@triton.jit
+def _leaf(
+    words, high, zero, a, b, f: tl.constexpr,
+    LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, HAS_MIN: tl.constexpr,
+):  # fmt: skip
+    w = _field(words, words >> 16, high, zero, f, LB, HB, OFF) * a
+    if HAS_MIN:
+        w = w - b
+    return w
+
+
+# Fields f0 .. f0+n-1 dequantized and joined into [BN, S, 4, 2, ..., 2]: one trailing 2 per bit
+# of f - f0, the most significant last. The node whose n fields make exactly one group (4n = G)
+# loads the group's scales. (Triton compiles no recursion: one function per level.)
+
+
+@triton.jit
+def _pair(
+    words, high, zero, a, b, sargs, f0: tl.constexpr,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+):  # fmt: skip
+    lo = _leaf(words, high, zero, a, b, f0, LB, HB, OFF, HAS_MIN)
+    hi = _leaf(words, high, zero, a, b, f0 + 1, LB, HB, OFF, HAS_MIN)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _quad(
+    words, high, zero, a, b, sargs, f0: tl.constexpr,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+):  # fmt: skip
+    if G == 16:
+        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
+    lo = _pair(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    hi = _pair(words, high, zero, a, b, sargs, f0 + 2, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _oct(
+    words, high, zero, a, b, sargs, f0: tl.constexpr,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+):  # fmt: skip
+    if G == 32:
+        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
+    lo = _quad(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    hi = _quad(words, high, zero, a, b, sargs, f0 + 4, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _hex(
+    words, high, zero, a, b, sargs, f0: tl.constexpr,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+):  # fmt: skip
+    lo = _oct(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    hi = _oct(words, high, zero, a, b, sargs, f0 + 8, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _decode_tile(
+    words, high, zero, sargs,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+):  # fmt: skip
+    """float32 [BN, S*E]: the step's weights in element order. The joins and the permute only
+    rename registers: every thread holds all fields of its words."""
+    F: tl.constexpr = 32 // LB
+    BN: tl.constexpr = words.shape[0]
+    S: tl.constexpr = words.shape[1]
+    a = tl.zeros([1, 1, 1], dtype=tl.float32)  # placeholders: the node of a group loads them
+    b = a
+    if F == 4:  # Q8_0: a chunk is half a group
+        a, b = _group_scales(*sargs, 0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _quad(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = tl.permute(w, (0, 1, 4, 3, 2))
+    elif F == 8:
+        w = _oct(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = tl.permute(w, (0, 1, 5, 4, 3, 2))
+    else:
+        w = _hex(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = tl.permute(w, (0, 1, 6, 5, 4, 3, 2))
+    return tl.reshape(w, [BN, S * 4 * F])
