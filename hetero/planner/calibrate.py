@@ -2,7 +2,8 @@
 
 What a step costs besides the matmuls and KV reads (scheduler, metadata, launches, small ops,
 Python) is found from the engine itself, as it runs: decode steps (on CUDA replayed from CUDA
-graphs, the engine's default) and prefill steps (always eager). Two models of 2 and 6 layers;
+graphs, the engine's default) and eager prefill steps (prompt graphs off here: a prefill past
+them, and every step under --enforce-eager, pays these). Two models of 2 and 6 layers;
 w(...) is what the cost model predicts for a step's matmuls and KV reads alone:
 
     attn_gbs       = KV bytes the longer context adds / (t[S seqs, long] - t[S seqs, short])
@@ -82,6 +83,7 @@ def _engine(path: Path, device: str, kv_dtype: str, blocks: int):
         num_kv_blocks=blocks,
         enable_prefix_caching=False,
         speculative="off",  # the cost model prices plain decode steps
+        cuda_graph_max_tokens=0,  # the 16-token prefill runs eagerly: it measures eager_*
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
     )
     return Engine(str(path), cfg, RuntimeConfig(device=device))
