@@ -9,7 +9,7 @@ import time
 
 import click
 
-from hetero.cli_options import engine_options, runtime_options
+from hetero.cli_options import cuda_graph_max_tokens_option, engine_options, runtime_options
 from hetero.models import resolve_model
 
 MODEL_ARG = click.argument("model", required=False)
@@ -273,13 +273,7 @@ def profile(refresh, shares, as_json):
 @click.option(
     "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
 )
-@click.option(
-    "--cuda-graph-max-tokens",
-    type=click.IntRange(0),
-    default=512,
-    show_default=True,
-    help="as the engine's flag: prompt chunks up to this many tokens replay CUDA graphs",
-)
+@cuda_graph_max_tokens_option
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")

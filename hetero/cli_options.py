@@ -8,6 +8,18 @@ from __future__ import annotations
 
 import click
 
+from hetero.engine.config import EngineConfig
+
+# also on `hetero plan`, which prices prefill steps as the engine runs them
+cuda_graph_max_tokens_option = click.option(
+    "--cuda-graph-max-tokens",
+    type=click.IntRange(0),
+    default=EngineConfig.cuda_graph_max_tokens,
+    show_default=True,
+    help="steps with prompt tokens replay CUDA graphs too, up to this many tokens (short "
+    "prompts beside running decodes, a prompt of up to this length); 0: decode steps only",
+)
+
 
 def runtime_options(f):
     f = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ...")(f)
@@ -123,7 +135,8 @@ def engine_options(f):
             default=0.0,
             show_default=True,
             help="while decodes run, new prompts wait up to this long for others, to be "
-            "prefilled in one step (a prefill step cannot replay a CUDA graph); 0: at once",
+            "prefilled in one step (past --cuda-graph-max-tokens a step runs eagerly); 0: at "
+            "once",
         ),
         click.option(
             "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True
@@ -133,15 +146,7 @@ def engine_options(f):
             is_flag=True,
             help="no CUDA graphs: decode steps run eagerly (graphs are captured at start on GPU)",
         ),
-        click.option(
-            "--cuda-graph-max-tokens",
-            type=click.IntRange(0),
-            default=512,
-            show_default=True,
-            help="steps with prompt tokens replay CUDA graphs too, up to this many tokens "
-            "(short prompts beside running decodes, a prompt of up to this length); 0: decode "
-            "steps only",
-        ),
+        cuda_graph_max_tokens_option,
         click.option(
             "--kv-ram-gb",
             type=click.FloatRange(0.0),

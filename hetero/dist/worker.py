@@ -124,7 +124,7 @@ class Stage:
         groups = ecfg.pipeline.micro_batches or len(self.args.stages)
         max_batch = -(-ecfg.scheduler.max_num_seqs // groups)
         max_len = ecfg.scheduler.max_model_len or self.model.config.context_length
-        rows = min(ecfg.cuda_graph_max_tokens, ecfg.scheduler.max_num_batched_tokens)
+        rows = ecfg.prompt_graph_rows
         if self.device.type == "cuda":
             self.status.phase(f"capturing decode CUDA graphs (batches up to {max_batch})")
             return capture_decode_graphs(self.model, pool, max_batch, max_len, rows)

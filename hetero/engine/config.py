@@ -25,9 +25,11 @@ class SchedulerConfig:
         finishes with reason "length" (None: only max_tokens and the pool size bound it).
     admit_wait_ms: while decodes run, a new prompt waits until the oldest waiting one has waited
         this long (or enough wait to take every free seat), so prompts arriving a few ms apart
-        are prefilled in one step instead of one step each. On CUDA a step with prefill tokens
-        cannot replay a decode graph and costs several decode steps (TGI's max_waiting_tokens
-        batches arrivals for the same reason). 0: admit at once. Preempted requests never wait.
+        are prefilled in one step instead of one step each. On CUDA a step with more prompt
+        tokens than cuda_graph_max_tokens runs eagerly and costs several decode steps (TGI's
+        max_waiting_tokens batches arrivals for the same reason); through HTTP on an H200,
+        waiting measured slower (BENCHMARKS.md). 0: admit at once. Preempted requests never
+        wait.
     """
 
     max_num_seqs: int = 256
@@ -96,6 +98,11 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_gb: float | None = None
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # stages (hetero/dist)
+
+    @property
+    def prompt_graph_rows(self) -> int:
+        """Rows of the largest graph for steps with prompt tokens (within a step's budget)."""
+        return min(self.cuda_graph_max_tokens, self.scheduler.max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         self._check_speculative()

@@ -112,9 +112,8 @@ class Engine:
             sc = self.scheduler.config
             k = 0 if self.spec is None else cfg.num_speculative_tokens
             rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, k)
-            mixed = min(cfg.cuda_graph_max_tokens, sc.max_num_batched_tokens)
             self.runner.graphs = capture_decode_graphs(
-                self.model, self.pool, rows, self.max_model_len, mixed
+                self.model, self.pool, rows, self.max_model_len, cfg.prompt_graph_rows
             )
         self.sampler = Sampler(cfg.seed)
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)

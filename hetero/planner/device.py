@@ -84,10 +84,10 @@ class DeviceProfile:
         scheduler's and the step metadata's host work), measured by running the engine's decode
         steps on tiny models (on CUDA replayed from CUDA graphs, as the engine runs them unless
         --enforce-eager).
-    eager_step_overhead_s / eager_layer_overhead_s: host time of an eagerly run step (every
-        prefill step; decode too under --enforce-eager), measured from the engine's prefill of a
-        tiny model. On a GPU the host enqueues while the device works, so an eager step takes
-        the longer of the two; on a CPU they add.
+    eager_step_overhead_s / eager_layer_overhead_s: host time of an eagerly run step (a prefill
+        step past the prompt graphs; any step under --enforce-eager), measured from the engine's
+        prefill of a tiny model. On a GPU the host enqueues while the device works, so an eager
+        step takes the longer of the two; on a CPU they add.
     """
 
     id: str

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetero.engine.config import EngineConfig
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
 
@@ -60,7 +61,7 @@ class PlanConfig:
     kv_memory_fraction: float = 0.9
     use_all_devices: bool = False
     enforce_eager: bool = False
-    cuda_graph_max_tokens: int = 512
+    cuda_graph_max_tokens: int = EngineConfig.cuda_graph_max_tokens
     margin: float = 0.05
     gpu_margin_bytes: int = 768 << 20
     cpu_margin_bytes: int = 2 << 30
