@@ -196,7 +196,7 @@ class OutputQueue(asyncio.Queue):
 
 
 async def paced(
-    sink: asyncio.Queue, pace: Pace | None, abort: Callable[[], None]
+    sink: OutputQueue, pace: Pace | None, abort: Callable[[], None]
 ) -> AsyncIterator[StepOutput]:
     """One sequence's outputs from its queue, until the finished one; `abort` when the caller
     stops listening first. An exception in the queue (the engine refused the request) is raised.
@@ -205,22 +205,18 @@ async def paced(
     the stream waits `pace()` seconds (none while it returns 0) before it looks again, so the
     steps of that time arrive as one output: the caller's work per output (detokenizing, one
     event, one socket write) is then paid once per interval instead of once per step. The first
-    output never waits, and neither does the last: an OutputQueue cuts the wait short when it
-    comes (a plain queue waits out the interval it falls in).
+    output never waits, and neither does the last: its arrival (sink.ended) cuts the wait short.
     """
     loop = asyncio.get_running_loop()
-    ended = getattr(sink, "ended", None)
     last = None
     finished = False
     try:
         while not finished:
             if last is not None and pace is not None:
                 wait = last + pace() - loop.time()
-                if wait > 0 and ended is None:
-                    await asyncio.sleep(wait)
-                elif wait > 0 and not ended.is_set():
+                if wait > 0 and not sink.ended.is_set():
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(ended.wait(), wait)
+                        await asyncio.wait_for(sink.ended.wait(), wait)
             out = await sink.get()
             while True:
                 if isinstance(out, Exception):
