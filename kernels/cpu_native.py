@@ -14,6 +14,8 @@ of PagedMeta are flattened once per step (at its first layer) into the int64 arr
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from hetero.kernels import cpu_ops, native
@@ -137,9 +139,7 @@ def _flat_meta(meta) -> tuple[torch.Tensor, ...]:
     flat = meta.native_flat
     if flat is None:
         lens = [int(c.shape[0]) for c in meta.ctx_slots]
-        offsets = [0]
-        for n in lens[:-1]:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(lens[:-1])]
         as_i64 = [torch.tensor(v, dtype=torch.int64) for v in (meta.q_starts, meta.q_lens, lens)]
         slots = (
             torch.cat(meta.ctx_slots).to(torch.int64) if lens else torch.zeros(0, dtype=torch.int64)
@@ -165,17 +165,16 @@ def paged_attention_native(q, k_cache, v_cache, k_scale, v_scale, meta, scale: f
         and (code != 2 or (k_scale.is_contiguous() and v_scale.is_contiguous()))
         and len(meta.ctx_slots) == len(meta.q_starts) > 0
     )
-    if not ok:
-        return cpu_ops.paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
-    q_start, q_len, ctx_len, slot_off, slots = _flat_meta(meta)
-    out = torch.empty(t, h, d)
-    scales = (k_scale.data_ptr(), v_scale.data_ptr()) if code == 2 else (None, None)
-    failed = native.load().native_paged_attention(
-        q.data_ptr(), q.stride(0), t, h, k_cache.shape[1], d, k_cache.data_ptr(),
-        v_cache.data_ptr(), *scales, code, len(meta.q_starts), q_start.data_ptr(),
-        q_len.data_ptr(), ctx_len.data_ptr(), slot_off.data_ptr(), slots.data_ptr(), scale,
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if failed:
-        return cpu_ops.paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
-    return out
+    if ok:
+        q_start, q_len, ctx_len, slot_off, slots = _flat_meta(meta)
+        out = torch.empty(t, h, d)
+        scales = (k_scale.data_ptr(), v_scale.data_ptr()) if code == 2 else (None, None)
+        failed = native.load().native_paged_attention(
+            q.data_ptr(), q.stride(0), t, h, k_cache.shape[1], d, k_cache.data_ptr(),
+            v_cache.data_ptr(), *scales, code, len(meta.q_starts), q_start.data_ptr(),
+            q_len.data_ptr(), ctx_len.data_ptr(), slot_off.data_ptr(), slots.data_ptr(), scale,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if not failed:
+            return out
+    return cpu_ops.paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
