@@ -98,15 +98,15 @@ def _is_decode(s: ScheduledRequest) -> bool:
     return s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids)
 
 
-def prompt_row_context(sched: list[ScheduledRequest]) -> int:
-    """Row-positions the prompt rows of a step read as one-query rows: a chunk of m tokens after
-    p cached ones reads p + 1, p + 2, ... p + m positions."""
-    total = 0
-    for s in sched:
-        if not _is_decode(s):
-            m, p = s.num_new_tokens, s.start_pos
-            total += m * p + m * (m + 1) // 2
-    return total
+def chunk_row_context(m: float, p: float) -> float:
+    """Row-positions a chunk of m prompt tokens after p cached ones reads as one-query rows:
+    p + 1, p + 2, ... p + m (the planner asks with average chunk sizes)."""
+    return m * p + m * (m + 1) / 2
+
+
+def prompt_row_context(sched: list[ScheduledRequest]) -> float:
+    """Row-positions the prompt rows of a step read as one-query rows."""
+    return sum(chunk_row_context(s.num_new_tokens, s.start_pos) for s in sched if not _is_decode(s))
 
 
 def _check_kernels(device: torch.device) -> bool:

@@ -98,13 +98,12 @@ class _Setup:
     def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
         """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
         replays a CUDA graph on device i (cuda_graph.DecodeGraphs.fits)."""
-        from hetero.engine.cuda_graph import PROMPT_ROW_CONTEXT
+        from hetero.engine.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
 
         c = self.costs[i]
         if not c.graphs or c.dev.is_cpu or n > self.config.cuda_graph_max_tokens:
             return False
-        m = n / seqs
-        return seqs * (m * cached + m * (m + 1) / 2) <= PROMPT_ROW_CONTEXT
+        return seqs * chunk_row_context(n / seqs, cached) <= PROMPT_ROW_CONTEXT
 
     def prefill_s(self, i: int, a: int, b: int, tokens: int, seqs: int) -> float:
         """Stage i's time for `tokens` prompt tokens of `seqs` prompts, in budget-sized chunks."""
