@@ -71,27 +71,24 @@ gpucpu() {
   run gpucpu 110 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpucpu --cpu-layers 4 \
     --streams 1,16 "${COMMON[@]}" --json "$OUT/gpucpu.json" $(base 2)
 }
-mps() {
+under_mps() {  # under_mps NAME LIMIT_S CMD...: `run` with the MPS daemon started, then stopped
   if ! nvidia-cuda-mps-control -d; then
-    echo "== mps: nvidia-cuda-mps-control -d failed: the MPS rows would refuse; skipped"
+    echo "== $1: nvidia-cuda-mps-control -d failed: its MPS stages would refuse; skipped"
     return 0
   fi
-  # shellcheck disable=SC2046
-  run mps 130 "$PY" benchmarks/pipeline.py "$MODEL" --preset mps --mps 60,40 --streams 1,64 \
-    "${COMMON[@]}" --json "$OUT/mps.json" $(base 2,3)
+  run "$@"
   echo quit | nvidia-cuda-mps-control
 }
-
-slowgpu() {
-  if ! nvidia-cuda-mps-control -d; then
-    echo "== slowgpu: nvidia-cuda-mps-control -d failed: skipped"
-    return 0
-  fi
+mps() {
   # shellcheck disable=SC2046
-  run slowgpu 200 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpus --slow-real \
+  under_mps mps 130 "$PY" benchmarks/pipeline.py "$MODEL" --preset mps --mps 60,40 \
+    --streams 1,64 "${COMMON[@]}" --json "$OUT/mps.json" $(base 2,3)
+}
+slowgpu() {
+  # shellcheck disable=SC2046
+  under_mps slowgpu 200 "$PY" benchmarks/pipeline.py "$MODEL" --preset gpus --slow-real \
     --slow "${SLOW:-cuda:1@40%}" --streams 1,64 "${COMMON[@]}" --json "$OUT/slowgpu.json" \
     $(base 2,3)
-  echo quit | nvidia-cuda-mps-control
 }
 
 [ $# -eq 0 ] && set -- all
