@@ -91,16 +91,31 @@ def graph_time(fns: list[Callable[[], object]], replays: int) -> float:
 
 
 def copy_bandwidth() -> float:
-    """GB/s of a 4 GiB device-to-device copy, read + write bytes: the best of 3 rounds after a
-    second of copies (an idle GPU clocks down; the first round measured 35% low)."""
+    """GB/s of a 4 GiB device-to-device copy, read + write bytes: the best of 10 copies timed
+    with events, after a second of copies (an idle GPU clocks down; the first round measured
+    35% low). Not from a graph replay: a copy captured in a CUDA graph runs as a memcpy node,
+    which read 2712 GB/s where the same copy launched from the stream read 4235 (and a
+    read-only reduction 4387) in one run on the H200 (benchmarks/gpu_step_profile.py)."""
     src = torch.randn(1 << 30, device="cuda")
     dst = torch.empty_like(src)
     end = time.time() + 1.0
     while time.time() < end:
         dst.copy_(src)
         torch.cuda.synchronize()
-    sec = min(graph_time([lambda: dst.copy_(src)], 20) for _ in range(3))
-    return 2 * src.nbytes / sec / 1e9
+    return 2 * src.nbytes / event_time(lambda: dst.copy_(src), 10) / 1e9
+
+
+def event_time(fn: Callable[[], object], reps: int) -> float:
+    """The shortest of `reps` calls of fn, in seconds, timed with CUDA events (no graph)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return min(times)
 
 
 def matmul_rate() -> float:
