@@ -49,12 +49,13 @@ def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3 if xs else float("nan")
 
 
-STEP_KEYS = ("steps", "busy_s", "decode_steps", "decode_s")
+STEP_KEYS = ("steps", "busy_s", "decode_steps", "decode_s", "graphed")
 
 
 def stats_counters(stats) -> dict:
     """The engine's step counters (EngineStats), as /metrics reports them."""
-    return dict(zip(STEP_KEYS, (stats.steps, stats.busy_s, stats.decode[0], stats.decode[2])))
+    values = (stats.steps, stats.busy_s, stats.decode[0], stats.decode[2], stats.graphed)
+    return dict(zip(STEP_KEYS, values))
 
 
 def metrics_counters(url: str) -> dict:
@@ -62,13 +63,17 @@ def metrics_counters(url: str) -> dict:
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         m = parse_metrics(r.read().decode())
-    names = ("steps_total", "busy_seconds_total", "decode_steps_total", "decode_seconds_total")
+    names = (
+        "steps_total", "busy_seconds_total", "decode_steps_total", "decode_seconds_total",
+        "graph_steps_total",
+    )  # fmt: skip
     return {k: m[f"hetero_engine_{n}"] for k, n in zip(STEP_KEYS, names)}
 
 
 def step_summary(before: dict, after: dict, wall_s: float) -> dict:
-    """Where a timed run's wall time went in the engine: the share spent in steps, and the
-    steps that ran prompt tokens (eager on a GPU) against the decode-only ones."""
+    """Where a timed run's wall time went in the engine: the share spent in steps, the steps
+    that ran prompt tokens against the decode-only ones, and how many steps missed the CUDA
+    graphs (eager: every step on a CPU)."""
     d = {k: after[k] - before[k] for k in STEP_KEYS}
     prompt_steps = d["steps"] - d["decode_steps"]
     return {
@@ -77,6 +82,7 @@ def step_summary(before: dict, after: dict, wall_s: float) -> dict:
         "decode_ms": 1e3 * d["decode_s"] / max(d["decode_steps"], 1),
         "prompt_steps": int(prompt_steps),
         "prompt_ms": 1e3 * (d["busy_s"] - d["decode_s"]) / max(prompt_steps, 1),
+        "eager_steps": int(d["steps"] - d["graphed"]),
     }
 
 
@@ -251,11 +257,12 @@ def main(ctx, model, concurrency, seconds, input_len, output_len, modes, start_t
             f"{h['tok_s'] / off['tok_s']:>6.1%} {off['ttft_ms']:>12.1f} {h['ttft_ms']:>13.1f}"
         )
     click.echo("engine steps in the timed runs (offline / HTTP): share of the wall in steps; "
-               "decode-only steps, ms each; steps with prompt tokens, ms each")  # fmt: skip
+               "decode-only steps, ms each; steps with prompt tokens, ms each; steps that ran "
+               "eagerly (not through the CUDA graphs)")  # fmt: skip
     for c, mode, off, h in rows:
         cells = [
             f"{x['busy']:.0%} | {x['decode_steps']} x {x['decode_ms']:.2f} ms | "
-            f"{x['prompt_steps']} x {x['prompt_ms']:.2f} ms"
+            f"{x['prompt_steps']} x {x['prompt_ms']:.2f} ms | {x['eager_steps']} eager"
             for x in (off, h)
         ]
         click.echo(f"{c:>4} {mode:>22}  offline {cells[0]}  /  HTTP {cells[1]}")

@@ -109,6 +109,7 @@ def test_engine_process_serves_like_the_offline_engine(model_path):
     # each request's prompt ran in a step of its own or beside decodes: the rest decoded only
     assert 0 < m["hetero_engine_decode_steps_total"] < m["hetero_engine_steps_total"]
     assert 0 < m["hetero_engine_decode_seconds_total"] < m["hetero_engine_busy_seconds_total"]
+    assert m["hetero_engine_graph_steps_total"] == 0  # a CPU engine: every step eager
     last = got["closed"][-1]
     assert last.finished and last.error == "the server is shutting down"
     assert got["exitcode"] == 0 and got["deaths"] == []  # asked to stop: not a death

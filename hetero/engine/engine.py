@@ -221,7 +221,7 @@ class Engine:
                     del o.new_token_ids[kept:]
                     if o.logprobs is not None:
                         del o.logprobs[kept:]
-            self.stats.record(out, time.perf_counter() - t0)
+            self.stats.record(out, time.perf_counter() - t0, self.runner.replayed)
             if self.spec is not None:
                 self.spec.observe(out, sampled, finished)
             if tiered is not None:
@@ -351,9 +351,11 @@ class EngineStats:
         self.busy_s = 0.0
         self.decode = [0, 0, 0.0]  # plain decode steps: steps, rows, seconds
         self.verify = [0, 0, 0.0]  # decode steps with guesses: steps, rows, seconds
+        self.graphed = 0  # steps run through the CUDA graphs' static buffers (cuda_graph.py)
 
-    def record(self, out, seconds: float) -> None:
+    def record(self, out, seconds: float, graphed: bool = False) -> None:
         self.steps += 1
+        self.graphed += graphed
         self.tokens += out.num_batched_tokens
         self.busy_s += seconds
         sched = out.scheduled

@@ -92,6 +92,7 @@ class ModelRunner:
         self.device = torch.device(model.runtime.device)
         self.scale = model.config.head_dim**-0.5
         self.graphs = None  # DecodeGraphs (cuda_graph.py): replays decode-only steps
+        self.replayed = False  # whether the last step ran through the graphs' buffers
         # only the Triton attention reads the block-table tensors: skip building them elsewhere
         self.tensor_meta = select("paged_attention", self.device).name == "triton"
 
@@ -106,7 +107,8 @@ class ModelRunner:
         stage before the last gets its own hidden states [T, C] back instead of logits.
         """
         self.pool.copy_blocks(out.copies)
-        if self.graphs is not None and self.graphs.fits(out):
+        self.replayed = self.graphs is not None and self.graphs.fits(out)
+        if self.replayed:
             producing = [s for s in out.scheduled if s.produces_token]
             return self.graphs.run(out.scheduled, hidden), producing
         sched = out.scheduled

@@ -156,6 +156,9 @@ def _engine_gauges(add: _Writer, engine: Engine) -> None:
     add.counter(
         "hetero_engine_decode_seconds_total", "time in decode-only steps", [("", stats.decode[2])]
     )
+    add.counter(
+        "hetero_engine_graph_steps_total", "steps replayed from CUDA graphs", [("", stats.graphed)]
+    )
     _speculation(add, engine)
 
 
