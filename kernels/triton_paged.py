@@ -23,6 +23,7 @@ the kernels need no fp8 hardware: any device of compute capability >= 8.0 runs t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -130,6 +131,29 @@ def paged_prefill(q, k_cache, v_cache, k_scale, v_scale, meta, scale, bm=None, b
     return out
 
 
+def paged_rows(q, k_cache, v_cache, k_scale, v_scale, meta, scale, bn=None):
+    """q [B, H, D], one query a row, where meta.tiles says which rows attend as tiles of one
+    prompt chunk (engine/paged_meta.RowTiles): flash-decoding for the others (each over its own
+    context), then one program per (tile, head) for the tiled rows. -> [B, H, D]."""
+    b, h, d = q.shape
+    tiles = meta.tiles
+    rows_alone = dataclasses.replace(meta, seq_lens=tiles.decode_lens)
+    out = paged_decode(q, k_cache, v_cache, k_scale, v_scale, rows_alone, scale)
+    if b == 0:
+        return out
+    kc, vc = _bits(k_cache), _bits(v_cache)
+    fp8 = k_cache.dtype == FP8
+    kv = k_cache.shape[1]
+    bt = meta.block_tables
+    _kernels().row_tile_kernel[(-(-b // tiles.rows), h)](
+        q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, tiles.tile_lens, out,
+        scale, b, q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+        KV=kv, G=h // kv, D=d, BD=_pow2(d), BS=meta.block_size, BM=tiles.rows,
+        BN=bn or PREFILL_BN, FP8=fp8, IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
 @register("paged_attention", "triton", priority=10, supports=triton_supported)
 def paged_attention_triton(q, k_cache, v_cache, k_scale, v_scale, meta, scale: float):
     """paged_attention_ref's contract, from meta.tensors (a TensorMeta; the reference without)."""
@@ -138,6 +162,8 @@ def paged_attention_triton(q, k_cache, v_cache, k_scale, v_scale, meta, scale: f
         return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if tm.tiles is not None:
+        return paged_rows(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
     if tm.max_q_len == 1 and q.shape[0] == tm.seq_lens.shape[0]:
         return paged_decode(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
     return paged_prefill(q, k_cache, v_cache, k_scale, v_scale, tm, scale)

@@ -236,3 +236,42 @@ def prefill_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
+
+
+@triton.jit
+def row_tile_kernel(
+    q, k_cache, v_cache, k_scale, v_scale, block_tables, tile_lens, out,
+    scale, n_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Grid (row tiles, H): the one-query rows r0 .. r0 + BM - 1 (r0 = BM * program_id(0)) of a
+    CUDA-graph step whose tile_lens > 0 (their context lengths) are consecutive rows of one
+    prompt chunk, the tile's first row among them (engine/paged_meta.RowTiles): they share its
+    block table, so each key tile is read once for all of them, as the prefill kernel reads it
+    for a query tile. Row r sees keys 0 .. tile_lens[r] - 1. Other rows are left as they are."""
+    mt = tl.program_id(0)
+    hq = tl.program_id(1)
+    h = hq // G
+    r0 = mt * BM
+    rows = r0 + tl.arange(0, BM)
+    lens = tl.load(tile_lens + rows, mask=rows < n_rows, other=0)
+    hi = tl.max(lens, axis=0)
+    d = tl.arange(0, BD)
+    qm = (lens > 0)[:, None] & (d[None, :] < D)
+    tok = rows.to(tl.int64)
+    qv = tl.load(q + tok[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=qm, other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for n0 in range(0, hi, BN):  # rows of length 0 (not this tile's) keep nothing: NaN, unstored
+        pos = n0 + tl.arange(0, BN)
+        pm = pos < hi
+        slot = _slots(block_tables, r0, stride_bt, pos, pm, BS)
+        kt = _load_kv(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
+        vt = _load_kv(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
+        keep = pm[None, :] & (pos[None, :] < lens[:, None])  # [BM, BN] causal
+        m_i, l_i, acc = _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
+    tl.store(dst, o.to(out.dtype.element_ty), mask=qm)

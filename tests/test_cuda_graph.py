@@ -81,7 +81,7 @@ PARAMS = [replace(GREEDY, max_tokens=n) for n in (4, 12, 8, 10, 16)]
 
 def _generate(
     tiny, graphs: bool, capture: bool, kv_dtype: str, spec: str = "off", rows: int = 4,
-    prompts=PROMPTS, params=PARAMS, max_rows: int = 0, step_tokens: int = 2048,
+    prompts=PROMPTS, params=PARAMS, max_rows: int = 0, step_tokens: int = 2048, row_tile: int = 32,
 ):  # fmt: skip
     llm = LLM(
         loaded=tiny, kv_dtype=kv_dtype, num_kv_blocks=48, block_size=16, max_model_len=128,
@@ -91,10 +91,12 @@ def _generate(
     runner = llm.engine.runner
     poison(llm.engine.pool)
     if graphs:  # max batch 4: steps of 3 pad to 4, steps of 5 are too many (eager)
-        runner.graphs = DecodeGraphs(tiny[1], llm.engine.pool, rows, 128, max_rows)
+        runner.graphs = DecodeGraphs(tiny[1], llm.engine.pool, rows, 128, max_rows, row_tile)
         if capture:
             runner.graphs.capture()
     outs = llm.generate(prompts, params)
+    # the engine's count of steps through the buffers (/metrics) is the buffers' own
+    assert llm.engine.stats.graphed == (runner.graphs.steps if graphs else 0)
     return outs, runner.graphs, llm.engine.spec
 
 
@@ -127,14 +129,16 @@ def test_static_buffer_path_equals_eager(tiny) -> None:
 
 def _compare_mixed(tiny, capture: bool, kv_dtype: str) -> None:
     """Prompt chunks of 12-token steps (a step budget of 12 tokens cuts every prompt, and later
-    prompts start beside running decodes): through buckets of up to 32 rows, against eager."""
+    prompts start beside running decodes): through buckets of up to 32 rows, against eager.
+    The buckets past 8 rows take prompt rows in tiles of 4 (on a GPU, the tile kernel)."""
     refs = {} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}
     with forcing(refs):
         eager, _, _ = _generate(tiny, False, False, kv_dtype, step_tokens=12)
         static, graphs, _ = _generate(
-            tiny, True, capture, kv_dtype, rows=8, max_rows=32, step_tokens=12
+            tiny, True, capture, kv_dtype, rows=8, max_rows=32, step_tokens=12, row_tile=4
         )
     assert graphs.prompt_steps > 0 and graphs.steps > graphs.prompt_steps
+    assert graphs.tiled_rows > 0
     _same(eager, static, kv_dtype)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from triton_interp import CUDA, DEVICE, kernels_runnable, rerun_test  # noqa: F401 (autouse)
 
-from hetero.engine.paged_meta import tensor_meta
+from hetero.engine.paged_meta import RowTiles, split_row_tiles, tensor_meta
 from hetero.engine.runner import PagedMeta
 from hetero.kernels import implementations
 from hetero.kernels import triton_paged as tp
@@ -134,6 +134,50 @@ def test_prefill_attention(kv_dtype: str, case: tuple[int, int, int, int]) -> No
     want = paged_attention_ref(q, *pool.caches(), meta, d**-0.5)
     got = tp.paged_prefill(q, *pool.caches(), meta.tensors, d**-0.5, bm=16, bn=16)
     assert_attention_close(got, want)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
+def test_row_tiles_of_a_graph_step(kv_dtype: str) -> None:
+    """A CUDA-graph step's layout: every new token a one-query row with its own table row and
+    length (a decode, a chunk after a 27-token prefix, a decode, a fresh 30-token prompt, a
+    padding row). Rows in 8-row tiles of one chunk attend through the tile kernel (the chunks
+    start mid-tile, so some of their rows stay with the per-row kernel); every row equals the
+    reference, and the tiled and untiled paths agree."""
+    kv, g, d, bs = 2, 3, 32, 4
+    gen = torch.Generator().manual_seed(11)
+    pool = Pool(64, bs, kv, d, kv_dtype)
+    ctx, q_lens = [40, 50, 9, 30], [1, 23, 1, 30]
+    dtype = torch.float32 if kv_dtype == "fp8" else torch.float16
+    _, seq_meta = make_step(pool, ctx, q_lens, kv * g, dtype, gen)
+    tables, lens, chunk, slots = [], [], [], []
+    for i, (n, m) in enumerate(zip(ctx, q_lens)):
+        for j in range(n - m + 1, n + 1):  # the row of position j - 1 sees j keys
+            tables.append(seq_meta.tensors.block_tables[i].tolist())
+            lens.append(j)
+            chunk.append(i if m > 1 else -1)
+            slots.append(seq_meta.ctx_slots[i][:j])
+    tables.append([0])  # padding: length 0
+    lens.append(0)
+    chunk.append(-1)
+    slots.append(seq_meta.ctx_slots[0][:0])
+    rows = len(lens)
+    tm = tensor_meta(tables, lens, [1] * rows, bs)  # (sizes each row's table by its length:)
+    width = max(len(t) for t in tables)  # a graph row holds its chunk's whole table, as here
+    tm.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    decode_lens, tile_lens = split_row_tiles(tm.seq_lens, torch.tensor(chunk), 8)
+    assert 0 < int((tile_lens > 0).sum()) < sum(q_lens[1::2])  # tiled rows, and untiled ones
+    tm.tiles = RowTiles(decode_lens, tile_lens, 8)
+    tm = tm.to(DEVICE)
+    q = torch.randn(rows, kv * g, d, generator=gen).to(DEVICE, dtype)
+    meta = PagedMeta(list(range(rows)), [1] * rows, slots)
+    want = paged_attention_ref(q[:-1], *pool.caches(), PagedMeta(
+        list(range(rows - 1)), [1] * (rows - 1), slots[:-1]), d**-0.5)  # fmt: skip
+    meta.tensors = tm
+    got = tp.paged_attention_triton(q, *pool.caches(), meta, d**-0.5)
+    assert_attention_close(got[:-1], want)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    untiled = tp.paged_decode(q, *pool.caches(), tm, d**-0.5)
+    assert_attention_close(untiled[:-1], want)
 
 
 def test_padding_rows_give_zeros_and_reference_fallback() -> None:

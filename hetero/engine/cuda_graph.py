@@ -54,7 +54,13 @@ import logging
 import torch
 
 from hetero.engine.kv_cache import KVPool
-from hetero.engine.paged_meta import TensorMeta, decode_slots_from_tables
+from hetero.engine.paged_meta import (
+    ROW_TILE,
+    RowTiles,
+    TensorMeta,
+    decode_slots_from_tables,
+    split_row_tiles,
+)
 from hetero.engine.runner import PagedAttention, PagedMeta
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.kernels import select
@@ -131,9 +137,11 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         max_rows: int = 0,
+        row_tile: int = ROW_TILE,
     ):
         """max_batch: the most rows that produce a token (sequences, plus guesses); max_rows:
-        the most rows of a step with prompt chunks (0: decode steps only)."""
+        the most rows of a step with prompt chunks (0: decode steps only); row_tile: rows of a
+        prompt chunk that attend together in the buckets past max_batch (paged_meta.RowTiles)."""
         self.model, self.pool = model, pool
         self.device = pool.k.device
         self.max_batch = max_batch
@@ -146,6 +154,9 @@ class DecodeGraphs:
         self.slots = torch.full((bmax,), -1, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(bmax, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
+        self.row_tile = row_tile
+        self.decode_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)  # RowTiles
+        self.tile_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.q_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
         self.logit_rows = torch.arange(max_batch, dtype=torch.long, device=dev)
         self.hidden = None  # [Bmax, C]: the previous stage's activations (a later stage only)
@@ -159,6 +170,7 @@ class DecodeGraphs:
         self.steps = 0  # steps run through the static buffers (replayed or not)
         self.rows_run = 0  # their rows (sequences, guesses, prompt tokens)
         self.prompt_steps = 0  # those of them with prompt rows
+        self.tiled_rows = 0  # prompt rows that attended in row tiles
 
     def fits(self, out: SchedulerOutput) -> bool:
         """A step these buffers hold: decodes (each one known token, plus its guesses) and prompt
@@ -208,14 +220,17 @@ class DecodeGraphs:
         bs = self.block_size
         tokens, positions, produce = [], [], []
         tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
+        chunk_ids = torch.full((b,), -1, dtype=torch.long)  # each prompt row's chunk
         row = 0
-        for s in sched:
+        for i, s in enumerate(sched):
             pos, m = s.start_pos, s.num_new_tokens
             known = m - len(s.spec_ids)  # 1 for a decode, the chunk's tokens for a prompt
             tokens += [*s.req.tokens(pos, pos + known), *s.spec_ids]
             positions += range(pos, pos + m)
             table = s.req.block_table[: (pos + m - 1) // bs + 1]
             tables[row : row + m, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            if not _is_decode(s):
+                chunk_ids[row : row + m] = i
             row += m
             if s.produces_token:
                 produce += range(row - 1 - len(s.spec_ids), row)
@@ -230,7 +245,12 @@ class DecodeGraphs:
             1, (pos_t // bs)[:, None].to(torch.long).clamp_max(self.max_blocks - 1)
         )
         slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
+        decode_lens, tile_lens = split_row_tiles(lens, chunk_ids, self.row_tile)
+        if b > self.max_batch:  # (_forward: the buckets whose attention takes the tiles)
+            self.tiled_rows += int((tile_lens > 0).sum())
         for host, static in (
+            (decode_lens, self.decode_lens),
+            (tile_lens, self.tile_lens),
             (torch.tensor(tokens + [0] * pad, dtype=torch.long), self.tokens),
             (pos_t, self.positions),
             (slots, self.slots),
@@ -248,6 +268,8 @@ class DecodeGraphs:
             self.block_tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1,
             self.max_blocks * bs, bs,
         )  # fmt: skip
+        if b > self.max_batch:  # a bucket for prompt rows: their chunks attend as tiles
+            meta.tensors.tiles = RowTiles(self.decode_lens[:b], self.tile_lens[:b], self.row_tile)
         if self._ref_attention:  # the reference reads per-position slots; padding rows mask out
             tables, lens = self.block_tables[:b], self.seq_lens[:b]
             meta.decode_slots, meta.decode_mask = decode_slots_from_tables(tables, lens, bs)

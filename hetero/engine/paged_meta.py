@@ -7,6 +7,10 @@ decode step with new values.
     block_tables [B, max_blocks] int32   blocks of each sequence (0-padded)
     seq_lens     [B] int32               context length after this step's tokens
     q_start_loc  [B + 1] int32           row of each sequence's first query in the [T] batch
+
+A CUDA-graph step runs prompt chunks as one-query rows (engine/cuda_graph.py), each with its own
+table row and length. Alone, each such row would read its whole context: `tiles` (RowTiles)
+lets the kernels take runs of ROW_TILE rows of one chunk together, reading each key once a tile.
 """
 
 from __future__ import annotations
@@ -14,6 +18,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+ROW_TILE = 32  # one-query rows of a prompt chunk that attend together (RowTiles)
+
+
+@dataclass
+class RowTiles:
+    """Which one-query rows attend as tiles: tile i is rows i*rows .. (i+1)*rows - 1, and a row
+    belongs to its tile when it is a prompt row of the same chunk as the tile's first row.
+
+    decode_lens [B] int32   the row's context length, 0 where its tile attends for it
+    tile_lens   [B] int32   the row's context length where its tile attends for it, else 0
+    """
+
+    decode_lens: torch.Tensor
+    tile_lens: torch.Tensor
+    rows: int = ROW_TILE
+
+
+def split_row_tiles(
+    lens: torch.Tensor, chunk_ids: torch.Tensor, rows: int = ROW_TILE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode_lens, tile_lens) of RowTiles from each row's context length and chunk id (the
+    prompt chunk a row belongs to; -1 for decode rows and padding)."""
+    first = chunk_ids[torch.arange(len(chunk_ids)) // rows * rows]
+    tiled = (chunk_ids >= 0) & (chunk_ids == first)
+    zero = torch.zeros_like(lens)
+    return torch.where(tiled, zero, lens), torch.where(tiled, lens, zero)
 
 
 @dataclass
@@ -24,13 +55,20 @@ class TensorMeta:
     max_q_len: int  # host ints: grid sizes (a captured graph fixes them at capture)
     max_seq_len: int
     block_size: int
+    tiles: RowTiles | None = None  # a graph step's prompt rows (module docstring)
 
     def to(self, device: torch.device) -> TensorMeta:
         bt, lens, starts = (
             t.to(device, non_blocking=True)
             for t in (self.block_tables, self.seq_lens, self.q_start_loc)
         )
-        return TensorMeta(bt, lens, starts, self.max_q_len, self.max_seq_len, self.block_size)
+        tiles = self.tiles
+        if tiles is not None:
+            dl, tl = (t.to(device, non_blocking=True) for t in (tiles.decode_lens, tiles.tile_lens))
+            tiles = RowTiles(dl, tl, tiles.rows)
+        return TensorMeta(
+            bt, lens, starts, self.max_q_len, self.max_seq_len, self.block_size, tiles
+        )  # fmt: skip
 
 
 def tensor_meta(
