@@ -62,6 +62,12 @@ def _variants(t: int) -> list[tv.Variant]:
         out += [V("mm_pipe", bn=64, bt=bt, step=256, ctas=4, stages=3)]
         out += [V("mm_pipe", bn=32, bt=bt, step=256, ctas=8, stages=3)]
         out += [V("mm_pipe", bn=128, bt=bt, step=128, ctas=2, warps=8, stages=3)]
+    if 16 <= t <= 64:  # more warps an SM: the default tile ran 1 warp a scheduler (ncu, T=64)
+        out += [V("mm", bn=64, bt=bt, step=s, ctas=c, warps=w, stages=3)
+                for s, c, w in ((128, 2, 8), (64, 4, 4), (64, 2, 8), (64, 4, 8))]  # fmt: skip
+        out += [V("mm", bn=128, bt=bt, step=64, ctas=2, warps=8, stages=3)]
+        out += [V("mm", bn=64, bt=bt, step=128, ctas=2, warps=4, stages=4)]
+        out += [V("mm_pipe", bn=64, bt=bt, step=128, ctas=2, warps=8, stages=3)]
     if t >= 128:
         out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]
         out += [V("mm", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]

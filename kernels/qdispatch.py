@@ -19,6 +19,9 @@ bf16 activations, timed from CUDA-graph replays over weights rotated through L2;
     Q4_K, Q6_K  T = 5-8  small  tokens bn32 c4     k/v T=8 8.7 vs 9.8, 10.2 vs 11.3
     any   T = 33-159  small    dense               k/v T=64 10.4 vs 15.2 (Q4_K), 10.5 vs 15.4,
                                                     10.7 vs 16.2, 10.4 vs 16.6 (Q8_0)
+    Q4_K  T = 33-64   large    mm_pipe bn64 k256   (2026-11-30 sweep, copy 4261 GB/s by events)
+                                                    fused gate|up T=64 91.8 vs 104.5, down 56.0
+                                                    vs 62.4; q|k and q/o (mid): no gain
 
 At T >= 160 (DENSE_MIN_T) the default path is dequantize + cuBLAS already, which the sweep
 confirmed at T = 512 on every shape (within 1% of the best candidate).
@@ -62,6 +65,7 @@ RULES: tuple[Rule, ...] = (
     Rule((), ("small",), 3, 4, Variant("tokens", bn=32, ctas=4)),
     Rule(("Q4_K", "Q6_K"), ("small",), 5, 8, Variant("tokens", bn=32, ctas=4)),
     Rule((), ("small",), 33, 159, "dense"),
+    Rule(("Q4_K",), ("large",), 33, 64, Variant("mm_pipe", bn=64, bt=64, step=256, stages=3)),
 )
 
 
