@@ -167,6 +167,24 @@ def test_prompt_rows_past_the_context_budget_run_eagerly(tiny, monkeypatch) -> N
     _same(eager, static, "fp32")
 
 
+@pytest.mark.parametrize("m,p,tile", [(512, 0, 32), (100, 3000, 32), (7, 40, 4), (3, 0, 8)])
+def test_row_context_in_tiles_bounds_what_the_tiles_read(m: int, p: int, tile: int) -> None:
+    """chunk_row_context against the reads of a layout the graphs make: a decode row, then the
+    chunk (so its first tile - 1 rows share a tile with the decode and read alone: the most
+    that can), split by split_row_tiles; each tile reads up to its longest row's context."""
+    from hetero.engine.cuda_graph import chunk_row_context
+    from hetero.engine.paged_meta import split_row_tiles
+
+    lens = torch.tensor([p + 5] + [p + i + 1 for i in range(m)], dtype=torch.int32)
+    ids = torch.tensor([-1] + [0] * m)
+    alone, tiled = split_row_tiles(lens, ids, tile)
+    reads = int(alone[1:].sum()) + sum(int(t.max()) for t in tiled.split(tile))
+    assert chunk_row_context(m, p) == int(lens[1:].sum())  # row by row: every row its own
+    assert chunk_row_context(m, p, tile) == reads
+    if m >= 4 * tile:
+        assert reads < chunk_row_context(m, p) / 3
+
+
 def test_fits_within_the_buckets_and_needs_tensor_kernels(tiny) -> None:
     llm = LLM(loaded=tiny, kv_dtype="fp32", num_kv_blocks=16, max_model_len=64, enforce_eager=True)
     if not CUDA:  # the CPU kernels read host lists: refused, not silently wrong

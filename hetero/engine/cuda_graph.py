@@ -31,10 +31,13 @@ Prompt chunks fit the same way (max_rows > max_batch adds larger buckets for the
 m prompt tokens at positions p .. p + m - 1 is m one-query rows with seq_len p + i + 1, so a step
 that admits a few short prompts beside running decodes (or one prompt of up to max_rows tokens)
 replays a graph instead of paying an eager step's host launches (~0.5 ms a layer on the H200: a
-mixed step cost ten decode steps). Each row reads its whole context, where the eager prefill
-kernel reads it once per tile of queries, so a step fits only while its prompt rows read at most
-PROMPT_ROW_CONTEXT row-positions in all (a 512-token prompt: 131k); longer prompts (and a chunk
-after a long cached prefix) run eagerly, where their device work outweighs the launches anyway.
+mixed step cost ten decode steps). In the buckets past max_batch (those only prompt rows reach)
+the rows of a chunk attend in tiles of row_tile rows (paged_meta.RowTiles: decode_lens and
+tile_lens [Bmax], two more static buffers), each tile reading its keys once, as the eager prefill
+kernel reads them for a tile of queries; elsewhere each row reads its whole context. A step fits
+only while its prompt rows read at most PROMPT_ROW_CONTEXT row-positions in all (a 512-token
+prompt alone: 5k in tiles, 131k row by row); longer contexts (a chunk after a long cached
+prefix) run eagerly, where their device work outweighs the launches anyway.
 Only the rows that produce a token reach the output projection: their indices go in one more
 static buffer, logit_rows [L] (L = min(bucket, max_batch), padding rows pointing at row 0).
 
@@ -50,6 +53,7 @@ that is how the padding and bucketing are tested on a machine without CUDA.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -104,15 +108,25 @@ def _is_decode(s: ScheduledRequest) -> bool:
     return s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids)
 
 
-def chunk_row_context(m: float, p: float) -> float:
+def chunk_row_context(m: float, p: float, tile: int = 1) -> float:
     """Row-positions a chunk of m prompt tokens after p cached ones reads as one-query rows:
-    p + 1, p + 2, ... p + m (the planner asks with average chunk sizes)."""
-    return m * p + m * (m + 1) / 2
+    p + 1, p + 2, ... p + m (the planner asks with average chunk sizes). With its rows in tiles
+    of `tile` (paged_meta.RowTiles), each tile reads up to its last row's context once, and the
+    chunk's first tile - 1 rows read their own (the most that can share a tile with other rows:
+    the chunk starting one row past a tile's start)."""
+    if tile <= 1:
+        return m * p + m * (m + 1) / 2
+    lead = min(m, tile - 1)
+    n = math.ceil((m - lead) / tile)  # tiles; the last one ends at the chunk's last row
+    tiles = n * p + (n - 1) * lead + tile * n * (n - 1) / 2 + m if n else 0
+    return chunk_row_context(lead, p) + tiles
 
 
-def prompt_row_context(sched: list[ScheduledRequest]) -> float:
-    """Row-positions the prompt rows of a step read as one-query rows."""
-    return sum(chunk_row_context(s.num_new_tokens, s.start_pos) for s in sched if not _is_decode(s))
+def prompt_row_context(sched: list[ScheduledRequest], tile: int = 1) -> float:
+    """Row-positions the prompt rows of a step read as one-query rows (in tiles of `tile`)."""
+    return sum(
+        chunk_row_context(s.num_new_tokens, s.start_pos, tile) for s in sched if not _is_decode(s)
+    )
 
 
 def _check_kernels(device: torch.device) -> bool:
@@ -183,9 +197,14 @@ class DecodeGraphs:
         if any(s.start_pos + s.num_new_tokens > cap for s in sched):
             return False
         producing = sum(1 + len(s.spec_ids) for s in sched if s.produces_token)
-        return producing <= self._logit_count(bucket_for(n, self.buckets)) and (
-            prompt_row_context(sched) <= PROMPT_ROW_CONTEXT
+        b = bucket_for(n, self.buckets)
+        return producing <= self._logit_count(b) and (
+            prompt_row_context(sched, self._tile(b)) <= PROMPT_ROW_CONTEXT
         )
+
+    def _tile(self, b: int) -> int:
+        """Rows a prompt chunk attends in together in bucket b (1: each row alone)."""
+        return self.row_tile if b > self.max_batch else 1
 
     def _logit_count(self, b: int) -> int:
         """Rows of a bucket that reach the output projection (padding included)."""
@@ -246,7 +265,7 @@ class DecodeGraphs:
         )
         slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
         decode_lens, tile_lens = split_row_tiles(lens, chunk_ids, self.row_tile)
-        if b > self.max_batch:  # (_forward: the buckets whose attention takes the tiles)
+        if self._tile(b) > 1:  # (_forward: the buckets whose attention takes the tiles)
             self.tiled_rows += int((tile_lens > 0).sum())
         for host, static in (
             (decode_lens, self.decode_lens),
@@ -268,7 +287,7 @@ class DecodeGraphs:
             self.block_tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1,
             self.max_blocks * bs, bs,
         )  # fmt: skip
-        if b > self.max_batch:  # a bucket for prompt rows: their chunks attend as tiles
+        if self._tile(b) > 1:  # a bucket for prompt rows: their chunks attend as tiles
             meta.tensors.tiles = RowTiles(self.decode_lens[:b], self.tile_lens[:b], self.row_tile)
         if self._ref_attention:  # the reference reads per-position slots; padding rows mask out
             tables, lens = self.block_tables[:b], self.seq_lens[:b]

@@ -99,11 +99,13 @@ class _Setup:
         """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
         replays a CUDA graph on device i (cuda_graph.DecodeGraphs.fits)."""
         from hetero.engine.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
+        from hetero.engine.paged_meta import ROW_TILE
 
         c = self.costs[i]
         if not c.graphs or c.dev.is_cpu or n > self.config.cuda_graph_max_tokens:
             return False
-        return seqs * chunk_row_context(n / seqs, cached) <= PROMPT_ROW_CONTEXT
+        tile = ROW_TILE if n > self.config.max_num_seqs else 1  # a bucket past the decode rows
+        return seqs * chunk_row_context(n / seqs, cached, tile) <= PROMPT_ROW_CONTEXT
 
     def prefill_s(self, i: int, a: int, b: int, tokens: int, seqs: int) -> float:
         """Stage i's time for `tokens` prompt tokens of `seqs` prompts, in budget-sized chunks."""
