@@ -97,6 +97,28 @@ def test_long_prefill_token_threshold_caps_chunks() -> None:
     eng.run()
 
 
+def test_steps_with_decodes_stay_within_the_largest_graph() -> None:
+    """graph_rows (set by an engine with prompt CUDA graphs) caps the tokens of a step that runs
+    decodes; a prompt alone still takes the whole budget, and outputs are unchanged."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    eng = Engine(num_blocks=64, block_size=4, config=config)
+    eng.sched.graph_rows = 12
+    first = Request("first", list(range(1, 41)), params(6, ignore_eos=True))
+    eng.sched.add(first)
+    out, _ = eng.step()
+    assert [s.num_new_tokens for s in out.scheduled] == [40]  # no decodes: the full budget
+    late = [Request(f"late{i}", [7 + i] * 9, params(3)) for i in range(2)]
+    for r in late:
+        eng.sched.add(r)
+    out, _ = eng.step()
+    assert [(s.req.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("first", 1), ("late0", 9), ("late1", 2)
+    ]  # fmt: skip
+    eng.run()
+    for r in [first, *late]:
+        assert r.output_ids == reference(r.prompt_ids, [], r.max_tokens, None)
+
+
 def test_mixed_requests_under_a_small_budget() -> None:
     rng = random.Random(7)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)

@@ -112,9 +112,12 @@ class Engine:
             sc = self.scheduler.config
             k = 0 if self.spec is None else cfg.num_speculative_tokens
             rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, k)
-            self.runner.graphs = capture_decode_graphs(
+            graphs = capture_decode_graphs(
                 self.model, self.pool, rows, self.max_model_len, cfg.prompt_graph_rows
             )
+            self.runner.graphs = graphs
+            if graphs is not None and graphs.buckets[-1] > graphs.max_batch:  # prompt graphs
+                self.scheduler.graph_rows = graphs.buckets[-1]
         self.sampler = Sampler(cfg.seed)
         self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()

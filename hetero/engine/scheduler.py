@@ -11,7 +11,10 @@ One step, under a budget of max_num_batched_tokens tokens:
      admit_wait_ms, new prompts wait while decodes run until the oldest has waited that long or
      enough wait to fill the free seats (arrivals a few ms apart then share one prefill step).
 
-So a long prompt never stalls the running streams: it gets what they leave. When the pool has no
+So a long prompt never stalls the running streams: it gets what they leave. Where the engine
+replays CUDA graphs for steps with prompt rows, a step that runs decodes also stays within the
+largest graph (graph_rows tokens in all): past it the step would run eagerly, and an eager step
+costs every running stream several decode steps' time. When the pool has no
 block for a running request, the newest running request (latest arrival) is preempted: its KV is
 freed and it goes back to the front of the waiting queue, keeping its generated tokens, which are
 recomputed with the prompt when it is admitted again (its named blocks stay parked in the prefix
@@ -86,6 +89,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order: the newest is last
         self.num_preemptions = 0
+        self.graph_rows = 0  # the largest CUDA graph's rows, set by the engine (0: no cap)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished: list[Request] = []  # finished since the last schedule(), not by update()
         # state of the step being built by schedule()
@@ -189,6 +193,8 @@ class Scheduler:
         self._step, self._budget = {}, self.config.max_num_batched_tokens
         out = SchedulerOutput()
         decodes = self.decoding()
+        if decodes and self.graph_rows:
+            self._budget = min(self._budget, max(self.graph_rows, len(decodes)))
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if self._budget == 0:
