@@ -71,6 +71,10 @@ def assert_streams_like_decode(tok: Tokenizer, ids: list[int], skip_special: boo
 @SETTINGS
 @given(text=TEXT)
 def test_text_streams_back_exactly(tok, text):
+    # SentencePiece writes a space as U+2581 and reads U+2581 back as a space (as sentencepiece
+    # and llama.cpp do), so a literal U+2581 cannot come back from its vocabulary: spaces there
+    if tok.decode(tok.encode("\u2581")) != "\u2581":
+        text = text.replace("\u2581", " ")
     ids = tok.encode(text)
     assert "".join(stream(tok, ids)) == tok.decode(ids) == text
 
