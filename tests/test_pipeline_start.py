@@ -133,3 +133,24 @@ def _read_env(q) -> None:
     import os
 
     q.put(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+
+
+def test_stage_clock_times_decode_and_prompt_steps_apart(monkeypatch) -> None:
+    """The stage log's clock: per-lap means, decode-only steps apart from steps with prompt
+    tokens (a prefill step would otherwise hide in the decode steps' mean), and the idle time
+    before the first step left out."""
+    from hetero.dist import worker
+
+    now = iter([0.0, 5.0, 5.001, 5.002, 5.003, 5.103, 5.104, 5.105, 5.108, 5.109])
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: next(now))
+    clock = worker._Clock()  # t = 0
+    for what in ("waiting", "running prompt tokens", "passing on"):  # 5 s idle, then 1 ms each
+        clock.lap(what)
+    for what in ("waiting", "running prompt tokens", "passing on"):  # 1, 100, 1 ms
+        clock.lap(what)
+    clock.lap("waiting")  # 1 ms
+    clock.lap("running decodes")  # 3 ms
+    assert clock.report() == (
+        "3 steps, ms per step: running prompt tokens 50.50 (2x), passing on 1.00, "
+        "waiting 1.00, running decodes 3.00 (1x)"
+    )

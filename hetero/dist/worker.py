@@ -207,7 +207,8 @@ class Stage:
                 break
             clock.lap("waiting")
             out = self.run(plan, hidden)
-            clock.lap("running")
+            decode = all(len(q.tokens) == 1 for q in plan.seqs)
+            clock.lap("running decodes" if decode else "running prompt tokens")
             if self.last:
                 self._pass_on(pickle.dumps(out), results)
             else:
@@ -243,24 +244,27 @@ class Stage:
 
 
 class _Clock:
-    """Where a stage's time goes, per step: waiting for work (and the previous stage's
-    activations), running it (on a GPU the host's share: launches, and the last stage's wait for
-    its tokens), passing it on (which waits until the previous send is taken: the next stage's
-    backpressure). Printed when the stage stops."""
+    """Where a stage's time goes: waiting for work (and the previous stage's activations),
+    running it (on a GPU the host's share: launches, and the last stage's wait for its tokens;
+    decode-only steps apart from steps with prompt tokens), passing it on (which waits until the
+    previous send is taken: the next stage's backpressure). Printed when the stage stops."""
 
     def __init__(self):
-        self.t, self.spent, self.steps = time.perf_counter(), {}, 0
+        self.t, self.spent, self.laps, self.steps = time.perf_counter(), {}, {}, 0
 
     def lap(self, what: str) -> None:
         now = time.perf_counter()
         if self.steps or what != "waiting":  # not the idle time before the first step
             self.spent[what] = self.spent.get(what, 0.0) + now - self.t
+            self.laps[what] = self.laps.get(what, 0) + 1
         self.t = now
         self.steps += what == "waiting"
 
     def report(self) -> str:
-        n = max(self.steps, 1)
-        per = ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in self.spent.items())
+        per = ", ".join(
+            f"{k} {v / self.laps[k] * 1e3:.2f}" + (f" ({self.laps[k]}x)" if "running" in k else "")
+            for k, v in self.spent.items()
+        )
         return f"{self.steps} steps, ms per step: {per}"
 
 
