@@ -264,18 +264,18 @@ class DecodeGraphs:
             1, (pos_t // bs)[:, None].to(torch.long).clamp_max(self.max_blocks - 1)
         )
         slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
-        decode_lens, tile_lens = split_row_tiles(lens, chunk_ids, self.row_tile)
-        if self._tile(b) > 1:  # (_forward: the buckets whose attention takes the tiles)
-            self.tiled_rows += int((tile_lens > 0).sum())
-        for host, static in (
-            (decode_lens, self.decode_lens),
-            (tile_lens, self.tile_lens),
+        fills = [
             (torch.tensor(tokens + [0] * pad, dtype=torch.long), self.tokens),
             (pos_t, self.positions),
             (slots, self.slots),
             (lens, self.seq_lens),
             (tables, self.block_tables),
-        ):
+        ]
+        if self._tile(b) > 1:  # only these buckets' attention reads the tiles (_forward)
+            decode_lens, tile_lens = split_row_tiles(lens, chunk_ids, self.row_tile)
+            self.tiled_rows += int((tile_lens > 0).sum())
+            fills += [(decode_lens, self.decode_lens), (tile_lens, self.tile_lens)]
+        for host, static in fills:
             static[:b].copy_(host, non_blocking=True)
         return len(produce)
 
