@@ -122,6 +122,29 @@ def _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend(
+    qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, hi, limit, scale,
+    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """softmax(q K^T) V [M, BD] of query rows qv [M, BD] over keys 0 .. hi - 1 of sequence b's
+    pages (KV head h), row i seeing the keys below limit[i] (causal: its position + 1). A row
+    that sees no key gives NaN: callers do not store it."""
+    m_i = tl.full([qv.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([qv.shape[0]], tl.float32)
+    acc = tl.zeros([qv.shape[0], BD], tl.float32)
+    for n0 in range(0, hi, BN):
+        pos = n0 + tl.arange(0, BN)
+        pm = pos < hi
+        slot = _slots(block_tables, b, stride_bt, pos, pm, BS)
+        kt = _load_kv(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
+        vt = _load_kv(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
+        keep = pm[None, :] & (pos[None, :] < limit[:, None])  # [M, BN]
+        m_i, l_i, acc = _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE)
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def decode_split_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part_o, part_ml,
     scale, stride_qt, stride_qh, stride_bt, n_splits,
@@ -222,18 +245,10 @@ def prefill_kernel(
     qv = tl.load(q + tok[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=qm, other=0.0)
     pos_q = first + rows
     hi = tl.where(mt * BM < q_len, tl.minimum(length, first + (mt + 1) * BM), 0)
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BD], tl.float32)
-    for n0 in range(0, hi, BN):
-        pos = n0 + tl.arange(0, BN)
-        pm = pos < hi
-        slot = _slots(block_tables, b, stride_bt, pos, pm, BS)
-        kt = _load_kv(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        vt = _load_kv(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        keep = pm[None, :] & (pos[None, :] <= pos_q[:, None])  # [BM, BN] causal
-        m_i, l_i, acc = _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = _attend(
+        qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, hi, pos_q + 1,
+        scale, KV, D, BD, BS, BN, FP8, IEEE,
+    )  # fmt: skip
     dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
 
@@ -261,17 +276,10 @@ def row_tile_kernel(
     qm = (lens > 0)[:, None] & (d[None, :] < D)
     tok = rows.to(tl.int64)
     qv = tl.load(q + tok[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=qm, other=0.0)
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BD], tl.float32)
-    for n0 in range(0, hi, BN):  # rows of length 0 (not this tile's) keep nothing: NaN, unstored
-        pos = n0 + tl.arange(0, BN)
-        pm = pos < hi
-        slot = _slots(block_tables, r0, stride_bt, pos, pm, BS)
-        kt = _load_kv(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        vt = _load_kv(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        keep = pm[None, :] & (pos[None, :] < lens[:, None])  # [BM, BN] causal
-        m_i, l_i, acc = _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # rows of length 0 (not this tile's) see no key: NaN, unstored
+    o = _attend(
+        qv, k_cache, v_cache, k_scale, v_scale, block_tables, r0, stride_bt, h, hi, lens, scale,
+        KV, D, BD, BS, BN, FP8, IEEE,
+    )  # fmt: skip
     dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
