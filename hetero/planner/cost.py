@@ -65,10 +65,13 @@ class DeviceCost:
         d = self.dev
         return not d.is_cpu and d.has_eager and self.decode_rows(m, replay) is None
 
-    def step_seconds(self, n_layers: int, work_s: float, eager: bool) -> float:
+    def step_seconds(self, n_layers: int, work_s: float, eager: bool, seqs: int = 0) -> float:
         """One step of `n_layers` layers whose device work (with per-layer overheads when not
-        eager) is work_s."""
+        eager: replay_layer_seconds) is work_s; a replayed step adds the once-a-step cost of
+        the `seqs` sequences it samples for."""
         d = self.dev
+        if not eager:
+            work_s += seqs * d.seq_step_overhead_s
         if not d.has_eager:  # datasheets, made-up profiles: decode's overheads, added
             return d.step_overhead_s + (n_layers * d.layer_overhead_s if eager else 0.0) + work_s
         if not eager:
@@ -122,9 +125,12 @@ class DeviceCost:
         (device time only when the step runs eagerly on a GPU: step_seconds adds the host's)."""
         d, rows = self.dev, self.decode_rows(m, replay) or m
         kv = m * ctx * kv_token_bytes(self.desc, self.kv_dtype) / (d.attn_gbs * 1e9)
-        eager = self.eager(m, replay)
-        fixed = kv if eager else d.layer_overhead_s + rows * d.seq_overhead_s + kv
+        fixed = kv if self.eager(m, replay) else self.replay_layer_seconds(rows) + kv
         return [fixed + self._layer_matmuls(i, rows) for i in range(self.desc.n_layers)]
+
+    def replay_layer_seconds(self, rows: int) -> float:
+        """A replayed step's cost a layer besides its device work: launches and small ops."""
+        return self.dev.layer_overhead_s + rows * self.dev.seq_overhead_s
 
     def prefill_layer_seconds(self, n: int, cached: int, seqs: int = 1) -> list[float]:
         """Device seconds of each layer for n new tokens (of `seqs` prompts) after `cached`

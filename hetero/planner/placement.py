@@ -89,8 +89,7 @@ class _Setup:
         # does (hetero/dist/worker.py), unless --enforce-eager (DeviceCost.graphs).
         prefix = self._decode_prefix(i, m, True)
         work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
-        eager = c.eager(m, True)
-        t = c.step_seconds(b - a, work + (0.0 if eager else m * c.dev.seq_step_overhead_s), eager)
+        t = c.step_seconds(b - a, work, c.eager(m, True), seqs=m)
         if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
@@ -117,12 +116,10 @@ class _Setup:
             work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
             last = b == self.desc.n_layers
             work += c.head_seconds(rows) if last else 0.0
-            if self._replays_prompt(i, n, cached, rows):  # as a decode step's replay
-                d = c.dev
-                work += (b - a) * (d.layer_overhead_s + n * d.seq_overhead_s)
-                total += c.step_seconds(b - a, work + rows * d.seq_step_overhead_s, False)
-            else:
-                total += c.step_seconds(b - a, work, True)
+            replay = self._replays_prompt(i, n, cached, rows)  # as a decode step's replay
+            if replay:
+                work += (b - a) * c.replay_layer_seconds(n)
+            total += c.step_seconds(b - a, work, not replay, seqs=rows)
             if not last and i + 1 < len(self.costs):
                 total += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
             done += n
