@@ -79,34 +79,33 @@ def graph_time(fns: list[Callable[[], object]], replays: int) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(fns))
-    return float(np.median(times))
+    return float(np.median(event_times(graph.replay, replays))) / len(fns)
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 4 GiB device-to-device copy, read + write bytes: the best of 10 copies timed
-    with events, after a second of copies (an idle GPU clocks down; the first round measured
-    35% low). Not from a graph replay: a copy captured in a CUDA graph runs as a memcpy node,
-    which read 2712 GB/s where the same copy launched from the stream read 4235 (and a
-    read-only reduction 4387) in one run on the H200 (benchmarks/gpu_step_profile.py)."""
-    src = torch.randn(1 << 30, device="cuda")
+def copy_pair(nbytes: int = 4 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst) float32 of nbytes each, after a second of copies between them (an idle GPU
+    clocks down; the first round measured 35% low)."""
+    src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     end = time.time() + 1.0
     while time.time() < end:
         dst.copy_(src)
         torch.cuda.synchronize()
+    return src, dst
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 4 GiB device-to-device copy, read + write bytes: the best of 10 copies timed
+    with events (copy_pair warms the GPU first). Not from a graph replay: a copy captured in a
+    CUDA graph runs as a memcpy node, which read 2712 GB/s where the same copy launched from the
+    stream read 4235 (and a read-only reduction 4387) in one run on the H200
+    (benchmarks/gpu_step_profile.py)."""
+    src, dst = copy_pair()
     return 2 * src.nbytes / event_time(lambda: dst.copy_(src), 10) / 1e9
 
 
-def event_time(fn: Callable[[], object], reps: int) -> float:
-    """The shortest of `reps` calls of fn, in seconds, timed with CUDA events (no graph)."""
+def event_times(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of fn, timed with CUDA events."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -115,7 +114,12 @@ def event_time(fn: Callable[[], object], reps: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return min(times)
+    return times
+
+
+def event_time(fn: Callable[[], object], reps: int) -> float:
+    """The shortest of `reps` calls of fn, in seconds, timed with CUDA events (no graph)."""
+    return min(event_times(fn, reps))
 
 
 def matmul_rate() -> float:

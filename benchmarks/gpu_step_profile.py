@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_qmatmul import event_time, graph_time  # noqa: E402
+from gpu_qmatmul import copy_pair, event_time, graph_time  # noqa: E402
 
 from hetero.bench_workloads import make_prompts  # noqa: E402
 from hetero.config import RuntimeConfig  # noqa: E402
@@ -41,12 +41,7 @@ from hetero.sampling import SamplingParams  # noqa: E402
 
 def copy_ceilings(nbytes: int = 4 << 30) -> dict[str, float]:
     """GB/s (bytes read + written, or read for the reduction) of three ways to stream memory."""
-    src = torch.empty(nbytes // 4, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    end = time.time() + 1.0
-    while time.time() < end:  # an idle GPU clocks down
-        dst.copy_(src)
-        torch.cuda.synchronize()
+    src, dst = copy_pair(nbytes)
     graphed = min(graph_time([lambda: dst.copy_(src)], 10) for _ in range(3))
     return {
         "copy_events": 2 * nbytes / event_time(lambda: dst.copy_(src), 10) / 1e9,
