@@ -7,44 +7,56 @@ in for the engine's steps), and read the way the server reads it.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from hetero.engine.async_engine import OutputQueue, paced
 from hetero.engine.engine import StepOutput
 
+Feed = list[tuple[float, list[int], bool]]  # (seconds before the output, its tokens, finished)
 
-async def _feed(sink: OutputQueue, steps: int, every: float, rid: str = "r") -> None:
-    for i in range(steps):
-        await asyncio.sleep(every)
-        last = i == steps - 1
+
+def _steps(n: int, every: float) -> Feed:
+    """n outputs of one token each (0, 1, ...), `every` seconds apart, the last finished."""
+    return [(every, [i], i == n - 1) for i in range(n)]
+
+
+async def _feed(sink: OutputQueue, feed: Feed, rid: str = "r") -> None:
+    for delay, tokens, fin in feed:
+        await asyncio.sleep(delay)
         sink.put_nowait(
-            StepOutput(rid, [i], finished=last, finish_reason="length" if last else None)
+            StepOutput(rid, tokens, finished=fin, finish_reason="length" if fin else None)
         )
 
 
-async def _read(steps: int, every: float, pace) -> list[tuple[float, list[int], bool]]:
-    sink = OutputQueue()
-    aborted: list[bool] = []
-    feeder = asyncio.create_task(_feed(sink, steps, every))
-    got = []
-    async for out in paced(sink, pace, lambda: aborted.append(True)):
-        got.append((time.perf_counter(), out.new_token_ids, out.finished))
-    await feeder
-    assert not aborted  # it ended by itself
-    return got
+def _read(feed: Feed, pace) -> list[tuple[float, list[int], bool]]:
+    """`feed` put into an OutputQueue and read through paced(): (seconds of each output since
+    the start, its tokens, finished)."""
+
+    async def main():
+        loop, aborted, sink = asyncio.get_running_loop(), [], OutputQueue()
+        t0 = loop.time()
+        feeder = asyncio.create_task(_feed(sink, feed))
+        got = [
+            (loop.time() - t0, out.new_token_ids, out.finished)
+            async for out in paced(sink, pace, lambda: aborted.append(True))
+        ]
+        await feeder
+        assert not aborted  # it ended by itself
+        return got
+
+    return asyncio.run(main())
 
 
 def test_without_pace_every_step_is_its_own_output() -> None:
-    got = asyncio.run(_read(6, 0.01, None))
+    got = _read(_steps(6, 0.01), None)
     assert [ids for _, ids, _ in got] == [[i] for i in range(6)]
     assert [f for _, _, f in got] == [False] * 5 + [True]
 
 
 def test_paced_outputs_carry_every_token_in_order_and_keep_the_interval() -> None:
     pace = 0.06
-    got = asyncio.run(_read(20, 0.01, lambda: pace))
+    got = _read(_steps(20, 0.01), lambda: pace)
     tokens = [t for _, ids, _ in got for t in ids]
     assert tokens == list(range(20))  # none lost, none repeated
     assert got[0][1] == [0]  # the first never waits
@@ -62,7 +74,7 @@ def test_pace_is_asked_after_every_output() -> None:
         calls.append(1)
         return 0.0 if len(calls) < 4 else 0.05
 
-    got = asyncio.run(_read(15, 0.01, pace))
+    got = _read(_steps(15, 0.01), pace)
     assert [len(ids) for _, ids, _ in got[:4]] == [1, 1, 1, 1]
     assert len(got) < 15 and [t for _, ids, _ in got for t in ids] == list(range(15))
 
@@ -84,7 +96,7 @@ def test_a_reader_that_stops_early_aborts_its_sequence() -> None:
     async def run() -> list[bool]:
         sink = OutputQueue()
         aborted: list[bool] = []
-        feeder = asyncio.create_task(_feed(sink, 10, 0.01))
+        feeder = asyncio.create_task(_feed(sink, _steps(10, 0.01)))
         stream = paced(sink, lambda: 0.02, lambda: aborted.append(True))
         async for _ in stream:
             break
@@ -95,40 +107,15 @@ def test_a_reader_that_stops_early_aborts_its_sequence() -> None:
     assert asyncio.run(run()) == [True]
 
 
-def _paced_run(feed: list[tuple[float, list[int], bool]], interval: float) -> list:
-    """`feed` (delay before, tokens, finished) put into an OutputQueue and read through paced()
-    with `interval`: (seconds of each output since the start, its tokens, finished)."""
-
-    async def main():
-        loop, aborted, sink = asyncio.get_running_loop(), [], OutputQueue()
-
-        async def put_all():
-            for delay, tokens, fin in feed:
-                await asyncio.sleep(delay)
-                sink.put_nowait(StepOutput("r", tokens, finished=fin))
-
-        t0 = loop.time()
-        task = asyncio.create_task(put_all())
-        got = [
-            (loop.time() - t0, out.new_token_ids, out.finished)
-            async for out in paced(sink, lambda: interval, lambda: aborted.append(True))
-        ]
-        await task
-        assert not aborted
-        return got
-
-    return asyncio.run(main())
-
-
 def test_a_paced_stream_ends_without_waiting_out_its_interval():
     """The last output of a paced stream comes when the engine has it, not at the end of the
     interval it falls in: a client's answer ends (and its next request can start) at once. The
     outputs inside an interval still come merged, at its end while the stream goes on."""
-    got = _paced_run([(0, [1], False), (0.05, [2], False), (0.05, [3], True)], interval=0.6)
+    got = _read([(0, [1], False), (0.05, [2], False), (0.05, [3], True)], lambda: 0.6)
     assert [(tokens, fin) for _, tokens, fin in got] == [([1], False), ([2, 3], True)]
     assert got[0][0] < 0.04 and 0.09 < got[1][0] < 0.3
     # token 4 (the end) comes 0.8 s in: tokens 2 and 3 wait for the interval (0.6 s), not for it
     feed = [(0, [1], False), (0.05, [2], False), (0.05, [3], False), (0.7, [4], True)]
-    got = _paced_run(feed, interval=0.6)
+    got = _read(feed, lambda: 0.6)
     assert [tokens for _, tokens, _ in got] == [[1], [2, 3], [4]]
     assert 0.55 <= got[1][0] < 0.75 and 0.75 < got[2][0] < 1.1
