@@ -42,7 +42,7 @@ from hetero.planner.resolve import resolve_devices
 from hetero.planner.shares import is_share, parse_share, share_env
 
 
-def _one_stage_engine(model: str, p: Plan, eager: bool):
+def _one_stage_engine(model: str, p: Plan, eager: bool, threads: int = 0):
     import torch
 
     from hetero.config import RuntimeConfig
@@ -62,10 +62,10 @@ def _one_stage_engine(model: str, p: Plan, eager: bool):
         enforce_eager=eager,
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
     )
-    return Engine(model, cfg, RuntimeConfig(device=device, weights=stage.weights))
+    return Engine(model, cfg, RuntimeConfig(device=device, weights=stage.weights, threads=threads))
 
 
-def _pipeline_engine(model: str, plan_file: str, p: Plan):
+def _pipeline_engine(model: str, plan_file: str, p: Plan, threads: int = 0):
     """The pipeline engine over the plan's stages (each stage's KV dtype, blocks and weights
     come from the plan file)."""
     from hetero.config import RuntimeConfig
@@ -79,12 +79,15 @@ def _pipeline_engine(model: str, plan_file: str, p: Plan):
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
         pipeline=PipelineConfig(plan=plan_file),
     )
-    return Engine(model, cfg, RuntimeConfig(device=p.stages[0].base_device or "cpu"))
+    return Engine(
+        model, cfg, RuntimeConfig(device=p.stages[0].base_device or "cpu", threads=threads)
+    )
 
 
 def bench_stage(
-    model: str, p: Plan, input_len: int, output_len: int, rounds: int = 1, eager: bool = False
-) -> dict:
+    model: str, p: Plan, input_len: int, output_len: int, rounds: int = 1, eager: bool = False,
+    threads: int = 0,
+) -> dict:  # fmt: skip
     """Run the engine as the plan `p` says; decode and TTFT numbers."""
     from hetero.bench import run_bench
 
@@ -93,9 +96,9 @@ def bench_stage(
         with open(plan_file, "w") as f:
             f.write(p.to_json())
         if len(p.stages) == 1:
-            engine = _one_stage_engine(model, p, eager)
+            engine = _one_stage_engine(model, p, eager, threads)
         else:
-            engine = _pipeline_engine(model, plan_file, p)
+            engine = _pipeline_engine(model, plan_file, p, threads)
         try:
             c = p.concurrency
             run_bench(engine, c, c, input_len, 4, seed=1)  # warm-up at the measured shapes
@@ -114,12 +117,12 @@ def bench_stage(
 
 
 def bench_in_child(
-    model: str, p: Plan, input_len: int, output_len: int, rounds: int, eager: bool
+    model: str, p: Plan, input_len: int, output_len: int, rounds: int, eager: bool, threads: int
 ) -> dict:
     """The bench in a process started with the share's MPS environment."""
     env = {**os.environ, **share_env(parse_share(p.stages[0].device))}
     args = [sys.executable, __file__, "--child", model, str(input_len), str(output_len)]
-    args += [str(rounds), str(int(eager))]
+    args += [str(rounds), str(int(eager)), str(threads)]
     done = subprocess.run(args, input=p.to_json(), env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
@@ -156,6 +159,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--weights", default="auto", help="force a weights mode (default: planned)")
     ap.add_argument("--rounds", type=int, default=2, help="measured requests: rounds x C")
     ap.add_argument("--enforce-eager", action="store_true", help="plan for no CUDA graphs")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: the engine's default per stage)"
+    )
     ap.add_argument("--refresh", action="store_true")
     ap.add_argument("--json", default=None, help="write every row here")
     return ap.parse_args()
@@ -163,9 +169,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        model, input_len, output_len, rounds, eager = sys.argv[2], *map(int, sys.argv[3:7])
+        model, input_len, output_len, rounds, eager, threads = sys.argv[2], *map(int, sys.argv[3:8])
         p = Plan.from_json(sys.stdin.read())
-        print(json.dumps(bench_stage(model, p, input_len, output_len, rounds, bool(eager))))
+        meas = bench_stage(model, p, input_len, output_len, rounds, bool(eager), threads)
+        print(json.dumps(meas))
         return
     args = parse_args()
     from hetero.models import resolve_model
@@ -188,7 +195,10 @@ def main() -> None:
         p = plan(desc, devices, cfg)
         one_share = len(p.stages) == 1 and is_share(p.stages[0].device)
         run = bench_in_child if one_share else bench_stage
-        meas = run(model, p, args.input_len, args.output_len, args.rounds, args.enforce_eager)
+        meas = run(
+            model, p, args.input_len, args.output_len, args.rounds, args.enforce_eager,
+            args.threads,
+        )  # fmt: skip
         split = ", ".join(f"{s.device} {s.layer_start}-{s.layer_end - 1}" for s in p.stages)
         print(
             f"c={c}: plan {split}; step ms {[round(s.predicted_step_s * 1e3, 2) for s in p.stages]}"

@@ -35,6 +35,20 @@ _T = GGMLQuantizationType
 QK = 32
 GROUP = 8  # Q4 rows interleaved per group
 NATIVE_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q8_0)
+# Types that run requantized to Q8 blocks: their requantization stays within the loader's error
+# budget (cpu_linear.DEFAULT_MAX_ERROR, 4e-3 relative RMS) on random blocks: Q2_K 3.86e-3, Q4_K
+# 3.64e-3, Q5_0 3.80e-3, Q5_1 3.89e-3, Q5_K 3.69e-3. Q3_K (4.59e-3) and Q6_K (4.46e-3), whose
+# 32 weights carry two scales, do not: they and the float types run fp16 in "qdot" mode, so the
+# planner (planner/model_desc.py) prices a layer as the loader packs it without reading weights.
+REQUANT_TYPES = (_T.Q2_K, _T.Q4_K, _T.Q5_0, _T.Q5_1, _T.Q5_K)
+
+
+def cpu_scheme(ggml_type) -> str:
+    """The packing "qdot" mode gives a tensor of `ggml_type` (a type or its name): "qdot" (its
+    own or requantized Q8 blocks; a requantized one still falls back to fp16 where the loader
+    measures it past the error budget) or "fp16"."""
+    name = ggml_type if isinstance(ggml_type, str) else _T(int(ggml_type)).name
+    return "qdot" if name in {t.name for t in NATIVE_TYPES + REQUANT_TYPES} else "fp16"
 
 
 def load():

@@ -152,6 +152,10 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     assert cpu.eager_step_overhead_s + 2 * cpu.eager_layer_overhead_s > 0
     assert [t for t, _ in cpu.matmul["fp16"].curve] == list(CPU_CURVE_T)
     assert cpu.kernels["qlinear"] == "torch"
+    if "qdot" in cpu.matmul:  # Q4 blocks, and the Q8 blocks the K-quants requantize to
+        q8 = cpu.matmul["qdot:Q8_0"]
+        assert q8.decode_gbs > 0 and cpu.matmul["qdot:Q4_K"] == q8 == cpu.matmul["qdot:Q5_K"]
+        assert "qdot:Q6_K" not in cpu.matmul  # fp16 in qdot mode (cpu_qdot.cpu_scheme)
     files = list((cache_home / "hetero" / "profiles").glob("*.json"))
     assert len(files) == 1
     mtime = files[0].stat().st_mtime_ns

@@ -97,30 +97,51 @@ class QuantLinear(nn.Module):
             self.qweight = parts[0][0]
 
     def _init_packed(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
-        # CPU repacking (kernels/cpu_linear.py): same-type tensors pack from their GGUF bytes
-        # (int4 keeps Q4 codes as they are); mixed types pack from the exact fp32 weights.
+        # CPU repacking (kernels/cpu_linear.py). "qdot" packs each run of one GGUF type apart
+        # (Q4_K_M's q|k as Q8 blocks beside a Q6_K v in fp16: cpu_qdot.cpu_scheme, the rule the
+        # planner prices); other modes pack same-type tensors from their GGUF bytes (int4 keeps
+        # Q4 codes as they are) and mixed types from the exact fp32 weights.
+        if self.mode == "qdot":
+            self._set_packed([self._pack_qdot_run(run) for run in _same_type_runs(weights)])
+            return
         if all(int(w.ggml_type) == self.ggml_type for w in weights):
             raws = [w.torch() for w in weights]
             raw, qtype = (torch.cat(raws) if len(raws) > 1 else raws[0]), self.ggml_type
         else:
             raw = torch.cat([dequantize(w.torch(), w.ggml_type, w.shape) for w in weights])
             qtype = int(GGMLQuantizationType.F32)
-        shape, scheme = (self.out_features, self.in_features), self.mode
-        if scheme == "qdot" and qtype not in cpu_qdot.NATIVE_TYPES:
-            # other types requantize to 8 bits per 32 for qdot: kept only within the error budget
-            scheme = choose_scheme(raw, qtype, shape, candidates=("qdot", "fp16", "fp32"))
-        self._set_packed(pack_linear(raw, qtype, shape, scheme))
+        shape = (self.out_features, self.in_features)
+        self._set_packed([pack_linear(raw, qtype, shape, self.mode)])
 
-    def _set_packed(self, packed: PackedLinear) -> None:
-        self.packed, self._fast = packed, None
+    def _pack_qdot_run(self, run: list[GGUFTensor]) -> PackedLinear:
+        raw = torch.cat([w.torch() for w in run]) if len(run) > 1 else run[0].torch()
+        qtype, shape = int(run[0].ggml_type), (sum(w.shape[0] for w in run), self.in_features)
+        if qtype in cpu_qdot.NATIVE_TYPES:
+            return pack_linear(raw, qtype, shape, "qdot")
+        # requantized to 8 bits per 32 only within the error budget, else fp16 (or exact fp32)
+        fallback = ("fp16", "fp32")
+        candidates = ("qdot", *fallback) if cpu_qdot.cpu_scheme(qtype) == "qdot" else fallback
+        scheme = choose_scheme(raw, qtype, shape, candidates=candidates)
+        return pack_linear(raw, qtype, shape, scheme)
+
+    def _set_packed(self, parts: list[PackedLinear]) -> None:
+        """The packed parts (one per GGUF type run in "qdot" mode) and their calls."""
+        self.packed = parts[0] if len(parts) == 1 else None
+        self.packed_parts = parts
+        self._calls = [self._packed_call(p) for p in parts]
+
+    @staticmethod
+    def _packed_call(packed: PackedLinear):
         w = packed.weight
         if packed.scheme == "qdot" and w.k == packed.in_features:
             # pointers taken once: a decode step makes ~120 of these calls
             m = w.m.data_ptr() if w.m is not None else None
-            self._fast = functools.partial(
+            fast = functools.partial(
                 cpu_qdot.linear_ptrs, is_q4=w.is_q4, n=w.n, k=w.k, wq=w.qs.data_ptr(),
                 wd=w.d.data_ptr(), m=m,
             )  # fmt: skip
+            return lambda x: fast(x) if x.dtype == torch.float32 else packed_linear(x, packed)
+        return lambda x: packed_linear(x, packed)
 
     @classmethod
     def tied(cls, embedding: QuantEmbedding) -> QuantLinear:
@@ -132,12 +153,11 @@ class QuantLinear(nn.Module):
         self.splits, self.parts = [self.out_features], None
         if self.mode == "dense":
             self.weight = embedding.weight
-        elif self.mode == "qdot":  # the table's own blocks (Q8_0 stays Q8_0)
-            raw = embedding.table.torch()
-            self._set_packed(pack_linear(raw, embedding.ggml_type, embedding.shape, self.mode))
+        elif self.mode == "qdot":  # the table's own blocks (Q8_0 stays Q8_0), as an output's
+            self._set_packed([self._pack_qdot_run([embedding.table])])
         elif self.mode != "quant":  # packed from the embedding's exact fp32 table
-            f32 = int(GGMLQuantizationType.F32)
-            self._set_packed(pack_linear(embedding.weight.float(), f32, embedding.shape, self.mode))
+            f32, table = int(GGMLQuantizationType.F32), embedding.weight.float()
+            self._set_packed([pack_linear(table, f32, embedding.shape, self.mode)])
         else:
             impl = select("qlinear", embedding.qweight.device)
             # the embedding keeps the GGUF rows it looks up; the head gets its own prepared copy
@@ -152,10 +172,10 @@ class QuantLinear(nn.Module):
         if self.mode == "dense":
             y = x @ self.weight.t()
         elif self.mode != "quant":
-            if self._fast is not None and x.dtype == torch.float32:
-                y = self._fast(x)
+            if len(self._calls) == 1:
+                y = self._calls[0](x).to(x.dtype)
             else:
-                y = packed_linear(x, self.packed).to(x.dtype)
+                y = torch.cat([call(x) for call in self._calls], dim=-1).to(x.dtype)
         elif self.parts is None:
             y = self._qlinear(
                 x, self.qweight, self.ggml_type, (self.out_features, self.in_features)

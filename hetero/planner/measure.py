@@ -11,6 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -115,29 +116,57 @@ GPU_CURVE_T = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPU_PREFILL_T = 2048
 
 
+def cpu_cache_bytes() -> int:
+    """The largest CPU cache (the last level), from sysfs; 0 where it is not readable."""
+    sizes = [0]
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes)
+
+
+def cpu_stream_bytes(least: int) -> int:
+    """Bytes a CPU bandwidth measurement streams: at least `least` and 4x the last-level cache,
+    so that no pass is served from it (a server CPU's L3 holds 100 MB and more)."""
+    return max(least, 4 * cpu_cache_bytes())
+
+
 def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
     """qdot (where it builds), fp16 (fbgemm repack) and dense fp32: the modes a CPU stage runs.
-    qdot is timed on Q4_1 blocks, the default model's type (other types run as Q8 blocks)."""
+    qdot is timed on Q4_1 blocks, the default model's type, as "qdot", and on Q8_0 blocks, the
+    layout of the types it requantizes (kernels/cpu_qdot.REQUANT_TYPES), as "qdot:<type>" for
+    each of them. Weights rotate through copies larger than the last-level cache."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
     from hetero.kernels.cpu_linear import available_schemes, pack_linear, packed_linear
+    from hetero.kernels.cpu_qdot import NATIVE_TYPES, REQUANT_TYPES
     from hetero.quant import random_blocks
 
     cpu, f32 = torch.device("cpu"), int(GGMLQuantizationType.F32)
+    rotate_bytes = cpu_stream_bytes(rotate_bytes)
     w = torch.randn(shape) * 0.02
-    q4 = torch.from_numpy(random_blocks("Q4_1", w.numel() // 32, np.random.default_rng(0)))
-    sources = {"qdot": (q4.reshape(shape[0], -1), int(GGMLQuantizationType.Q4_1))}
+
+    def blocks(name: str) -> tuple[torch.Tensor, int]:
+        raw = random_blocks(name, w.numel() // 32, np.random.default_rng(0))
+        return torch.from_numpy(raw).reshape(shape[0], -1), int(GGMLQuantizationType[name])
+
     rates = {}
     modes = (
-        ("qdot", "qdot", "cpu-qdot"),
-        ("fp16", "fp16", "fbgemm-fp16"),
-        ("dense", "fp32", "torch"),
+        ("qdot", "qdot", "cpu-qdot", blocks("Q4_1")),
+        ("qdot:Q8_0", "qdot", "cpu-qdot", blocks("Q8_0")),
+        ("fp16", "fp16", "fbgemm-fp16", (w, f32)),
+        ("dense", "fp32", "torch", (w, f32)),
     )
-    for mode, scheme, kernel in modes:
+    for mode, scheme, kernel, (src, qtype) in modes:
         if scheme not in available_schemes():
             continue
-        src, qtype = sources.get(scheme, (w, f32))
         packs = _rotation(
             lambda s=scheme, a=src, q=qtype: pack_linear(a, q, shape, s), lambda p: p.nbytes,
             rotate_bytes,
@@ -146,6 +175,9 @@ def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) ->
             kernel, packs, packed_linear, shape, packs[0].nbytes, cpu, torch.float32, prefill_t,
             CPU_CURVE_T,
         )  # fmt: skip
+    if "qdot:Q8_0" in rates:  # Q8_0 runs natively, the others as Q8_0 blocks
+        q8 = [t.name for t in NATIVE_TYPES + REQUANT_TYPES if t.name not in ("Q4_0", "Q4_1")]
+        rates.update({f"qdot:{name}": rates["qdot:Q8_0"] for name in q8})
     return rates
 
 

@@ -43,9 +43,21 @@ def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
         return float(t.nbytes)
     if weights == "dense":
         return (4.0 if on_cpu else 2.0) * t.params  # fp32 on a CPU, bf16 on a GPU
+    weights = packed_mode(weights, t.ggml_type)
     if weights == "qdot":  # kernels/cpu_qdot.py: Q4_0/Q4_1 blocks 0.75 B/w, the rest as Q8 blocks
         return (0.75 if t.ggml_type in ("Q4_0", "Q4_1") else 1.125) * t.params
     return _PACKED_BYTES[weights] * t.params
+
+
+def packed_mode(weights: str, ggml_type: str) -> str:
+    """The packing a matrix of `ggml_type` gets in `weights` mode: in "qdot" mode the types whose
+    Q8 requantization exceeds the loader's error budget (Q6_K, Q3_K) and float types run fp16
+    (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
+    if weights != "qdot":
+        return weights
+    from hetero.kernels.cpu_qdot import cpu_scheme
+
+    return cpu_scheme(ggml_type)
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,12 @@ from tqdm import tqdm
 
 from hetero.planner.device import DeviceProfile, LiveDevice
 from hetero.planner.gpu_profile import measure_gpu, nvml_gpus
-from hetero.planner.measure import copy_gbs, cpu_matmul_rates, matmul_tflops
+from hetero.planner.measure import copy_gbs, cpu_matmul_rates, cpu_stream_bytes, matmul_tflops
 
 # 2: matmul curves over T, eager overheads; 3: CPU qdot rates, GPU decode rates from graph replays;
-# 4: a sequence's overhead once a step apart from its per-layer one
-CACHE_VERSION = 4
+# 4: a sequence's overhead once a step apart from its per-layer one; 5: CPU rates streamed past the
+# last-level cache, qdot on Q8 blocks apart
+CACHE_VERSION = 5
 
 
 def cpu_name() -> str:
@@ -78,7 +79,7 @@ def measure_cpu(live: LiveDevice, bar: tqdm) -> DeviceProfile:
 
     cpu = torch.device("cpu")
     bar.set_postfix_str("cpu: copy, matmul")
-    bw, fl = copy_gbs(cpu, 128 << 20), matmul_tflops(cpu, torch.float32, 512)
+    bw, fl = copy_gbs(cpu, cpu_stream_bytes(128 << 20)), matmul_tflops(cpu, torch.float32, 512)
     bar.update(1)
     bar.set_postfix_str("cpu: linear kernels")
     rates = cpu_matmul_rates()
