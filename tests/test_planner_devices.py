@@ -80,6 +80,31 @@ def test_two_shares_of_one_gpu_get_an_uneven_split():
     assert Plan.from_json(p.to_json()).stages == p.stages
 
 
+def test_shares_of_one_gpu_contend_for_its_bandwidth_when_stages_overlap():
+    from hetero.planner.model_desc import describe
+    from hetero.planner.placement import place_split
+    from hetero.planner.resolve import resolve_devices
+    from hetero.planner.shares import bandwidth_fraction
+
+    desc, ranges = describe("synth:llama3-8b:q4_k_m"), [(0, 21), (21, 32)]
+    zero = dict(step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0)
+    pair = [d.replace(**zero) for d in resolve_devices(["h200@70%:32GB", "h200@30%:24GB"])]
+    apart = [pair[0], pair[1].replace(id="rtx4090@30%:24GB")]  # the same share of another card
+    one, two = (
+        place_split(desc, devs, PlanConfig(concurrency=16), ranges) for devs in (pair, apart)
+    )
+    # 16 streams in two micro-batches: both stages stream weights at once; on one card the two
+    # shares' alone bandwidths (0.84 + 0.55 of it) must fit in the card's once
+    factor = bandwidth_fraction(0.7) + bandwidth_fraction(0.3)
+    assert factor == pytest.approx(1.385, abs=1e-3)
+    for a, b in zip(one.stages, two.stages):
+        assert a.predicted_step_s > b.predicted_step_s * 1.2
+    assert one.aggregate_tok_s < two.aggregate_tok_s / 1.2
+    # one stream: the stages take turns, nothing contends
+    assert [s.single_step_s for s in one.stages] == [s.single_step_s for s in two.stages]
+    assert one.single_stream_tok_s == two.single_stream_tok_s
+
+
 def test_uncapped_shares_of_one_gpu_divide_its_memory():
     from hetero.planner.resolve import resolve_devices
 

@@ -83,12 +83,34 @@ class _Setup:
             self._prefix[i, m, replay] = out
         return self._prefix[i, m, replay]
 
-    def stage_s(self, i: int, a: int, b: int, m: int) -> float:
+    def contention(self, i: int) -> float:
+        """How much slower device i streams its weights while the stages on the other shares of
+        its GPU stream theirs: MPS shares split the SMs but not the memory, and alone each
+        reads a sqrt(share) of its bandwidth (shares.py), together the card's once. (H200, 70%
+        + 30% shares at 16 streams: the 30% stage took 7.30 ms a step, 1.44x its alone-priced
+        5.08 ms; this factor is 1.385.) 1 for a whole device."""
+        from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
+
+        def base(dev_id: str) -> str:
+            return parse_share(dev_id).base if is_share(dev_id) else dev_id
+
+        mine = base(self.costs[i].dev.id)
+        shares = [c.dev.sm_share for c in self.costs if base(c.dev.id) == mine]
+        return max(1.0, sum(bandwidth_fraction(s) for s in shares))
+
+    def stage_s(self, i: int, a: int, b: int, m: int, overlap: bool | None = None) -> float:
+        """Device i's decode step over layers [a, b) at m sequences, its hand-off included.
+        `overlap` (default: whether m sequences are one of several micro-batches in flight):
+        the other stages run at the same time, so shares of one GPU contend (`contention`)."""
         c, n = self.costs[i], self.desc.n_layers
         # Pipeline stages replay decode CUDA graphs of their layers as the one-process engine
         # does (hetero/dist/worker.py), unless --enforce-eager (DeviceCost.graphs).
         prefix = self._decode_prefix(i, m, True)
         work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
+        if overlap is None:
+            overlap = m < self.config.concurrency
+        if overlap:
+            work *= self.contention(i)
         t = c.step_seconds(b - a, work, c.eager(m, True), seqs=m)
         if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
@@ -240,7 +262,7 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
         ),
         memory_budget=int(setup.budgets[i]),
         kv_room_blocks=room,
-        single_step_s=setup.stage_s(i, a, b, 1),
+        single_step_s=setup.stage_s(i, a, b, 1, overlap=False),  # one stream: stages take turns
         prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len, 1),
         base_device=base_device(dev.id),
         mps_percentage=round(dev.sm_share * 100) if dev.sm_share < 1.0 else None,
