@@ -125,9 +125,28 @@ def test_calibration_with_the_gpu_settings_batched_attention_pair_runs_on_the_cp
     got = calibrate(prof, "cpu", "fp16", setting=_Setting({}, 8, 96, 256))
     assert set(got) == {
         "step_overhead_s", "layer_overhead_s", "seq_overhead_s", "seq_step_overhead_s",
-        "attn_gbs", "eager_step_overhead_s", "eager_layer_overhead_s",
+        "attn_gbs", "eager_step_overhead_s", "eager_layer_overhead_s", "pipeline_hop_s",
     }  # fmt: skip
     assert all(math.isfinite(v) and v >= 0 for v in got.values()) and got["attn_gbs"] > 0
     # a prefill step and a decode step on a real engine are not free
     assert got["eager_step_overhead_s"] + got["eager_layer_overhead_s"] > 0
     assert got["step_overhead_s"] + got["layer_overhead_s"] > 0
+    # two stage processes hand each step on: pickles, pipes, gloo (measured on the CPU only)
+    assert got["pipeline_hop_s"] > 0
+
+
+def test_a_pipeline_boundary_costs_each_side_half_the_hosts_hop(llama8b):
+    from hetero.planner.placement import place_split
+
+    cfg, ranges = PlanConfig(concurrency=2), [(0, 16), (16, 32)]
+    devs = [gpu(id="cuda:0"), gpu(id="cuda:1")]
+    base = place_split(llama8b, [d.replace(pipeline_hop_s=0.0) for d in devs], cfg, ranges)
+    hop = place_split(llama8b, [d.replace(pipeline_hop_s=2e-3) for d in devs], cfg, ranges)
+    for a, b in zip(base.stages, hop.stages):
+        assert b.single_step_s == pytest.approx(a.single_step_s + 1e-3)
+        assert b.predicted_step_s == pytest.approx(a.predicted_step_s + 1e-3)
+    # one stream pays the whole hop a token; one stage alone pays none
+    assert 1 / hop.single_stream_tok_s == pytest.approx(1 / base.single_stream_tok_s + 2e-3)
+    alone = place_split(llama8b, [devs[0].replace(pipeline_hop_s=2e-3)], cfg, [(0, 32)])
+    none = place_split(llama8b, [devs[0].replace(pipeline_hop_s=0.0)], cfg, [(0, 32)])
+    assert alone.stages[0].single_step_s == none.stages[0].single_step_s

@@ -65,7 +65,7 @@ def test_two_shares_of_one_gpu_get_an_uneven_split():
     # Without host overheads (as with CUDA graphs) the steps are device-bound: the 70% share's
     # higher bandwidth must earn it more layers. (Stage processes run eagerly today: with the
     # datasheet's ~0.75 ms of host launches a layer both stages are host-bound, split evenly.)
-    zero = dict(step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0)
+    zero = dict(step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0, pipeline_hop_s=0.0)
     devs = [
         d.replace(**zero, eager_step_overhead_s=0.0, eager_layer_overhead_s=0.0)
         for d in resolve_devices(["h200@70%:32GB", "h200@30%:24GB"])
@@ -87,7 +87,7 @@ def test_shares_of_one_gpu_contend_for_its_bandwidth_when_stages_overlap():
     from hetero.planner.shares import bandwidth_fraction
 
     desc, ranges = describe("synth:llama3-8b:q4_k_m"), [(0, 21), (21, 32)]
-    zero = dict(step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0)
+    zero = dict(step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0, pipeline_hop_s=0.0)
     pair = [d.replace(**zero) for d in resolve_devices(["h200@70%:32GB", "h200@30%:24GB"])]
     apart = [pair[0], pair[1].replace(id="rtx4090@30%:24GB")]  # the same share of another card
     one, two = (

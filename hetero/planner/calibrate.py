@@ -14,6 +14,9 @@ w(...) is what the cost model predicts for a step's matmuls and KV reads alone:
     seq_step       = d[2] / 7 - 2 * seq_overhead      an extra sequence, once a step (sampler,
                                                       scheduler, metadata: not per layer)
     eager_*        = the same two lines over the time to first token of a 16-token prompt
+    pipeline_hop   = t[6 layers as two CPU stage processes] - t[6 layers] - step_overhead
+                     (CPU only: the host's cost of handing a step to the next stage process and
+                     back, beyond the second stage's own step; GPU profiles take the CPU's)
 
 (A per-row cost measured on the 6-layer model alone and charged per layer made a 32-layer model's
 batched decode steps a third too slow on the H200: the sampler's per-sequence work is paid once.)
@@ -57,12 +60,12 @@ def _write(folder: Path, n_layers: int, shape: dict) -> Path:
     return write_synthetic(folder / f"tiny{n_layers}.gguf", shape, "q8_0", progress=False)
 
 
-def _step_s(engine, seqs: int, context: int) -> float:
+def _step_s(engine, seqs: int, context: int, tokens: int = 16) -> float:
     """Median decode step seconds at `seqs` sequences of `context` prompt tokens."""
     from hetero.bench import run_bench
 
     run_bench(engine, seqs, seqs, context, 4, seed=1)  # warm-up (allocations, compilation)
-    return statistics.median(run_bench(engine, seqs, seqs, context, 16, seed=2).itl_s)
+    return statistics.median(run_bench(engine, seqs, seqs, context, tokens, seed=2).itl_s)
 
 
 def _ttft_s(engine) -> float:
@@ -73,8 +76,10 @@ def _ttft_s(engine) -> float:
     return statistics.median(run_bench(engine, 5, 1, PROMPT, 1, seed=4).ttft_s)
 
 
-def _engine(path: Path, device: str, kv_dtype: str, blocks: int):
+def _engine(path: Path, device: str, kv_dtype: str, blocks: int, split: str | None = None):
+    """The engine on the small model; `split`: as a pipeline of stage processes instead."""
     from hetero.config import RuntimeConfig
+    from hetero.dist.config import PipelineConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
     from hetero.engine.engine import Engine
 
@@ -85,6 +90,7 @@ def _engine(path: Path, device: str, kv_dtype: str, blocks: int):
         speculative="off",  # the cost model prices plain decode steps
         cuda_graph_max_tokens=0,  # the 16-token prefill runs eagerly: it measures eager_*
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
+        pipeline=PipelineConfig(split=split),
     )
     return Engine(str(path), cfg, RuntimeConfig(device=device))
 
@@ -104,6 +110,14 @@ def _measure(device: str, kv_dtype: str, s: _Setting, folder: Path, bar) -> tupl
             t["long"] = _step_s(engine, s.attn_seqs, s.long_context) - short
         desc = from_gguf(str(path))
         del engine
+        if bar is not None:
+            bar.update(1)
+    if device == "cpu":  # the same 6 layers as two stage processes: the hand-off's cost
+        engine = _engine(path, device, kv_dtype, s.num_kv_blocks, split="cpu=0-2,cpu=3-5")
+        try:
+            t["H6"] = _step_s(engine, 1, PROMPT, tokens=64)  # three processes: noisier
+        finally:
+            engine.close()
         if bar is not None:
             bar.update(1)
     return t, desc
@@ -129,8 +143,13 @@ def calibrate(
     seq = max(d[6] - d[2], 0.0) / (7 * 4)
     seq_step = max(d[2] / 7 - 2 * seq, 0.0)
     eager_layer = max((t["P6"] - w(6, 0)) - (t["P2"] - w(2, 0)), 0.0) / 4
+    step = max(t["L2"] - w(2, 1) - 2 * layer, 0.0)
+    hop = {}
+    if "H6" in t:  # two stages' tokens: one more stage's step overhead, and the hand-off
+        hop["pipeline_hop_s"] = max(t["H6"] - t["L6"] - step, 0.0)
     return dict(
-        step_overhead_s=max(t["L2"] - w(2, 1) - 2 * layer, 0.0),
+        **hop,
+        step_overhead_s=step,
         layer_overhead_s=layer,
         seq_overhead_s=seq,
         seq_step_overhead_s=seq_step,

@@ -160,3 +160,10 @@ def transfer_seconds(src: DeviceProfile, dst: DeviceProfile, tokens: int, d_mode
     """Activations [tokens, d_model] from one stage to the next."""
     nbytes = tokens * d_model * ACT_BYTES_WIRE
     return nbytes / (src.link_gbs(dst) * 1e9) + max(src.link_latency_s, dst.link_latency_s)
+
+
+def hop_seconds(dev: DeviceProfile, a: int, b: int, n_layers: int) -> float:
+    """The host work of a stage over layers [a, b) at its pipeline boundaries: half the hop to
+    each side that has a neighbour (the sender pickles and sends, the receiver wakes and
+    unpickles: the stage logs show both sides' steps longer by about as much)."""
+    return dev.pipeline_hop_s / 2 * ((a > 0) + (b < n_layers))

@@ -102,6 +102,9 @@ class DeviceProfile:
     h2d_gbs: float = 0.0
     d2h_gbs: float = 0.0
     link_latency_s: float = 0.0
+    # A pipeline's hand-off between stage processes beyond the copy: pickled step plans, pipe
+    # and gloo wake-ups, the engine's round to the stages and back (calibrate.py; the host's)
+    pipeline_hop_s: float = 0.0
     p2p_gbs: dict[str, float] = field(default_factory=dict)  # other device id -> GB/s
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetero.planner.cost import DeviceCost, kv_token_bytes, transfer_seconds
+from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
 from hetero.planner.plan import (
@@ -111,7 +111,7 @@ class _Setup:
             overlap = m < self.config.concurrency
         if overlap:
             work *= self.contention(i)
-        t = c.step_seconds(b - a, work, c.eager(m, True), seqs=m)
+        t = c.step_seconds(b - a, work, c.eager(m, True), seqs=m) + hop_seconds(c.dev, a, b, n)
         if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
         return t
@@ -142,6 +142,7 @@ class _Setup:
             if replay:
                 work += (b - a) * c.replay_layer_seconds(n)
             total += c.step_seconds(b - a, work, not replay, seqs=rows)
+            total += hop_seconds(c.dev, a, b, self.desc.n_layers)
             if not last and i + 1 < len(self.costs):
                 total += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
             done += n

@@ -27,8 +27,8 @@ from hetero.planner.measure import copy_gbs, cpu_matmul_rates, cpu_stream_bytes,
 
 # 2: matmul curves over T, eager overheads; 3: CPU qdot rates, GPU decode rates from graph replays;
 # 4: a sequence's overhead once a step apart from its per-layer one; 5: CPU rates streamed past the
-# last-level cache, qdot on Q8 blocks apart
-CACHE_VERSION = 5
+# last-level cache, qdot on Q8 blocks apart; 6: the pipeline hop
+CACHE_VERSION = 6
 
 
 def cpu_name() -> str:
@@ -103,7 +103,7 @@ def _calibrated(prof: DeviceProfile, device: str, kv_dtype: str, bar: tqdm) -> D
 
 
 def measure(devices: list[LiveDevice], progress: bool = True) -> list[DeviceProfile]:
-    steps = sum(4 if d.kind == "cpu" else 5 for d in devices)
+    steps = 5 * len(devices)
     with tqdm(total=steps, desc="profiling", unit="step", disable=not progress) as bar:
         out = []
         for d in devices:
@@ -112,7 +112,9 @@ def measure(devices: list[LiveDevice], progress: bool = True) -> list[DeviceProf
             else:
                 prof = measure_gpu(d, [g for g in devices if g.kind == "cuda"], bar)
                 out.append(_calibrated(prof, d.id, "fp8" if prof.fp8_kv else "fp16", bar))
-    return out
+    # the hand-off between stage processes is the host's, measured with the CPU's overheads
+    hop = next((p.pipeline_hop_s for p in out if p.is_cpu), 0.0)
+    return [p if p.is_cpu else p.replace(pipeline_hop_s=hop) for p in out]
 
 
 def load_cached(fp: str) -> dict | None:
