@@ -42,8 +42,8 @@ OVERHEADS: dict[str, dict[str, float]] = {
     "cuda": dict(step=1e-3, layer=2e-5, seq=1e-6, eager_step=5e-3, eager_layer=0.75e-3),
     "cpu": dict(step=3e-3, layer=0.6e-3, seq=5e-5, eager_step=3e-3, eager_layer=0.6e-3),
 }
-# A hand-off between pipeline stage processes (calibrate.py measures the host's): ~1.3-1.6 ms a
-# token on the H200 machine's host and the 2-core development machine.
+# A hand-off between pipeline stage processes (calibrate.py measures the host's): 1.0 ms on the
+# H200 machine's 16-core host, 2-5 ms on the busy 2-core development machine.
 PIPELINE_HOP_S = 1.5e-3
 PCIE_GBS = {3: 16.0, 4: 32.0, 5: 64.0}  # per direction, x16, before protocol overhead
 PCIE_ACHIEVED = 0.8
