@@ -8,6 +8,7 @@ gets its fastest weights mode; when nothing fits, the most compact one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
 from hetero.planner.device import DeviceProfile
@@ -83,20 +84,20 @@ class _Setup:
             self._prefix[i, m, replay] = out
         return self._prefix[i, m, replay]
 
-    def contention(self, i: int) -> float:
-        """How much slower device i streams its weights while the stages on the other shares of
-        its GPU stream theirs: MPS shares split the SMs but not the memory, and alone each
+    @cached_property
+    def contention(self) -> list[float]:
+        """How much slower each device streams its weights while the stages on the other shares
+        of its GPU stream theirs: MPS shares split the SMs but not the memory, and alone each
         reads a sqrt(share) of its bandwidth (shares.py), together the card's once. (H200, 70%
         + 30% shares at 16 streams: the 30% stage took 7.30 ms a step, 1.44x its alone-priced
-        5.08 ms; this factor is 1.385.) 1 for a whole device."""
+        5.08 ms; this factor is 1.385.) 1 for a whole device. (Not base_device: "#2" devices,
+        a device listed twice, had their rates divided already; two cards of one spec share
+        nothing.)"""
         from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
 
-        def base(dev_id: str) -> str:
-            return parse_share(dev_id).base if is_share(dev_id) else dev_id
-
-        mine = base(self.costs[i].dev.id)
-        shares = [c.dev.sm_share for c in self.costs if base(c.dev.id) == mine]
-        return max(1.0, sum(bandwidth_fraction(s) for s in shares))
+        bases = [parse_share(d).base if is_share(d) else d for d in (c.dev.id for c in self.costs)]
+        fractions = [bandwidth_fraction(c.dev.sm_share) for c in self.costs]
+        return [max(1.0, sum(f for b, f in zip(bases, fractions) if b == mine)) for mine in bases]
 
     def stage_s(self, i: int, a: int, b: int, m: int, overlap: bool | None = None) -> float:
         """Device i's decode step over layers [a, b) at m sequences, its hand-off included.
@@ -110,7 +111,7 @@ class _Setup:
         if overlap is None:
             overlap = m < self.config.concurrency
         if overlap:
-            work *= self.contention(i)
+            work *= self.contention[i]
         t = c.step_seconds(b - a, work, c.eager(m, True), seqs=m) + hop_seconds(c.dev, a, b, n)
         if b < n and i + 1 < len(self.costs):
             t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
