@@ -126,9 +126,13 @@ class QuantLinear(nn.Module):
 
     def _set_packed(self, parts: list[PackedLinear]) -> None:
         """The packed parts (one per GGUF type run in "qdot" mode) and their calls."""
-        self.packed = parts[0] if len(parts) == 1 else None
         self.packed_parts = parts
         self._calls = [self._packed_call(p) for p in parts]
+
+    @property
+    def packed(self) -> PackedLinear | None:
+        """The packed weight when it is one part."""
+        return self.packed_parts[0] if len(self.packed_parts) == 1 else None
 
     @staticmethod
     def _packed_call(packed: PackedLinear):

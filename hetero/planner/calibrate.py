@@ -157,11 +157,7 @@ def calibrate(
     seq_step = max(d[2] / 7 - 2 * seq, 0.0)
     eager_layer = max((t["P6"] - w(6, 0)) - (t["P2"] - w(2, 0)), 0.0) / 4
     step = max(t["L2"] - w(2, 1) - 2 * layer, 0.0)
-    hop = {}
-    if "H6" in t:  # two stages' tokens: one more stage's step overhead, and the hand-off
-        hop["pipeline_hop_s"] = max(t["H6"] - t["L6"] - step, 0.0)
-    return dict(
-        **hop,
+    out = dict(
         step_overhead_s=step,
         layer_overhead_s=layer,
         seq_overhead_s=seq,
@@ -170,6 +166,9 @@ def calibrate(
         eager_step_overhead_s=max(t["P2"] - w(2, 0) - 2 * eager_layer, 0.0),
         eager_layer_overhead_s=eager_layer,
     )
+    if "H6" in t:  # two stages' tokens: one more stage's step overhead, and the hand-off
+        out["pipeline_hop_s"] = max(t["H6"] - t["L6"] - step, 0.0)
+    return out
 
 
 def _work(desc, profile: DeviceProfile, kv_dtype: str):
