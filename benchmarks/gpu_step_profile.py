@@ -99,10 +99,15 @@ def _profiled(steps: int, each, sync) -> tuple[float, dict]:
     return (time.perf_counter() - t0) / steps, _kernel_times(prof, steps)
 
 
+def _syncer(dev: torch.device):
+    """A call that waits for dev's work (nothing to wait for on a CPU)."""
+    return (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+
 def _timed_steps(engine: Engine, steps: int, each, dev) -> tuple[float, float, dict]:
     """(median graph-path seconds of `each()`, eager seconds under the profiler, kernel times
     of both paths): each() runs one step's worth of work and returns the seconds it timed."""
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = _syncer(dev)
     graph_s = statistics.median(each() for _ in range(steps))
     _, graph_times = _profiled(steps, each, sync)
     graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: kernels one by one
@@ -113,11 +118,11 @@ def _timed_steps(engine: Engine, steps: int, each, dev) -> tuple[float, float, d
 
 
 def _synced_step(engine: Engine, dev) -> float:
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
-    sync(dev)
+    sync = _syncer(dev)
+    sync()
     t0 = time.perf_counter()
     engine.step()
-    sync(dev)
+    sync()
     return time.perf_counter() - t0
 
 
