@@ -40,24 +40,65 @@
 #endif
 #define NCHUNK 64 /* weight rows a thread walks per activation tile (their blocks stay in L2) */
 
-/* x [T, K] float32 -> xq, xd, xs (round to nearest even, as torch.round). */
-void qdot_quantize(const float *x, int64_t T, int64_t K, int8_t *xq, float *xd, float *xs) {
-    const int64_t nb = K / QK;
-    for (int64_t i = 0; i < T * nb; i++) {
-        const float *v = x + i * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            const int q = (int)nearbyintf(v[j] * id);
-            xq[i * QK + j] = (int8_t)q;
-            sum += q;
-        }
-        xd[i] = d;
-        xs[i] = d * (float)sum;
+/* Block i of x (32 floats) -> xq, xd, xs (round to nearest even, as torch.round). */
+#ifdef __AVX2__
+static inline void quantize_block(const float *v, int8_t *q, float *xd, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 x[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        x[j] = _mm256_loadu_ps(v + 8 * j);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x[j]));
     }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i r[4];
+    for (int j = 0; j < 4; j++) /* the default MXCSR rounding: to nearest even, as nearbyintf */
+        r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], id));
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    /* packs work per 128-bit lane: the permute puts the 32 bytes back in element order */
+    const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p8, order));
+    *xd = d;
+    *xs = d * (float)_mm_cvtsi128_si32(s4);
+}
+#else
+static inline void quantize_block(const float *v, int8_t *q, float *xd, float *xs) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        const int iq = (int)nearbyintf(v[j] * id);
+        q[j] = (int8_t)iq;
+        sum += iq;
+    }
+    *xd = d;
+    *xs = d * (float)sum;
+}
+#endif
+
+#define QUANTIZE_PARALLEL_BLOCKS 512 /* fewer blocks (a decode step's rows) stay on one thread */
+
+static void quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float *xd, float *xs,
+                          int nthreads) {
+    const int64_t blocks = T * (K / QK);
+    if (nthreads < 1 || blocks < QUANTIZE_PARALLEL_BLOCKS) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t i = 0; i < blocks; i++) quantize_block(x + i * QK, xq + i * QK, xd + i, xs + i);
+}
+
+/* x [T, K] float32 -> xq, xd, xs (see quantize_block). */
+void qdot_quantize(const float *x, int64_t T, int64_t K, int8_t *xq, float *xd, float *xs) {
+    quantize_rows(x, T, K, xq, xd, xs, 1);
 }
 
 /* ---- Q4: groups of 8 rows ------------------------------------------------------------------ */
@@ -263,7 +304,7 @@ int qdot_linear(int q4, int64_t N, int64_t K, int64_t T, const uint8_t *wq, cons
     }
     float *xd = (float *)scratch, *xs = xd + T * nb;
     int8_t *xq = (int8_t *)(xs + T * nb);
-    qdot_quantize(x, T, K, xq, xd, xs);
+    quantize_rows(x, T, K, xq, xd, xs, nthreads);
     qdot_gemm(q4, N, K, T, wq, wd, wm, xq, xd, xs, y, nthreads);
     return 0;
 }
