@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from hetero.planner.burst import burst_first_tokens
 from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
@@ -131,23 +132,41 @@ class _Setup:
 
     def prefill_s(self, i: int, a: int, b: int, tokens: int, seqs: int) -> float:
         """Stage i's time for `tokens` prompt tokens of `seqs` prompts, in budget-sized chunks."""
-        c, budget, total, done = self.costs[i], self.config.max_num_batched_tokens, 0.0, 0
+        budget, total, done = self.config.max_num_batched_tokens, 0.0, 0
         while done < tokens:
             n = min(budget, tokens - done)
             cached = done if seqs == 1 else 0
-            rows = max(1, round(seqs * n / tokens))
-            work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
-            last = b == self.desc.n_layers
-            work += c.head_seconds(rows) if last else 0.0
-            replay = self._replays_prompt(i, n, cached, rows)  # as a decode step's replay
-            if replay:
-                work += (b - a) * c.replay_layer_seconds(n)
-            total += c.step_seconds(b - a, work, not replay, seqs=rows)
-            total += hop_seconds(c.dev, a, b, self.desc.n_layers)
-            if not last and i + 1 < len(self.costs):
-                total += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
+            total += self.chunk_s(i, a, b, n, cached, max(1, round(seqs * n / tokens)))
             done += n
         return total
+
+    def chunk_s(self, i: int, a: int, b: int, n: int, cached: int, rows: int) -> float:
+        """Stage i's step over layers [a, b) of n prompt tokens of `rows` prompts after `cached`
+        tokens (each), its hand-off included."""
+        c, last = self.costs[i], b == self.desc.n_layers
+        work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
+        work += c.head_seconds(rows) if last else 0.0
+        replay = self._replays_prompt(i, n, cached, rows)  # as a decode step's replay
+        if replay:
+            work += (b - a) * c.replay_layer_seconds(n)
+        t = c.step_seconds(b - a, work, not replay, seqs=rows)
+        t += hop_seconds(c.dev, a, b, self.desc.n_layers)
+        if not last and i + 1 < len(self.costs):
+            t += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
+        return t
+
+    def burst_ttft_s(self, used: list[tuple[int, int, int]], micro: int) -> float:
+        """Mean time to first token of `concurrency` prompts arriving together (burst.py)."""
+        cfg = self.config
+
+        def chunk(k: int, n: int, cached: int, rows: int) -> float:
+            i, a, b = used[k]
+            return self.chunk_s(i, a, b, n, cached, rows)
+
+        firsts = burst_first_tokens(
+            len(used), micro, cfg.concurrency, cfg.prompt_len, cfg.max_num_batched_tokens, chunk
+        )
+        return sum(firsts) / len(firsts)
 
 
 def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
@@ -278,8 +297,6 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
     stages = [_stage(setup, i, a, b, split.m) for i, a, b in used]
     blocks = min(s.kv_room_blocks for s in stages)
     stages = [_with_blocks(s, blocks, desc, cfg) for s in stages]
-    burst_tokens = cfg.prompt_len * cfg.concurrency
-    burst = sum(setup.prefill_s(i, a, b, burst_tokens, cfg.concurrency) for i, a, b in used)
     per_seq = -(-setup.context // cfg.block_size)
     used_ids = {s.device for s in stages}
     return Plan(
@@ -295,7 +312,7 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         single_stream_tok_s=1.0 / sum(s.single_step_s for s in stages),
         aggregate_tok_s=cfg.concurrency / split.cycle_s,
         ttft_s=sum(s.prefill_s for s in stages),
-        ttft_burst_s=burst,
+        ttft_burst_s=setup.burst_ttft_s(used, split.micro),
         max_context=min(desc.config.context_length, blocks // cfg.concurrency * cfg.block_size),
         max_concurrency=blocks // per_seq,
         model_path=desc.source,

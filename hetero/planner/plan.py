@@ -130,7 +130,7 @@ class Plan:
     single_stream_tok_s: float
     aggregate_tok_s: float
     ttft_s: float  # one prompt of prompt_len tokens alone
-    ttft_burst_s: float  # `concurrency` prompts arriving together: the last first token
+    ttft_burst_s: float  # `concurrency` prompts arriving together: their mean TTFT (burst.py)
     max_context: int  # longest context every one of `concurrency` sequences can have
     max_concurrency: int  # sequences of `context` tokens that fit at once
     model_path: str = ""  # the GGUF file planned (or "synth:SHAPE:QUANT" for a dry run)

@@ -47,7 +47,7 @@ def format_plan(p: Plan) -> str:
         f"concurrency {p.concurrency}: {p.aggregate_tok_s:.1f} tok/s aggregate "
         f"({p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''} in flight)",
         f"TTFT for {p.prompt_len} prompt tokens: {p.ttft_s * 1e3:.0f} ms alone, "
-        f"{p.ttft_burst_s * 1e3:.0f} ms for {p.concurrency} arriving together",
+        f"{p.ttft_burst_s * 1e3:.0f} ms on average for {p.concurrency} arriving together",
         f"KV: {p.num_kv_blocks * p.block_size} tokens; max context at concurrency "
         f"{p.concurrency}: {p.max_context}; max concurrency at context {p.context}: "
         f"{p.max_concurrency}",
