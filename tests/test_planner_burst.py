@@ -51,3 +51,17 @@ def test_plan_burst_of_one_is_the_single_prompt_ttft_and_two_cards_pipeline_it(l
     sequential = sum(s.prefill_s for s in p.stages) * 16
     assert p.ttft_burst_s < sequential
     assert p.ttft_burst_s > sum(s.prefill_s for s in p.stages)  # later than one prompt alone
+
+
+def test_shares_of_one_gpu_contend_during_a_pipelined_burst(llama8b):  # noqa: F811
+    from hetero.planner.shares import derive_share, parse_share
+
+    base = gpu("cuda:0", 2000, 80)
+    shares = [derive_share(base, parse_share(s)) for s in ("cuda:0@70%:40GB", "cuda:0@30%:30GB")]
+    cards = [shares[0].replace(id="cuda:0"), shares[1].replace(id="cuda:1")]  # same speeds
+    ranges = [(0, 20), (20, 32)]
+    cfg = PlanConfig(concurrency=16, context=1024, prompt_len=256)
+    on_shares = place_split(llama8b, shares, cfg, ranges)
+    on_cards = place_split(llama8b, cards, cfg, ranges)
+    assert on_shares.ttft_s == pytest.approx(on_cards.ttft_s)  # one prompt: the stages alternate
+    assert on_shares.ttft_burst_s > 1.1 * on_cards.ttft_burst_s

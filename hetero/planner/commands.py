@@ -24,8 +24,10 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
 
     profiles = machine_profiles(refresh=refresh, progress=not as_json)
     measured = dict(cached_shares())
+    hop = max((p.pipeline_hop_s for p in profiles), default=0.0)
     for spec in shares:
-        prof = measure_share_subprocess(spec)
+        # the hand-off between stage processes is the host's (measured by the CPU profile)
+        prof = measure_share_subprocess(spec).replace(pipeline_hop_s=hop)
         measured[prof.id] = prof
     if shares:
         fp = fingerprint(live_devices())

@@ -140,12 +140,17 @@ class _Setup:
             done += n
         return total
 
-    def chunk_s(self, i: int, a: int, b: int, n: int, cached: int, rows: int) -> float:
+    def chunk_s(
+        self, i: int, a: int, b: int, n: int, cached: int, rows: int, overlap: bool = False
+    ) -> float:
         """Stage i's step over layers [a, b) of n prompt tokens of `rows` prompts after `cached`
-        tokens (each), its hand-off included."""
+        tokens (each), its hand-off included; `overlap`: other stages run meanwhile (as in
+        stage_s: shares of one GPU contend)."""
         c, last = self.costs[i], b == self.desc.n_layers
         work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
         work += c.head_seconds(rows) if last else 0.0
+        if overlap:
+            work *= self.contention[i]
         replay = self._replays_prompt(i, n, cached, rows)  # as a decode step's replay
         if replay:
             work += (b - a) * c.replay_layer_seconds(n)
@@ -156,12 +161,13 @@ class _Setup:
         return t
 
     def burst_ttft_s(self, used: list[tuple[int, int, int]], micro: int) -> float:
-        """Mean time to first token of `concurrency` prompts arriving together (burst.py)."""
+        """Mean time to first token of `concurrency` prompts arriving together (burst.py).
+        With several groups the stages work at once, and shares of one GPU contend."""
         cfg = self.config
 
         def chunk(k: int, n: int, cached: int, rows: int) -> float:
             i, a, b = used[k]
-            return self.chunk_s(i, a, b, n, cached, rows)
+            return self.chunk_s(i, a, b, n, cached, rows, overlap=micro > 1)
 
         firsts = burst_first_tokens(
             len(used), micro, cfg.concurrency, cfg.prompt_len, cfg.max_num_batched_tokens, chunk
