@@ -150,3 +150,13 @@ def test_a_pipeline_boundary_costs_each_side_half_the_hosts_hop(llama8b):
     alone = place_split(llama8b, [devs[0].replace(pipeline_hop_s=2e-3)], cfg, [(0, 32)])
     none = place_split(llama8b, [devs[0].replace(pipeline_hop_s=0.0)], cfg, [(0, 32)])
     assert alone.stages[0].single_step_s == none.stages[0].single_step_s
+
+
+def test_gpus_and_their_shares_take_the_hosts_hop_from_the_cpu_profile():
+    from hetero.planner.profile import host_hop_s
+    from hetero.planner.specs import load_spec
+
+    cpu = load_spec("desktop-ddr5").replace(id="cpu", pipeline_hop_s=1.7e-3)
+    gpus = [gpu(id="cuda:0").replace(pipeline_hop_s=0.0)]
+    assert host_hop_s(gpus + [cpu]) == 1.7e-3
+    assert host_hop_s(gpus) == 0.0  # no CPU profiled: nothing measured the hand-off

@@ -15,6 +15,7 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
     from hetero.planner.profile import (
         cached_shares,
         fingerprint,
+        host_hop_s,
         live_devices,
         load_cached,
         machine_profiles,
@@ -24,10 +25,8 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
 
     profiles = machine_profiles(refresh=refresh, progress=not as_json)
     measured = dict(cached_shares())
-    hop = max((p.pipeline_hop_s for p in profiles), default=0.0)
     for spec in shares:
-        # the hand-off between stage processes is the host's (measured by the CPU profile)
-        prof = measure_share_subprocess(spec).replace(pipeline_hop_s=hop)
+        prof = measure_share_subprocess(spec).replace(pipeline_hop_s=host_hop_s(profiles))
         measured[prof.id] = prof
     if shares:
         fp = fingerprint(live_devices())

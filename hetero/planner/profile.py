@@ -112,9 +112,14 @@ def measure(devices: list[LiveDevice], progress: bool = True) -> list[DeviceProf
             else:
                 prof = measure_gpu(d, [g for g in devices if g.kind == "cuda"], bar)
                 out.append(_calibrated(prof, d.id, "fp8" if prof.fp8_kv else "fp16", bar))
-    # the hand-off between stage processes is the host's, measured with the CPU's overheads
-    hop = next((p.pipeline_hop_s for p in out if p.is_cpu), 0.0)
+    hop = host_hop_s(out)
     return [p if p.is_cpu else p.replace(pipeline_hop_s=hop) for p in out]
+
+
+def host_hop_s(profiles: list[DeviceProfile]) -> float:
+    """The hand-off between stage processes: the host's, measured with the CPU's overheads (a
+    GPU's profile, or a GPU share's, takes it from there)."""
+    return next((p.pipeline_hop_s for p in profiles if p.is_cpu), 0.0)
 
 
 def load_cached(fp: str) -> dict | None:
