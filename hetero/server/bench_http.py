@@ -6,7 +6,10 @@ Closed loop: C streaming clients; whenever one finishes the next request starts,
 Prompts are the same seeded random token ids as `hetero bench` uses (so the two runs compare the
 same work), sent to /v1/completions with `ignore_eos`, so every request has exactly the asked
 lengths. TTFT is the time to the first streamed chunk; a chunk is one engine step's text (a step
-whose token ends inside a UTF-8 character sends nothing, so ITL is a little coarse).
+whose token ends inside a UTF-8 character sends nothing, so ITL is a little coarse). Special
+tokens are rendered (`skip_special_tokens: false`): a skipped one sends no chunk either, and the
+random weights of a `hetero synth` model often start with them (its Llama-3 vocabulary is mostly
+reserved special tokens), which put the first chunk tens of ms after the first token.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ async def _run_clients(url: str, prompts, concurrency: int, output_len: int):
                     "max_tokens": output_len,
                     "temperature": 0,
                     "ignore_eos": True,
+                    "skip_special_tokens": False,  # every token sends its chunk
                     "stream": True,
                 }
                 await _one(session, url, body, line)
