@@ -65,3 +65,31 @@ def test_shares_of_one_gpu_contend_during_a_pipelined_burst(llama8b):  # noqa: F
     on_cards = place_split(llama8b, cards, cfg, ranges)
     assert on_shares.ttft_s == pytest.approx(on_cards.ttft_s)  # one prompt: the stages alternate
     assert on_shares.ttft_burst_s > 1.1 * on_cards.ttft_burst_s
+
+
+def test_measured_shares_contend_by_their_measured_bandwidth_fractions(llama8b):  # noqa: F811
+    from hetero.planner.shares import derive_share, parse_share, with_bw_fraction
+
+    base = gpu("cuda:0", 2000, 80)
+    ids = ("cuda:0@70%:40GB", "cuda:0@30%:30GB")
+    derived = [derive_share(base, parse_share(s)) for s in ids]
+    # as if measured: each reads 40% of the card's quantized-kernel rate alone
+    slow = [
+        d.replace(matmul={k: r.scaled(0.4, d.sm_share) for k, r in base.matmul.items()})
+        for d in derived
+    ]
+    measured = [with_bw_fraction(s, [base]) for s in slow]
+    assert [m.bw_fraction for m in measured] == pytest.approx([0.4, 0.4])
+    assert with_bw_fraction(slow[0], []) is slow[0]  # its GPU not profiled: the law stays
+    cards = [measured[0].replace(id="cuda:0"), measured[1].replace(id="cuda:1")]
+    cfg, ranges = PlanConfig(concurrency=16, context=1024), [(0, 16), (16, 32)]
+    # 0.4 + 0.4 of the card: the shares do not saturate it together, so no slowdown
+    assert place_split(llama8b, measured, cfg, ranges).aggregate_tok_s == pytest.approx(
+        place_split(llama8b, cards, cfg, ranges).aggregate_tok_s
+    )
+    # by the sqrt law (0.84 + 0.55) the same shares would contend
+    law = [m.replace(bw_fraction=0.0) for m in measured]
+    assert (
+        place_split(llama8b, law, cfg, ranges).aggregate_tok_s
+        < 0.9 * place_split(llama8b, cards, cfg, ranges).aggregate_tok_s
+    )

@@ -22,11 +22,13 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
         save,
     )
     from hetero.planner.report import format_profiles
+    from hetero.planner.shares import with_bw_fraction
 
     profiles = machine_profiles(refresh=refresh, progress=not as_json)
     measured = dict(cached_shares())
     for spec in shares:
         prof = measure_share_subprocess(spec).replace(pipeline_hop_s=host_hop_s(profiles))
+        prof = with_bw_fraction(prof, profiles)
         measured[prof.id] = prof
     if shares:
         fp = fingerprint(live_devices())

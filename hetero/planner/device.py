@@ -117,6 +117,10 @@ class DeviceProfile:
     fp8_kv: bool = False
     kernels: dict[str, str] = field(default_factory=dict)  # op -> kernel the registry picks
     sm_share: float = 1.0  # share of the GPU's SMs (CUDA MPS); 1.0 for a whole device
+    # A measured share's decode kernels' rate over the whole card's (the median over the quantized
+    # types at T = 1): the part of the card's bandwidth it draws alone. 0: not measured (a whole
+    # device, or a share derived by the sqrt(share) law of shares.py).
+    bw_fraction: float = 0.0
     memory_cap: int = 0  # bytes this device may use (MPS share); 0: no cap
     source: str = "measured"  # "measured" | "datasheet" | "derived"
 

@@ -88,16 +88,18 @@ class _Setup:
     @cached_property
     def contention(self) -> list[float]:
         """How much slower each device streams its weights while the stages on the other shares
-        of its GPU stream theirs: MPS shares split the SMs but not the memory, and alone each
-        reads a sqrt(share) of its bandwidth (shares.py), together the card's once. (H200, 70%
-        + 30% shares at 16 streams: the 30% stage took 7.30 ms a step, 1.44x its alone-priced
-        5.08 ms; this factor is 1.385.) 1 for a whole device. (Not base_device: "#2" devices,
-        a device listed twice, had their rates divided already; two cards of one spec share
-        nothing.)"""
+        of its GPU stream theirs: MPS shares split the SMs but not the memory. Alone each draws
+        a fraction of the card's bandwidth (measured shares: `bw_fraction`; derived ones: the
+        sqrt(share) law of shares.py), together they draw it once: the factor is the sum of
+        the fractions, at least 1. (H200, 70% + 30% shares: 1.19 measured, 1.385 by the law;
+        with derived profiles the 30% stage took 7.30 ms a step at 16 streams, 1.44x its
+        alone-priced 5.08 ms, part of which was the law's overrating of that share.) 1 for a
+        whole device. (Not base_device: "#2" devices, a device listed twice, had their rates
+        divided already; two cards of one spec share nothing.)"""
         from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
 
         bases = [parse_share(d).base if is_share(d) else d for d in (c.dev.id for c in self.costs)]
-        fractions = [bandwidth_fraction(c.dev.sm_share) for c in self.costs]
+        fractions = [c.dev.bw_fraction or bandwidth_fraction(c.dev.sm_share) for c in self.costs]
         return [max(1.0, sum(f for b, f in zip(bases, fractions) if b == mine)) for mine in bases]
 
     def stage_s(self, i: int, a: int, b: int, m: int, overlap: bool | None = None) -> float:

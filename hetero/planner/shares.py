@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass
 
 from hetero.planner.device import DeviceProfile
@@ -94,3 +95,19 @@ def share_env(share: Share) -> dict[str, str]:
 def bandwidth_fraction(fraction: float) -> float:
     """Fraction of the whole GPU's bandwidth a share of `fraction` of the SMs gets."""
     return math.pow(fraction, BANDWIDTH_EXPONENT)
+
+
+def with_bw_fraction(share: DeviceProfile, machine: list[DeviceProfile]) -> DeviceProfile:
+    """A measured share with its `bw_fraction`: the median over the quantized types of its T = 1
+    rate over its whole GPU's in `machine` (unchanged when that GPU or the rates are missing).
+    On the H200 the 70% and 30% shares read 0.785 and 0.408 of the card this way (the copy:
+    0.92 and 0.61; sqrt(share): 0.84 and 0.55), and run together 1.19x slower than alone."""
+    base = next((p for p in machine if p.id == parse_share(share.id).base), None)
+    if base is None:
+        return share
+    ratios = [
+        r.decode_gbs / base.matmul[k].decode_gbs
+        for k, r in share.matmul.items()
+        if k.startswith("quant") and k in base.matmul and base.matmul[k].decode_gbs > 0
+    ]
+    return share.replace(bw_fraction=statistics.median(ratios)) if ratios else share
