@@ -132,13 +132,12 @@ class _Setup:
         tile = ROW_TILE if n > self.config.max_num_seqs else 1  # a bucket past the decode rows
         return seqs * chunk_row_context(n / seqs, cached, tile) <= PROMPT_ROW_CONTEXT
 
-    def prefill_s(self, i: int, a: int, b: int, tokens: int, seqs: int) -> float:
-        """Stage i's time for `tokens` prompt tokens of `seqs` prompts, in budget-sized chunks."""
+    def prefill_s(self, i: int, a: int, b: int, tokens: int) -> float:
+        """Stage i's time for one prompt of `tokens` tokens, in budget-sized chunks."""
         budget, total, done = self.config.max_num_batched_tokens, 0.0, 0
         while done < tokens:
             n = min(budget, tokens - done)
-            cached = done if seqs == 1 else 0
-            total += self.chunk_s(i, a, b, n, cached, max(1, round(seqs * n / tokens)))
+            total += self.chunk_s(i, a, b, n, done, 1)
             done += n
         return total
 
@@ -292,7 +291,7 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
         memory_budget=int(setup.budgets[i]),
         kv_room_blocks=room,
         single_step_s=setup.stage_s(i, a, b, 1, overlap=False),  # one stream: stages take turns
-        prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len, 1),
+        prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len),
         base_device=base_device(dev.id),
         mps_percentage=round(dev.sm_share * 100) if dev.sm_share < 1.0 else None,
         memory_cap=dev.memory_cap,
