@@ -101,7 +101,8 @@ def with_bw_fraction(share: DeviceProfile, machine: list[DeviceProfile]) -> Devi
     """A measured share with its `bw_fraction`: the median over the quantized types of its T = 1
     rate over its whole GPU's in `machine` (unchanged when that GPU or the rates are missing).
     On the H200 the 70% and 30% shares read 0.785 and 0.408 of the card this way (the copy:
-    0.92 and 0.61; sqrt(share): 0.84 and 0.55), and run together 1.19x slower than alone."""
+    0.92 and 0.61; sqrt(share): 0.84 and 0.55): overlapped, the planner prices them 1.19x
+    slower than alone (placement._Setup.contention)."""
     base = next((p for p in machine if p.id == parse_share(share.id).base), None)
     if base is None:
         return share
