@@ -51,6 +51,13 @@ def cpu_scheme(ggml_type) -> str:
     return "qdot" if name in {t.name for t in NATIVE_TYPES + REQUANT_TYPES} else "fp16"
 
 
+def qdot_blocks(ggml_type) -> str:
+    """The GGUF block type a tensor of `ggml_type` runs as in "qdot" packing: its own (Q4_0, Q4_1,
+    Q8_0), or Q8_0 for the types requantized to it."""
+    name = ggml_type if isinstance(ggml_type, str) else _T(int(ggml_type)).name
+    return name if name in {t.name for t in NATIVE_TYPES} else "Q8_0"
+
+
 def load():
     return native.load()
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from hetero.planner.measure import CPU_CURVE_T
+from hetero.planner.model_desc import rate_key
 from hetero.planner.plan import Plan, PlanConfig, PlanError, plan
 from hetero.planner.shares import derive_share, parse_share
 from hetero.planner.specs import available, load_spec
@@ -179,8 +180,11 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     assert cpu.kernels["qlinear"] == "torch"
     if "qdot" in cpu.matmul:  # Q4 blocks, and the Q8 blocks the K-quants requantize to
         q8 = cpu.matmul["qdot:Q8_0"]
-        assert q8.decode_gbs > 0 and cpu.matmul["qdot:Q4_K"] == q8 == cpu.matmul["qdot:Q5_K"]
-        assert "qdot:Q6_K" not in cpu.matmul  # fp16 in qdot mode (cpu_qdot.cpu_scheme)
+        assert q8.decode_gbs > 0 and q8.prefill_tflops > 0
+        # the cost model prices a requantized Q4_K as Q8 blocks, a Q6_K as fp16 (cpu_scheme)
+        assert cpu.matmul_rate(*rate_key("qdot", "Q4_K")) is q8
+        assert cpu.matmul_rate(*rate_key("qdot", "Q6_K")) is cpu.matmul["fp16"]
+        assert cpu.matmul_rate(*rate_key("qdot", "Q4_1")) is cpu.matmul["qdot"]
     files = list((cache_home / "hetero" / "profiles").glob("*.json"))
     assert len(files) == 1
     mtime = files[0].stat().st_mtime_ns

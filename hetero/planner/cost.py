@@ -29,7 +29,7 @@ from functools import cached_property
 
 from hetero.engine.kv_cache import block_bytes
 from hetero.planner.device import DeviceProfile
-from hetero.planner.model_desc import ModelDesc, TensorInfo, packed_mode, weight_bytes
+from hetero.planner.model_desc import ModelDesc, TensorInfo, rate_key, weight_bytes
 
 ACT_BYTES_WIRE = 2  # activations cross stages in bf16/fp16
 
@@ -114,7 +114,7 @@ class DeviceCost:
         return (4.0 if self.dev.is_cpu else 2.0) * e.params
 
     def linear_seconds(self, t: TensorInfo, tokens: int) -> float:
-        rate = self.dev.matmul_rate(packed_mode(self.weights, t.ggml_type), t.ggml_type)
+        rate = self.dev.matmul_rate(*rate_key(self.weights, t.ggml_type))
         return rate.seconds(self._bytes(t), t.params, tokens)
 
     def _layer_matmuls(self, i: int, tokens: int) -> float:

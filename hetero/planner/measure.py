@@ -140,13 +140,13 @@ def cpu_stream_bytes(least: int) -> int:
 def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
     """qdot (where it builds), fp16 (fbgemm repack) and dense fp32: the modes a CPU stage runs.
     qdot is timed on Q4_1 blocks, the default model's type, as "qdot", and on Q8_0 blocks, the
-    layout of the types it requantizes (kernels/cpu_qdot.REQUANT_TYPES), as "qdot:<type>" for
-    each of them. Weights rotate through copies larger than the last-level cache."""
+    layout of the types it requantizes too (kernels/cpu_qdot.REQUANT_TYPES; the cost model asks
+    for that rate: model_desc.rate_key), as "qdot:Q8_0". Weights rotate through copies larger
+    than the last-level cache."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
     from hetero.kernels.cpu_linear import available_schemes, pack_linear, packed_linear
-    from hetero.kernels.cpu_qdot import NATIVE_TYPES, REQUANT_TYPES
     from hetero.quant import random_blocks
 
     cpu, f32 = torch.device("cpu"), int(GGMLQuantizationType.F32)
@@ -175,9 +175,6 @@ def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) ->
             kernel, packs, packed_linear, shape, packs[0].nbytes, cpu, torch.float32, prefill_t,
             CPU_CURVE_T,
         )  # fmt: skip
-    if "qdot:Q8_0" in rates:  # Q8_0 runs natively, the others as Q8_0 blocks
-        q8 = [t.name for t in NATIVE_TYPES + REQUANT_TYPES if t.name not in ("Q4_0", "Q4_1")]
-        rates.update({f"qdot:{name}": rates["qdot:Q8_0"] for name in q8})
     return rates
 
 

@@ -60,6 +60,18 @@ def packed_mode(weights: str, ggml_type: str) -> str:
     return cpu_scheme(ggml_type)
 
 
+def rate_key(weights: str, ggml_type: str) -> tuple[str, str]:
+    """(packing, GGUF type) whose measured rate a matrix of `ggml_type` runs at in `weights`
+    mode (DeviceProfile.matmul_rate's arguments): a type requantized to Q8 blocks for qdot runs
+    at the profile's Q8_0 rate."""
+    mode = packed_mode(weights, ggml_type)
+    if mode != "qdot":
+        return mode, ggml_type
+    from hetero.kernels.cpu_qdot import qdot_blocks
+
+    return mode, qdot_blocks(ggml_type)
+
+
 @dataclass(frozen=True)
 class ModelDesc:
     name: str

@@ -12,6 +12,10 @@ is derived from the whole GPU's profile:
   keep fewer loads in flight, but each SM can pull more than its share of the bandwidth.
   (The measured compute was 274 and 585 TFLOP/s: 913 and 836 per unit share, close to linear.)
 - host overheads do not scale (the host is not shared out).
+
+A measured share also records the fraction of the card's bandwidth its decode kernels draw alone
+(`with_bw_fraction`), which prices how shares of one card slow each other when their stages
+overlap (placement._Setup.contention); a derived share uses sqrt(s) there too.
 """
 
 from __future__ import annotations
