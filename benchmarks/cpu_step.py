@@ -15,17 +15,19 @@ import collections
 import time
 
 import click
+from click.core import ParameterSource
 
 from hetero.cli_options import engine_options
 
 
 @click.command()
+@click.pass_context
 @click.argument("model", required=False)
 @click.option("--concurrency", "-c", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--input-len", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=20, show_default=True)
 @engine_options
-def main(model, concurrency, input_len, steps, **options) -> None:
+def main(ctx, model, concurrency, input_len, steps, **options) -> None:
     from hetero.bench import make_prompts
     from hetero.engine.engine import Engine
     from hetero.kernels import cpu_qdot, native
@@ -57,7 +59,8 @@ def main(model, concurrency, input_len, steps, **options) -> None:
             return r
 
         lib.native_paged_attention = timed_attention
-    options.setdefault("speculative", "off")
+    if ctx.get_parameter_source("speculative") != ParameterSource.COMMANDLINE:
+        options["speculative"] = "off"  # a plain decode step (n-gram guesses change its rows)
     config, runtime = build_configs(**options)
     engine = Engine(str(resolve_model(model)), config, runtime, progress=False)
     prompts = make_prompts(engine, "random", concurrency, input_len, 0)
