@@ -47,15 +47,20 @@ def cpu_scheme(ggml_type) -> str:
     """The packing "qdot" mode gives a tensor of `ggml_type` (a type or its name): "qdot" (its
     own or requantized Q8 blocks; a requantized one still falls back to fp16 where the loader
     measures it past the error budget) or "fp16"."""
-    name = ggml_type if isinstance(ggml_type, str) else _T(int(ggml_type)).name
-    return "qdot" if name in {t.name for t in NATIVE_TYPES + REQUANT_TYPES} else "fp16"
+    qdot = {t.name for t in NATIVE_TYPES + REQUANT_TYPES}
+    return "qdot" if _type_name(ggml_type) in qdot else "fp16"
 
 
 def qdot_blocks(ggml_type) -> str:
     """The GGUF block type a tensor of `ggml_type` runs as in "qdot" packing: its own (Q4_0, Q4_1,
     Q8_0), or Q8_0 for the types requantized to it."""
-    name = ggml_type if isinstance(ggml_type, str) else _T(int(ggml_type)).name
+    name = _type_name(ggml_type)
     return name if name in {t.name for t in NATIVE_TYPES} else "Q8_0"
+
+
+def _type_name(ggml_type) -> str:
+    """A GGUF type's name, from the type, its number or the name (any type, supported or not)."""
+    return ggml_type if isinstance(ggml_type, str) else _T(int(ggml_type)).name
 
 
 def load():

@@ -45,7 +45,9 @@ def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
         return (4.0 if on_cpu else 2.0) * t.params  # fp32 on a CPU, bf16 on a GPU
     weights = packed_mode(weights, t.ggml_type)
     if weights == "qdot":  # kernels/cpu_qdot.py: Q4_0/Q4_1 blocks 0.75 B/w, the rest as Q8 blocks
-        return (0.75 if t.ggml_type in ("Q4_0", "Q4_1") else 1.125) * t.params
+        from hetero.kernels.cpu_qdot import qdot_blocks
+
+        return (1.125 if qdot_blocks(t.ggml_type) == "Q8_0" else 0.75) * t.params
     return _PACKED_BYTES[weights] * t.params
 
 
