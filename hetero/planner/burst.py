@@ -19,8 +19,9 @@ from collections.abc import Callable
 ChunkSeconds = Callable[[int, int, int, int], float]
 
 
-def _chunks(prompts: int, prompt_len: int, budget: int) -> list[tuple[int, int, int, int]]:
-    """A group's steps: (tokens, cached, prompts touched, prompts finished) each."""
+def prompt_chunks(prompts: int, prompt_len: int, budget: int) -> list[tuple[int, int, int, int]]:
+    """The steps of `prompts` prompts packed in order, up to `budget` tokens each: (tokens,
+    tokens cached before them when the step holds one prompt, prompts touched, prompts finished)."""
     out, done, total = [], 0, prompts * prompt_len
     while done < total:
         n = min(budget, total - done)
@@ -39,7 +40,7 @@ def burst_first_tokens(
     """Each prompt's time to its first token (seconds from the arrival), in finishing order."""
     seats = -(-concurrency // groups)
     sizes = [min(seats, concurrency - g * seats) for g in range(groups)]
-    plans = [_chunks(s, prompt_len, max(1, budget)) for s in sizes if s > 0]
+    plans = [prompt_chunks(s, prompt_len, max(1, budget)) for s in sizes if s > 0]
     ready = [0.0] * len(plans)  # when each group's next step may start
     nxt = [0] * len(plans)
     free = [0.0] * n_stages  # when each stage is next idle

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from hetero.planner.burst import burst_first_tokens
+from hetero.planner.burst import burst_first_tokens, prompt_chunks
 from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
@@ -134,12 +134,8 @@ class _Setup:
 
     def prefill_s(self, i: int, a: int, b: int, tokens: int) -> float:
         """Stage i's time for one prompt of `tokens` tokens, in budget-sized chunks."""
-        budget, total, done = self.config.max_num_batched_tokens, 0.0, 0
-        while done < tokens:
-            n = min(budget, tokens - done)
-            total += self.chunk_s(i, a, b, n, done, 1)
-            done += n
-        return total
+        chunks = prompt_chunks(1, tokens, self.config.max_num_batched_tokens)
+        return sum(self.chunk_s(i, a, b, n, cached, 1) for n, cached, _, _ in chunks)
 
     def chunk_s(
         self, i: int, a: int, b: int, n: int, cached: int, rows: int, overlap: bool = False
