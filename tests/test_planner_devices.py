@@ -265,3 +265,17 @@ def test_gpu_profile_by_bus_id(tmp_path, monkeypatch):
     assert g.id == gpus[0].id and g.bus_id == gpus[0].bus_id
     assert g.matmul["quant:Q4_K"].kernel == "triton" and g.matmul["quant:Q4_K"].decode_gbs > 100
     assert g.h2d_gbs > 1 and g.mem_bw_gbs > 100 and g.bf16_tflops > 10
+
+
+def test_a_share_the_split_leaves_idle_does_not_slow_its_sibling():
+    """Shares of one GPU contend only when both hold layers: a 30% share with too little memory
+    for a layer beside its 70% sibling must leave the plan as it is without it."""
+    from hetero.planner.model_desc import describe
+    from hetero.planner.resolve import resolve_devices
+
+    desc, cfg = describe("synth:llama3-8b:q4_k_m"), PlanConfig(concurrency=32, context=8192)
+    three = plan(desc, resolve_devices(["h200@70%:24GB", "h200@30%:1GB", "rtx4090"]), cfg)
+    two = plan(desc, resolve_devices(["h200@70%:24GB", "rtx4090"]), cfg)
+    assert three.unused_devices == ("h200@30%:1GB",)
+    assert len(two.stages) == 2 and three.stages == two.stages
+    assert three.aggregate_tok_s == two.aggregate_tok_s

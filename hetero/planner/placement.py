@@ -7,7 +7,7 @@ gets its fastest weights mode; when nothing fits, the most compact one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
@@ -221,10 +221,24 @@ def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Pla
         n_dev, n = len(setup.costs), desc.n_layers
         split = search(n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices)
         if split is not None:
-            return _build(setup, split, devices)
+            return _build(*_without_idle_shares(setup, split), devices)
     from hetero.planner.refusal import explain
 
     raise PlanError(explain(last))
+
+
+def _without_idle_shares(setup: _Setup, split: Split) -> tuple[_Setup, Split]:
+    """The search priced each stage with every share of its GPU contending (`contention`), also
+    those it then left without layers. When it left one idle beside a used share of the same
+    card, search again without the idle devices: the stages are priced as they will run."""
+    used = [i for i, (a, b) in enumerate(split.ranges) if b > a]
+    costs, budgets = [setup.costs[i] for i in used], [setup.budgets[i] for i in used]
+    narrowed = replace(setup, costs=costs, budgets=budgets, _prefix={})
+    if [setup.contention[i] for i in used] == narrowed.contention:
+        return setup, split
+    cfg, n_dev = setup.config, len(narrowed.costs)
+    again = search(n_dev, setup.desc.n_layers, cfg.concurrency, narrowed.fits, narrowed.stage_s)
+    return (narrowed, again) if again is not None else (setup, split)
 
 
 def place_split(
@@ -325,8 +339,6 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
 
 
 def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) -> StagePlan:
-    from dataclasses import replace
-
     per_block = kv_token_bytes(desc, s.kv_dtype) * s.n_layers * cfg.block_size
     return replace(s, num_kv_blocks=blocks, kv_bytes=blocks * per_block)
 
