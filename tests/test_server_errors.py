@@ -55,11 +55,19 @@ CASES = [
     ("malformed-json", "POST", CHAT, b'{"messages": [', AUTH, 400, None, "could not parse"),
     ("body-is-an-array", "POST", CMPL, b"[1, 2]", AUTH, 400, None, "must be a JSON object"),
     ("not-utf8", "POST", CMPL, b'{"prompt": "\xff"}', AUTH, 400, None, "UTF-8"),
-    ("nan", "POST", CMPL, b'{"prompt": "Hi", "temperature": NaN}', AUTH, 400, "temperature", ""),
+    ("nan", "POST", CMPL, b'{"prompt": "Hi", "temperature": NaN}', AUTH, 400, None,
+     "NaN is not valid JSON"),
     ("wrong-type", "POST", CHAT, chat(temperature="hot"), AUTH, 400, "temperature", "a number"),
     ("bool-for-int", "POST", CMPL, cmpl(max_tokens=True), AUTH, 400, "max_tokens", "integer"),
     ("messages-string", "POST", CHAT, chat(messages="hi"), AUTH, 400, "messages", "an array"),
     ("no-role", "POST", CHAT, chat(messages=[{"content": "x"}]), AUTH, 400, "messages", "role"),
+    ("json-mode-string-message", "POST", CHAT, chat(messages=["hi json"],
+     response_format={"type": "json_object"}), AUTH, 400, "messages", "must be an object"),
+    ("tool-call-history", "POST", CHAT, chat(messages=[{"role": "user", "content": "weather?"},
+     {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+      "function": {"name": "f", "arguments": "{}"}}]},
+     {"role": "tool", "tool_call_id": "1", "content": "sunny"}]), AUTH, 400, "messages",
+     "does not render"),
     ("no-messages", "POST", CHAT, {"model": NAME}, AUTH, 400, "messages", "Missing required"),
     ("empty-messages", "POST", CHAT, chat(messages=[]), AUTH, 400, "messages", "at least one"),
     ("no-prompt", "POST", CMPL, {"model": NAME}, AUTH, 400, "prompt", "Missing required"),
@@ -67,11 +75,11 @@ CASES = [
     ("tools", "POST", CHAT, chat(tools=[{"type": "function"}]), AUTH, 400, "tools", "supported"),
     ("logit-bias", "POST", CHAT, chat(logit_bias={"5": 1}), AUTH, 400, "logit_bias", "supported"),
     ("temperature-3", "POST", CHAT, chat(temperature=3), AUTH, 400, "temperature", "range"),
-    ("top-p-0", "POST", CMPL, cmpl(top_p=0), AUTH, 400, "top_p", "(0, 1]"),
+    ("top-p-negative", "POST", CMPL, cmpl(top_p=-0.1), AUTH, 400, "top_p", "range [0, 1]"),
     ("max-tokens-0", "POST", CMPL, cmpl(max_tokens=0), AUTH, 400, "max_tokens", "minimum"),
     ("n-0", "POST", CHAT, chat(n=0), AUTH, 400, "n", "range"),
     ("penalty-3", "POST", CMPL, cmpl(presence_penalty=3), AUTH, 400, "presence_penalty", "range"),
-    ("seed-2**70", "POST", CMPL, cmpl(seed=2**70), AUTH, 400, "seed", "range"),
+    ("seed-2**70", "POST", CMPL, cmpl(seed=2**70), AUTH, 400, "seed", "18446744073709551615]"),
     ("top-logprobs-21", "POST", CHAT, chat(logprobs=True, top_logprobs=21), AUTH, 400,
      "top_logprobs", "range"),
     ("top-logprobs-alone", "POST", CHAT, chat(top_logprobs=2), AUTH, 400, "top_logprobs",
@@ -82,6 +90,7 @@ CASES = [
     ("stop-empty", "POST", CMPL, cmpl(stop=[""]), AUTH, 400, "stop", "non-empty"),
     ("token-id-range", "POST", CMPL, cmpl(prompt=[1, 10**9]), AUTH, 400, "prompt", "token ids"),
     ("empty-prompt", "POST", CMPL, cmpl(prompt=[]), AUTH, 400, "prompt", "empty"),
+    ("empty-string-prompt", "POST", CMPL, cmpl(prompt=""), AUTH, 400, "prompt", "no tokens"),
     ("echo-logprobs", "POST", CMPL, cmpl(echo=True, logprobs=1), AUTH, 400, "logprobs", "echo"),
     ("json-schema", "POST", CHAT, chat(response_format={"type": "json_schema"}), AUTH, 400,
      "response_format.json_schema", "string 'name'"),
@@ -93,6 +102,9 @@ CASES = [
     ("unknown-model", "POST", CHAT, chat(model="gpt-4o"), AUTH, 404, "model", "does not exist"),
     ("output-too-long", "POST", CMPL, cmpl(max_tokens=CONTEXT), AUTH, 400, "max_tokens",
      f"maximum context length is {CONTEXT} tokens"),
+    ("completion-too-long", "POST", CHAT, chat(max_tokens=None, max_completion_tokens=CONTEXT),
+     AUTH, 400, "max_completion_tokens", f"maximum context length is {CONTEXT} tokens"),
+    ("unknown-model-card", "GET", "/v1/models/gpt-4o", None, AUTH, 404, "model", "does not exist"),
     ("too-big", "POST", CMPL, cmpl(prompt="x" * 5000), AUTH, 413, None, "larger than 4096"),
     ("no-key", "POST", CMPL, cmpl(), {}, 401, None, "didn't provide an API key"),
     ("wrong-key", "POST", CMPL, cmpl(), {"Authorization": "Bearer nope"}, 401, None, "Incorrect"),
@@ -158,6 +170,7 @@ def test_the_official_client_sees_the_errors(daemon):
     with pytest.raises(openai.AuthenticationError):
         keyless.models.list()
     assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
     assert_serves_normally(daemon)
 
 

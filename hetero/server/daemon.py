@@ -113,6 +113,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_get("/v1/models/{model:.+}", openai_api.model)  # names may hold slashes
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/infill", infill.infill)

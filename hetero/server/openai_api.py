@@ -1,4 +1,4 @@
-"""Handlers of the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models.
+"""Handlers of the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models[/{model}].
 
 Each handler checks the body (protocol.py), renders and encodes the prompt on the tokenizer
 threads, runs a Job (generation.py) and answers one JSON body or a stream of chunks. Streams start
@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hetero.chat_template import ChatTemplateError
+from hetero.chat_template import ChatTemplateError, check_messages
 from hetero.server import logprobs as lp
 from hetero.server.generation import Event, Job
 from hetero.server.infill import fim_prompt
@@ -37,10 +37,9 @@ from hetero.server.state import STATE, ServerState, read_body
 # -- /v1/models ----------------------------------------------------------------------------------
 
 
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+def _model_card(state: ServerState) -> dict[str, Any]:
     engine, _ = state.require_ready()
-    card = {
+    return {
         "id": state.served_name,
         "object": "model",
         "created": state.created,
@@ -48,7 +47,17 @@ async def models(request: web.Request) -> web.Response:
         "root": str(state.settings.model_path),
         "max_model_len": engine.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the served model's card, or OpenAI's 404."""
+    state = request.app[STATE]
+    check_model({"model": request.match_info["model"]}, state.served_name)
+    return web.json_response(_model_card(state))
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
@@ -125,15 +134,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if logprobs is not None:
         kw["logprobs"] = logprobs
     messages = body["messages"]
-    if not messages:
-        raise bad("'messages' must hold at least one message", param="messages")
+    try:  # before anything reads them (JSON mode looks for 'json' in their content)
+        check_messages(messages)
+    except ChatTemplateError as e:
+        raise bad(str(e), param="messages") from e
     if _json_mode(body):
         kw["json_object"] = True
     add_prompt = body.get("add_generation_prompt")
     add_prompt = True if add_prompt is None else add_prompt
     ids = await state.off_loop(_chat_prompt, ae.tokenizer, messages, add_prompt)
-    requested = body.get("max_completion_tokens") or body.get("max_tokens")
-    max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, state.pool_tokens)
+    param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+    max_tokens = resolve_max_tokens(
+        body.get(param), len(ids), engine.max_model_len, state.pool_tokens,
+        requested_param=param,
+    )  # fmt: skip
     params = make_params(kw, max_tokens)
     job = Job(ae, ae.tokenizer, state.metrics, [ids], params, "chatcmpl", state.pace)
     with state.in_flight():
@@ -275,7 +289,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = await state.off_loop(_encode_prompts, tok, items, body.get("suffix"))
     requested = body.get("max_tokens") or 16  # the legacy API's default
     limits = (engine.max_model_len, state.pool_tokens)
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        if not p:
+            where = f"prompt[{i}]" if len(prompts) > 1 else "the prompt"
+            raise bad(f"{where} has no tokens: send at least one", param="prompt")
         resolve_max_tokens(requested, len(p), *limits, prompt_param="prompt")
     job = Job(ae, tok, state.metrics, prompts, make_params(kw, requested), "cmpl", state.pace)
     echo = [_echo_text(tok, p) for p in items] if body.get("echo") else None

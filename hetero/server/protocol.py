@@ -176,10 +176,21 @@ COMPLETION_FIELDS: dict[str, Field] = SAMPLING_FIELDS | {
 }
 
 
+class _NotJson(ValueError):
+    pass
+
+
+def _not_json(constant: str) -> float:
+    """Python's parser takes NaN and Infinity; JSON has no such numbers."""
+    raise _NotJson(constant)
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 that says where parsing failed."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
+    except _NotJson as e:
+        raise bad(f"could not parse the JSON body of the request: {e} is not valid JSON") from e
     except UnicodeDecodeError as e:
         raise bad(f"the request body is not valid UTF-8: {e}") from e
     except json.JSONDecodeError as e:
@@ -221,11 +232,14 @@ def check_fields(
 
 
 def _bounds(spec: Field) -> str:
+    def num(v: float) -> str:
+        return str(v) if _is_int(v) else f"{v:g}"  # integers exactly (seed: 2**64 - 1)
+
     if spec.hi is None:
-        return f"below the minimum of {spec.lo:g}"
+        return f"below the minimum of {num(spec.lo)}"
     if spec.lo is None:
-        return f"above the maximum of {spec.hi:g}"
-    return f"outside the range [{spec.lo:g}, {spec.hi:g}]"
+        return f"above the maximum of {num(spec.hi)}"
+    return f"outside the range [{num(spec.lo)}, {num(spec.hi)}]"
 
 
 def check_model(body: Mapping[str, Any], served_name: str) -> None:
@@ -306,6 +320,7 @@ def resolve_max_tokens(
     max_model_len: int,
     pool_tokens: int,
     prompt_param: str = "messages",
+    requested_param: str = "max_tokens",
 ) -> int:
     """max_tokens as asked, or all the room left; 400 (both numbers) when it cannot fit.
 
@@ -318,7 +333,9 @@ def resolve_max_tokens(
     if requested is None:
         return limit - prompt_len
     if prompt_len + requested > limit:
-        raise context_error(prompt_len, requested, limit, max_model_len, pool_tokens, "max_tokens")
+        raise context_error(
+            prompt_len, requested, limit, max_model_len, pool_tokens, requested_param
+        )
     return requested
 
 
