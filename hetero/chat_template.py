@@ -10,7 +10,8 @@ can answer 400 instead of 500.
 Messages are checked before rendering: each needs a string `role` and a `content` that is a string
 or a list of `{"type": "text", "text": ...}` parts (joined with newlines, as vLLM does, because
 most templates concatenate `content` as a string). An assistant message may carry `tool_calls`
-with `content` null.
+with `content` null, where the template renders tool calls (a clear error where it does not).
+The `developer` role is `system` for templates that do not name it.
 """
 
 from __future__ import annotations
@@ -201,6 +202,23 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     return [_check_message(m, i) for i, m in enumerate(messages)]
 
 
+def _for_template(chat: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """OpenAI's `developer` role is the system role of templates that do not know it (as OpenAI
+    maps it for models that predate it); `tool_calls` that the template never reads are refused,
+    not silently dropped from the history."""
+    out = []
+    for i, m in enumerate(chat):
+        if m["role"] == "developer" and "developer" not in template:
+            m = {**m, "role": "system"}
+        if "tool_calls" in m and "tool_calls" not in template:
+            raise ChatTemplateError(
+                f"messages[{i}] ({m['role']}) carries 'tool_calls', which this model's chat "
+                "template does not render"
+            )
+        out.append(m)
+    return out
+
+
 def render_chat(
     template: str,
     messages: list[dict],
@@ -218,7 +236,7 @@ def render_chat(
         not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)
     ):
         raise ChatTemplateError("tools must be a list of JSON objects")
-    chat = check_messages(messages)
+    chat = _for_template(check_messages(messages), template)
     try:
         compiled = _compile(template)
     except jinja2.TemplateSyntaxError as e:

@@ -145,6 +145,26 @@ def test_content_parts_are_joined_and_tool_calls_kept():
     assert out == 'user:a\nb;assistant:-[{"function": {"name": "f"}}];assistant:ok(hmm);'
 
 
+def test_developer_is_system_where_the_template_does_not_name_it():
+    chat = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    as_system = [{**chat[0], "role": "system"}, chat[1]]
+    assert render_chat(CHATML_TEMPLATE, chat) == render_chat(CHATML_TEMPLATE, as_system)
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }};"
+    assert render_chat(knows + "{% endfor %}", chat) == "D:Be terse.;hi;"
+
+
+def test_tool_calls_the_template_cannot_render_are_refused():
+    chat = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+        {"role": "tool", "content": "sunny"},
+    ]
+    with pytest.raises(
+        ChatTemplateError, match=r"messages\[1\] \(assistant\) carries 'tool_calls'"
+    ):
+        render_chat(CHATML_TEMPLATE, chat)
+
+
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
