@@ -80,7 +80,7 @@ class SamplingParams:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
         t = self.temperature
         _check(_is_real(t) and t >= 0, "temperature", "a finite number >= 0", t)
-        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_real(self.top_p) and 0 <= self.top_p <= 1, "top_p", "in [0, 1]", self.top_p)
         k = self.top_k
         _check(_is_int(k) and k >= -1, "top_k", "-1 or 0 (off) or an integer >= 1", k)
         _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)

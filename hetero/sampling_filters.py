@@ -79,7 +79,8 @@ def _mask_top_k_top_p(x: torch.Tensor, state: SamplingState) -> torch.Tensor:
     if state.any_top_p:
         probs = ranked.masked_fill(ranked < threshold[:, None], -math.inf).softmax(-1)
         before = torch.nn.functional.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass ahead of each
-        kept = (before < state.top_p[:, None]).sum(-1)  # a prefix, >= 1 (before[0] = 0)
+        # a prefix, >= 1: top_p = 0 keeps the most likely token (and its ties), as OpenAI's does
+        kept = (before < state.top_p[:, None]).sum(-1).clamp(min=1)
         cut = ranked.gather(1, (kept - 1)[:, None]).squeeze(1)
         threshold = torch.maximum(threshold, torch.where(state.top_p < 1, cut, neg_inf))
     return x.masked_fill(x < threshold[:, None], -math.inf)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
         ("temperature", -0.1),
         ("temperature", math.nan),
         ("temperature", math.inf),
-        ("top_p", 0.0),
+        ("top_p", -0.01),
         ("top_p", 1.01),
         ("top_k", -2),
         ("top_k", 2.0),
@@ -159,6 +159,14 @@ def test_greedy_without_penalties_is_argmax() -> None:
     logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(2))
     state = make_batch([SamplingParams(temperature=0)] * 5, [[1]] * 5, [[]] * 5, [0] * 5, "cpu")
     assert state.prompt_ids is None and state.output_ids is None  # nothing built for nothing
+    assert torch.equal(Sampler()(logits, state).token_ids, logits.argmax(-1))
+
+
+def test_top_p_zero_samples_the_most_likely_token() -> None:
+    """OpenAI accepts top_p = 0: the smallest nucleus, the top token alone (ties kept)."""
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(temperature=1.5, top_p=0.0, seed=s) for s in range(6)]
+    state = make_batch(params, [[1]] * 6, [[]] * 6, [0] * 6, "cpu")
     assert torch.equal(Sampler()(logits, state).token_ids, logits.argmax(-1))
 
 
