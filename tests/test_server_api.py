@@ -207,6 +207,32 @@ def test_completion_logprobs_match_the_offline_engine(client, offline):
     ]
 
 
+def test_logprobs_stop_with_the_text_a_stop_string_cuts(client):
+    """The token that completes a stop string shows no text, so it gets no logprob entry:
+    the entries cover exactly the returned text, streamed or not."""
+    kw = dict(model=NAME, prompt="List: a, b, c,", temperature=0, max_tokens=12, logprobs=1)
+    full = client.completions.create(**kw).choices[0]
+    tokens, offsets = full.logprobs.tokens, full.logprobs.text_offset
+    # a later token whose text first occurs in the output where that token starts
+    j = next(i for i in range(2, len(tokens)) if full.text.find(tokens[i]) == offsets[i])
+    cut = client.completions.create(**kw, stop=[tokens[j]]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: offsets[j]]
+    assert cut.logprobs.tokens == tokens[:j] and "".join(cut.logprobs.tokens) == cut.text
+    streamed = []
+    for chunk in client.completions.create(**kw, stop=[tokens[j]], stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.tokens
+    assert streamed == tokens[:j]
+
+
+def test_top_p_zero_is_greedy(client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    kw = dict(model=NAME, messages=messages, max_tokens=8)
+    greedy = client.chat.completions.create(**kw, temperature=0)
+    nucleus = client.chat.completions.create(**kw, temperature=1.5, top_p=0, seed=3)
+    assert nucleus.choices[0].message.content == greedy.choices[0].message.content
+
+
 def test_completion_prompt_shapes_n_and_echo(client, tokenizer):
     text = "The capital of France is"
     ids = tokenizer.encode(text)

@@ -6,6 +6,7 @@ never hold broken UTF-8 and never show a stop string (unless asked to).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from hetero.detokenizer import IncrementalDetokenizer
@@ -48,6 +49,9 @@ class TextStream:
         )
         self.out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
         self.stopped_by_string = False
+        self.step_logprobs: list[TokenLogprob] | None = None  # the last step's, of shown tokens
+        self._starts: list[int] = []  # where each token's text starts in the text fed to stop
+        self._fed = self._shown = 0  # text fed to the stop checker, and shown of it
 
     @property
     def finished(self) -> bool:
@@ -60,6 +64,7 @@ class TextStream:
         delta = ""
         for token in step.new_token_ids:
             self.out.token_ids.append(token)
+            self._starts.append(self._fed)
             ends_on_token = (
                 step.finished and step.finish_reason == "stop" and token in self.stop_ids
             )
@@ -70,8 +75,13 @@ class TextStream:
             delta += self._text(self.detok.add(token))
             if self.stopped_by_string:
                 break
+        self.step_logprobs = step.logprobs
         if self.out.logprobs is not None and step.logprobs:
+            before = len(self.out.logprobs)
             self.out.logprobs.extend(step.logprobs)
+            if self.stopped_by_string:  # none for the tokens wholly inside the stop string
+                del self.out.logprobs[self._shown_tokens() :]
+                self.step_logprobs = self.out.logprobs[before:]
         if step.finished and not self.stopped_by_string:
             delta += self._text(self.detok.flush())
             if self.stop is not None and not self.stopped_by_string:
@@ -83,8 +93,14 @@ class TextStream:
     def _text(self, piece: str) -> str:
         if self.stop is None or self.stopped_by_string:
             return piece if not self.stopped_by_string else ""
+        self._fed += len(piece)
         r = self.stop.feed(piece)
+        self._shown += len(r.text)
         if r.stopped:
             self.stopped_by_string = True
             self.out.finish_reason, self.out.stop_reason = "stop", r.stop
         return r.text
+
+    def _shown_tokens(self) -> int:
+        """How many tokens have text in the shown output (a stop string cut the rest)."""
+        return bisect.bisect_left(self._starts, self._shown)

@@ -128,7 +128,7 @@ class Job:
                 if step.error:
                     choice.error = step.error
                 yield Event(
-                    choice.index, delta, step.logprobs, stream.out.finish_reason, step.error
+                    choice.index, delta, stream.step_logprobs, stream.out.finish_reason, step.error
                 )
                 if stream.finished:  # a stop string ends it before the engine knows: abort there
                     return
