@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -182,6 +183,20 @@ def test_refuses_a_context_that_cannot_fit(llama8b):
     with pytest.raises(PlanError, match="max concurrency at context 8192 is") as err:
         plan(llama8b, [gpu("cuda:0", 1000, 8)], cfg)
     assert "GB of KV" in str(err.value)
+    # the maxima it names are the largest that plan, over two devices too (whole blocks)
+    for devs in ([gpu("cuda:0", 1000, 8)], [gpu("cuda:0", 1000, 8), gpu("cuda:1", 900, 6)]):
+        with pytest.raises(PlanError) as err:
+            plan(llama8b, devs, cfg)
+        found = re.search(r"max context at concurrency 64 is (\d+), max concurrency at context "
+                          r"8192 is (\d+)", str(err.value))  # fmt: skip
+        ctx, conc = int(found[1]), int(found[2])
+        assert ctx % 16 == 0 and conc >= 1
+        plan(llama8b, devs, PlanConfig(concurrency=64, context=ctx))
+        plan(llama8b, devs, PlanConfig(concurrency=conc, context=8192))
+        with pytest.raises(PlanError):
+            plan(llama8b, devs, PlanConfig(concurrency=64, context=ctx + 16))
+        with pytest.raises(PlanError):
+            plan(llama8b, devs, PlanConfig(concurrency=conc + 1, context=8192))
     with pytest.raises(PlanError, match="longer than the model's 8192"):
         plan(llama8b, [gpu("cuda:0", 1000, 80)], PlanConfig(context=100_000))
     with pytest.raises(PlanError, match="listed twice"):

@@ -35,28 +35,42 @@ def explain(setup) -> str:
             f"the safety margin ({names}): short by {short / GB:.2f} GB"
             + ("" if short else " (no contiguous split fits each device)")
         )
-    tokens = _kv_tokens(setup, split.ranges)
     per_seq = -(-setup.context // cfg.block_size) * cfg.block_size
     need = sum(
         kv_token_bytes(desc, c.kv_dtype) * (b - a) * per_seq * cfg.concurrency
         for c, (a, b) in zip(setup.costs, split.ranges)
     )
+    blocks = setup.context // cfg.block_size
+    tokens = _largest(lambda k: _fits(setup, k, cfg.block_size)) * cfg.block_size
+    max_context = _largest(lambda k: _fits(setup, cfg.concurrency, k * cfg.block_size), blocks)
+    max_concurrency = _largest(lambda k: _fits(setup, k, setup.context))
     return (
         f"context {setup.context} x concurrency {cfg.concurrency} needs {need / GB:.2f} GB of KV; "
         f"after the weights at most {tokens} tokens fit ({names}): max context at concurrency "
-        f"{cfg.concurrency} is {tokens // cfg.concurrency}, max concurrency at context "
-        f"{setup.context} is {tokens // per_seq}"
+        f"{cfg.concurrency} is {max_context * cfg.block_size}, max concurrency at context "
+        f"{setup.context} is {max_concurrency}"
     )
 
 
-def _kv_tokens(setup, ranges) -> int:
-    """Tokens of KV the split holds: the stages' minimum, in whole blocks."""
-    cfg, blocks = setup.config, None
-    for i, (a, b) in enumerate(ranges):
-        if b == a:
-            continue
-        per_block = kv_token_bytes(setup.desc, setup.costs[i].kv_dtype) * (b - a) * cfg.block_size
-        left = max(setup.budgets[i] - setup.base_bytes(i, a, b), 0.0)
-        room = int(left * cfg.kv_memory_fraction // per_block)
-        blocks = room if blocks is None else min(blocks, room)
-    return (blocks or 0) * cfg.block_size
+def _fits(setup, concurrency: int, context: int) -> bool:
+    """Whether some split holds the weights and KV for `concurrency` sequences of `context`."""
+    from dataclasses import replace
+
+    cfg = replace(setup.config, concurrency=max(concurrency, 1))
+    s = replace(setup, config=cfg, context=context if concurrency else 0, _prefix={})
+    n_dev, use_all = len(s.costs), cfg.use_all_devices
+    return search(n_dev, s.desc.n_layers, 1, s.fits, lambda i, a, b, m: 1.0, use_all) is not None
+
+
+def _largest(ok, hi: int | None = None) -> int:
+    """The largest k in [0, hi] with ok(k), for ok true at 0 and monotone (hi None: unbounded)."""
+    lo = 0
+    if hi is None:
+        hi = 1
+        while ok(hi):
+            lo, hi = hi, hi * 2
+        hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
