@@ -97,6 +97,19 @@ def test_plan_adapter_duck_typed_and_json(tmp_path):
         stages_from_plan({"stages": [{"device": "cpu"}]}, 4)
 
 
+def test_a_plan_file_for_devices_not_here_is_refused_in_one_line(tmp_path):
+    """A plan made on another machine (or before a GPU went away) stops before any stage starts."""
+    path = tmp_path / "plan.json"
+    stages = [{"device": "cpu", "layer_start": 0, "layer_end": 2},
+              {"device": "cuda:63@70%:8GB", "layer_start": 2, "layer_end": 4}]  # fmt: skip
+    path.write_text(json.dumps({"stages": stages}))
+    with pytest.raises(ValueError, match=r"places layers on cuda:63, not present now \(present: "):
+        resolve_stages("m.gguf", 4, plan=str(path))
+    path.write_text(json.dumps({"version": 1}))
+    with pytest.raises(ValueError, match="plan has no 'stages' list"):
+        resolve_stages("m.gguf", 4, plan=str(path))
+
+
 def test_resolve_stages_options():
     assert resolve_stages("m.gguf", 30) is None
     assert len(resolve_stages("m.gguf", 30, devices="cpu,cpu,cpu")) == 3

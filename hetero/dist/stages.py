@@ -189,10 +189,21 @@ def load_plan(path: str | Path, n_layers: int) -> list[StageSpec]:
     if isinstance(data, dict) and "version" in data:
         from hetero.planner.plan import Plan
 
-        return stages_from_plan(Plan.load(path), n_layers)
-    if not isinstance(data, dict) or "stages" not in data:
+        stages = stages_from_plan(Plan.load(path), n_layers)
+    elif not isinstance(data, dict) or "stages" not in data:
         raise ValueError(f"--plan {path}: expected a JSON object with a 'stages' list")
-    return stages_from_plan(data, n_layers)
+    else:
+        stages = stages_from_plan(data, n_layers)
+    _require_present(stages)
+    return stages
+
+
+def _require_present(stages: list[StageSpec]) -> None:
+    """A plan made on another machine, or before a GPU went away, is refused in one line."""
+    from hetero.planner.plan import check_present
+    from hetero.planner.profile import live_devices
+
+    check_present([device_key(s.device) for s in stages], [d.id for d in live_devices()])
 
 
 def planned_split(

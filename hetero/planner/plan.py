@@ -155,6 +155,8 @@ class Plan:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"plan has unknown fields: {', '.join(sorted(unknown))}")
+        if not isinstance(d.get("stages"), list):
+            raise ValueError("plan has no 'stages' list")
         stages = tuple(StagePlan(**s) for s in d.pop("stages"))
         tuples = ("unused_devices", "notes")
         return cls(stages=stages, **{k: tuple(v) if k in tuples else v for k, v in d.items()})
@@ -171,12 +173,17 @@ class Plan:
 
     def check_devices(self, present: list[str]) -> None:
         """Refuse a plan whose devices are not all present now (by id)."""
-        missing = [s.device for s in self.stages if base_device(s.device) not in present]
-        if missing:
-            raise PlanError(
-                f"the plan places layers on {', '.join(missing)}, not present now "
-                f"(present: {', '.join(present) or 'none'}); make a new plan"
-            )
+        check_present([s.device for s in self.stages], present)
+
+
+def check_present(devices: list[str], present: list[str]) -> None:
+    """PlanError naming the devices (stage device ids, shares included) not present now."""
+    missing = [d for d in devices if base_device(d) not in present]
+    if missing:
+        raise PlanError(
+            f"the plan places layers on {', '.join(missing)}, not present now "
+            f"(present: {', '.join(present) or 'none'}); make a new plan"
+        )
 
 
 def base_device(dev_id: str) -> str:
