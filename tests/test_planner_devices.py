@@ -279,3 +279,20 @@ def test_a_share_the_split_leaves_idle_does_not_slow_its_sibling():
     assert three.unused_devices == ("h200@30%:1GB",)
     assert len(two.stages) == 2 and three.stages == two.stages
     assert three.aggregate_tok_s == two.aggregate_tok_s
+
+
+def test_shares_of_one_gpu_cannot_take_more_than_it_has():
+    from hetero.planner.model_desc import describe
+    from hetero.planner.resolve import resolve_devices
+
+    with pytest.raises(PlanError, match=r"take 140% of its SMs: at most 100"):
+        resolve_devices(["h200@70%", "h200@70%"])
+    with pytest.raises(PlanError, match=r"memory caps of h200's shares .* add up to 280.0 GB"):
+        resolve_devices(["h200@70%:140GB", "h200@30%:140GB"])
+    # two equal halves are two devices, each with its own half (not halved again)
+    a, b = resolve_devices(["h200@50%:40GB", "h200@50%:40GB"])
+    assert (a.id, b.id) == ("h200@50%:40GB", "h200@50%:40GB#2")
+    assert a.sm_share == b.sm_share == 0.5 and a.memory_cap == b.memory_cap == 40 * 10**9
+    cfg = PlanConfig(concurrency=16, use_all_devices=True)
+    p = plan(describe("synth:llama3-8b:q4_k_m"), [a, b], cfg)
+    assert [(s.base_device, s.mps_percentage) for s in p.stages] == [("h200", 50), ("h200", 50)]

@@ -99,7 +99,28 @@ def resolve_devices(
         if not name:
             raise PlanError("--devices has an empty entry")
         out.append(_share(machine, name) if is_share(name) else _base(machine, name))
+    _check_shares(out)
     return _split_shared_memory(_unique(out))
+
+
+def _check_shares(profiles: list[DeviceProfile]) -> None:
+    """Shares of one GPU stand for separate cards: together they cannot take more than its SMs
+    or its memory."""
+    by_base: dict[str, list[DeviceProfile]] = {}
+    for p in profiles:
+        if is_share(p.id):
+            by_base.setdefault(parse_share(p.id).base, []).append(p)
+    for base, mine in by_base.items():
+        names = ", ".join(p.id for p in mine)
+        pct = sum(p.sm_share for p in mine) * 100
+        if pct > 100 + 1e-6:
+            raise PlanError(f"the shares of {base} ({names}) take {pct:g}% of its SMs: at most 100")
+        caps, total = sum(p.memory_cap for p in mine), mine[0].memory_total
+        if caps > total:
+            raise PlanError(
+                f"the memory caps of {base}'s shares ({names}) add up to {caps / 1e9:.1f} GB, "
+                f"more than its {total / 1e9:.1f} GB"
+            )
 
 
 def _split_shared_memory(profiles: list[DeviceProfile]) -> list[DeviceProfile]:
@@ -130,7 +151,7 @@ def _unique(profiles: list[DeviceProfile]) -> list[DeviceProfile]:
     for p in profiles:
         seen[p.id] += 1
         k = total[p.id]
-        if k > 1 and p.source != "datasheet":
+        if k > 1 and p.source != "datasheet" and not is_share(p.id):  # a share is its own slice
             p = shared_by(p, k)
         out.append(p if seen[p.id] == 1 else p.replace(id=f"{p.id}#{seen[p.id]}"))
     return out
