@@ -199,6 +199,14 @@ def test_refuses_a_context_that_cannot_fit(llama8b):
             plan(llama8b, devs, PlanConfig(concurrency=conc + 1, context=8192))
     with pytest.raises(PlanError, match="longer than the model's 8192"):
         plan(llama8b, [gpu("cuda:0", 1000, 80)], PlanConfig(context=100_000))
+    with pytest.raises(PlanError, match="need 9100 tokens of context; the plan's context is 8192"):
+        plan(llama8b, [gpu("cuda:0", 1000, 80)], PlanConfig(prompt_len=9000, output_len=100))
+    with pytest.raises(PlanError, match="need 300 tokens of context; the plan's context is 100"):
+        plan(
+            llama8b,
+            [gpu("cuda:0", 1000, 80)],
+            PlanConfig(context=100, prompt_len=200, output_len=100),
+        )
     with pytest.raises(PlanError, match="listed twice"):
         plan(llama8b, [gpu("cuda:0", 1000, 80)] * 2, PlanConfig())
     with pytest.raises(ValueError, match="concurrency must be >= 1"):

@@ -201,11 +201,15 @@ def _attempts(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig, co
 
 def _context(desc: ModelDesc, cfg: PlanConfig) -> int:
     model_ctx = desc.config.context_length
-    if cfg.context is None:
-        return min(model_ctx, DEFAULT_CONTEXT_CAP)
-    if cfg.context > model_ctx:
+    if cfg.context is not None and cfg.context > model_ctx:
         raise PlanError(f"context {cfg.context} is longer than the model's {model_ctx} tokens")
-    return cfg.context
+    context = min(model_ctx, DEFAULT_CONTEXT_CAP) if cfg.context is None else cfg.context
+    if cfg.prompt_len + cfg.output_len > context:
+        raise PlanError(
+            f"a prompt of {cfg.prompt_len} tokens and {cfg.output_len} of output need "
+            f"{cfg.prompt_len + cfg.output_len} tokens of context; the plan's context is {context}"
+        )
+    return context
 
 
 def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Plan:

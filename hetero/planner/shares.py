@@ -54,7 +54,7 @@ def is_share(spec: str) -> bool:
 
 
 def parse_share(spec: str) -> Share:
-    """"cuda:0@70%:32GB" -> Share; a "#k" suffix (the k-th of equal shares listed) is dropped."""
+    """ "cuda:0@70%:32GB" -> Share; a "#k" suffix (the k-th of equal shares listed) is dropped."""
     m = _SHARE.match(re.sub(r"#\d+$", "", spec.strip()))
     if m is None:
         raise ValueError(f"device share {spec!r}: write DEVICE@PCT%[:MEMGB], e.g. cuda:0@70%:32GB")
