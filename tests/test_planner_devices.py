@@ -296,3 +296,20 @@ def test_shares_of_one_gpu_cannot_take_more_than_it_has():
     cfg = PlanConfig(concurrency=16, use_all_devices=True)
     p = plan(describe("synth:llama3-8b:q4_k_m"), [a, b], cfg)
     assert [(s.base_device, s.mps_percentage) for s in p.stages] == [("h200", 50), ("h200", 50)]
+
+
+def test_damaged_profile_caches_are_skipped_not_raised(tmp_path, monkeypatch):
+    """A file of the profile cache that another version wrote, or that was damaged, counts as
+    absent: a device that vanished is still named from the intact ones."""
+    from hetero.planner import profile
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = profile.cache_dir()
+    folder.mkdir(parents=True)
+    (folder / "0damaged.json").write_text("[1, 2]")
+    (folder / "1old.json").write_text(json.dumps({"devices": [{"id": "cuda:1", "name": "x"}]}))
+    assert profile.profiled_elsewhere("cuda:1") is None
+    assert profile.load_cached("0damaged") is None
+    gone = load_spec("rtx4090").replace(id="cuda:1", source="measured")
+    profile.save("2other", [gone], {})
+    assert profile.profiled_elsewhere("cuda:1") == gone

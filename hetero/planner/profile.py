@@ -123,7 +123,11 @@ def host_hop_s(profiles: list[DeviceProfile]) -> float:
 
 
 def load_cached(fp: str) -> dict | None:
-    path = cache_dir() / f"{fp}.json"
+    return _read(cache_dir() / f"{fp}.json")
+
+
+def _read(path: Path) -> dict | None:
+    """A cached profile document, its profiles parsed; None when absent or unreadable."""
     if not path.is_file():
         return None
     try:
@@ -131,8 +135,8 @@ def load_cached(fp: str) -> dict | None:
         doc["devices"] = [DeviceProfile.from_dict(d) for d in doc["devices"]]
         doc["shares"] = {k: DeviceProfile.from_dict(v) for k, v in doc.get("shares", {}).items()}
         return doc
-    except (ValueError, KeyError, TypeError):
-        return None  # a cache from another version: measure again
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # a cache from another version, or damaged: measure again
 
 
 def save(fp: str, devices: list[DeviceProfile], shares: dict[str, DeviceProfile]) -> Path:
@@ -158,6 +162,8 @@ def machine_profiles(refresh: bool = False, progress: bool = True) -> list[Devic
     fp = fingerprint(live)
     old = load_cached(fp)
     cached = None if refresh else old
+    if cached is not None and [p.id for p in cached["devices"]] != [d.id for d in live]:
+        cached = None  # not these devices (a hand-edited or damaged cache): measure again
     if cached is None:
         profiles = measure(live, progress)
         save(fp, profiles, old["shares"] if old else {})
@@ -177,11 +183,8 @@ def profiled_elsewhere(dev_id: str) -> DeviceProfile | None:
     device that was here when that profile was made and is gone now."""
     folder = cache_dir()
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            doc = json.loads(path.read_text())
-        except ValueError:
-            continue
-        for d in doc.get("devices", []):
-            if d.get("id") == dev_id:
-                return DeviceProfile.from_dict(d)
+        doc = _read(path)
+        for d in doc["devices"] if doc is not None else []:
+            if d.id == dev_id:
+                return d
     return None
