@@ -282,3 +282,15 @@ def test_split_search_matches_brute_force(seed):
                 # exact at c = 1 (sum) and c >= stages (slowest stage); between, within 25%
                 assert got is not None and got.cycle_s >= want * (1 - 1e-9)
                 assert got.cycle_s <= want * (1.0 if c == 1 or c >= n_dev else 1.25) + 1e-9
+
+
+def test_equal_cards_fill_in_order_and_cpu_only_plans_say_nothing_of_gpus(llama8b):
+    """Of two equal cards where one holds the model, the first is used (not the second, which
+    ties); a pipeline over a CPU alone gets no note about GPUs that cannot hold the model."""
+    p = plan(llama8b, [gpu("cuda:0", 1000, 24), gpu("cuda:1", 1000, 24)], PlanConfig())
+    assert [s.device for s in p.stages] == ["cuda:0"] and p.unused_devices == ("cuda:1",)
+    two = dataclasses.replace(cpu(), id="cpu#2")
+    p = plan(llama8b, [cpu(), two], PlanConfig(concurrency=4, use_all_devices=True))
+    assert len(p.stages) == 2 and not any("GPUs" in n for n in p.notes)
+    spill = plan(llama8b, [gpu("cuda:0", 1000, 4), cpu()], PlanConfig())
+    assert spill.stages[-1].device == "cpu" and any("GPUs cannot hold" in n for n in spill.notes)

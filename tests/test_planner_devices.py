@@ -30,6 +30,8 @@ def test_spec_tomls_load(name):
         major, minor = d.cc
         assert d.fp8_kv == ((major, minor) >= (8, 9))  # FP8 tensor cores from Ada on
         assert d.h2d_gbs > 10 and d.matmul["quant"].kernel == "triton"
+        # what the registry picks on such a card (triton_supported: compute capability 8.0)
+        assert set(d.kernels.values()) == {"triton" if major >= 8 else "torch"}
 
 
 def test_unknown_spec_names_the_known_ones():

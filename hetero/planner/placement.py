@@ -356,7 +356,9 @@ def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfi
             f"{', '.join(shared)} runs more than one stage: they share it, and each stage's "
             "predicted time assumes it alone"
         )
-    if any(s.device == d.id and d.is_cpu for s in stages for d in devices) and len(stages) > 1:
+    on_cpu = {d.id for d in devices if d.is_cpu}
+    kinds = {s.device in on_cpu for s in stages}
+    if kinds == {True, False} and not cfg.use_all_devices:  # the CPU took layers not asked of it
         notes.append("the GPUs cannot hold the model with its KV: the last layers run on the CPU")
     unused = [d.id for d in devices if d.id not in {s.device for s in stages}]
     if unused and cfg.concurrency == 1:

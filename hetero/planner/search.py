@@ -12,8 +12,8 @@ cycle of each result is then computed exactly and the best kept. At C = 1 (cycle
 C >= k (cycle = k * max) one of the two programs is exactly the objective.
 
 `fits(i, a, b)` says whether device i can hold layers [a, b) (weights, KV, activations);
-`stage_s(i, a, b, m)` is its decode step time. Ties go to the earlier split, so plans are
-deterministic.
+`stage_s(i, a, b, m)` is its decode step time. Ties go to the earlier split (and to using an
+earlier device over skipping it), so plans are deterministic.
 """
 
 from __future__ import annotations
@@ -55,9 +55,6 @@ def _solve(
         if i == n_dev or left == 0 or n_dev - i < left:
             return None
         found = None
-        skip = best(i + 1, a, left)  # device i holds nothing
-        if skip is not None:
-            found = (skip[0], ((a, a), *skip[1]))
         for b in range(a + 1, n_layers + 1):
             t = cost(i, a, b)
             if t == INF:
@@ -68,6 +65,9 @@ def _solve(
             value = combine(rest[0], t)
             if found is None or value < found[0]:
                 found = (value, ((a, b), *rest[1]))
+        skip = best(i + 1, a, left)  # device i holds nothing: only when strictly better, so
+        if skip is not None and (found is None or skip[0] < found[0]):  # equal cards fill in order
+            found = (skip[0], ((a, a), *skip[1]))
         return found
 
     return best(0, 0, k)

@@ -128,7 +128,8 @@ def _matmul(kind: str, ach: dict, copy: float, flops: float, spec: dict) -> dict
 
 
 def _kernels(kind: str, cc: str) -> dict[str, str]:
-    """The kernels the registry would pick (only the torch references exist but qlinear's)."""
+    """The kernels the registry would pick: the Triton ones need CUDA compute capability 8.0
+    (`triton_supported`), else the torch references."""
     major = int(cc.split(".")[0]) if cc else 0
-    qlinear = "triton" if kind == "cuda" and major >= 8 else "torch"
-    return {"qlinear": qlinear, "paged_attention": "torch", "kv_write": "torch"}
+    name = "triton" if kind == "cuda" and major >= 8 else "torch"
+    return {"qlinear": name, "paged_attention": name, "kv_write": name}
