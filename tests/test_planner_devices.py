@@ -315,3 +315,15 @@ def test_damaged_profile_caches_are_skipped_not_raised(tmp_path, monkeypatch):
     gone = load_spec("rtx4090").replace(id="cuda:1", source="measured")
     profile.save("2other", [gone], {})
     assert profile.profiled_elsewhere("cuda:1") == gone
+
+
+def test_profile_share_refuses_what_is_not_a_gpu_here(tmp_path):
+    """Refused before anything is measured (no cache written)."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    r = run_cli("profile", "--share", "cpu@50%", env=env)
+    assert r.returncode != 0 and "shares are of a GPU (CUDA MPS), not of the CPU" in r.stderr
+    r = run_cli("profile", "--share", "h200@50%", env=env)
+    assert r.returncode != 0 and "h200 is not a device of this machine" in r.stderr
+    r = run_cli("profile", "--share", "cuda:63@50%", env=env)
+    assert r.returncode != 0 and "cuda:63 is not a GPU of this machine" in r.stderr
+    assert not (tmp_path / "hetero").exists()

@@ -24,6 +24,9 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
     from hetero.planner.report import format_profiles
     from hetero.planner.shares import with_bw_fraction
 
+    gpus = [d.id for d in live_devices() if d.kind == "cuda"]
+    for spec in shares:
+        _check_share_here(spec, gpus)
     profiles = machine_profiles(refresh=refresh, progress=not as_json)
     measured = dict(cached_shares())
     for spec in shares:
@@ -39,6 +42,23 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
         click.echo(json.dumps([p.to_dict() for p in everything], indent=1))
     else:
         click.echo(format_profiles(everything))
+
+
+def _check_share_here(spec: str, gpus: list[str]) -> None:
+    """--share measures a share of a GPU of this machine: refuse anything else before starting."""
+    from hetero.planner.plan import PlanError
+    from hetero.planner.shares import parse_share
+
+    base = parse_share(spec).base
+    base = "cuda:0" if base == "cuda" else base
+    if base == "cpu":
+        raise PlanError(f"--share {spec}: shares are of a GPU (CUDA MPS), not of the CPU")
+    if base not in gpus:
+        what = "a GPU of this machine" if base.startswith("cuda") else "a device of this machine"
+        raise PlanError(
+            f"--share {spec}: {base} is not {what} (GPUs here: {', '.join(gpus) or 'none'}); "
+            "a datasheet card's share is planned without measuring, e.g. --devices h200@70%"
+        )
 
 
 def plan_config(**opts) -> PlanConfig:
