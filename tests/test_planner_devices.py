@@ -327,3 +327,11 @@ def test_profile_share_refuses_what_is_not_a_gpu_here(tmp_path):
     r = run_cli("profile", "--share", "cuda:63@50%", env=env)
     assert r.returncode != 0 and "cuda:63 is not a GPU of this machine" in r.stderr
     assert not (tmp_path / "hetero").exists()
+
+
+def test_a_profile_measured_on_a_busy_machine_is_flagged():
+    from hetero.planner.profile import busy_warning
+
+    assert busy_warning(0.4, 2) is None and busy_warning(7.9, 16) is None
+    assert "load average 2.6 on 2 cores" in busy_warning(2.6, 2)
+    assert "--refresh" in busy_warning(12.0, 16)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -102,7 +103,27 @@ def _calibrated(prof: DeviceProfile, device: str, kv_dtype: str, bar: tqdm) -> D
     return prof.replace(**calibrate(prof, device, kv_dtype, bar))
 
 
+def busy_warning(load: float, cores: int) -> str | None:
+    """The warning for a profile measured while other work kept the CPU busy (its rates, and
+    the host overheads every device's plan uses, read low and are cached)."""
+    if load <= max(1.0, cores / 2):
+        return None
+    return (
+        f"warning: the machine was busy while profiling (load average {load:.1f} on {cores} "
+        "cores); the rates may read low. Run `hetero profile --refresh` on a quiet machine."
+    )
+
+
 def measure(devices: list[LiveDevice], progress: bool = True) -> list[DeviceProfile]:
+    load_before = os.getloadavg()[0]
+    out = _measure(devices, progress)
+    warning = busy_warning(min(load_before, os.getloadavg()[0]), os.cpu_count() or 1)
+    if warning:
+        tqdm.write(warning, file=sys.stderr)
+    return out
+
+
+def _measure(devices: list[LiveDevice], progress: bool) -> list[DeviceProfile]:
     steps = 5 * len(devices)
     with tqdm(total=steps, desc="profiling", unit="step", disable=not progress) as bar:
         out = []
