@@ -20,6 +20,7 @@ from hetero.dist.stages import (
     even_split,
     parse_devices,
     parse_split,
+    require_present,
     resolve_stages,
     stages_from_plan,
 )
@@ -103,8 +104,10 @@ def test_a_plan_file_for_devices_not_here_is_refused_in_one_line(tmp_path):
     stages = [{"device": "cpu", "layer_start": 0, "layer_end": 2},
               {"device": "cuda:63@70%:8GB", "layer_start": 2, "layer_end": 4}]  # fmt: skip
     path.write_text(json.dumps({"stages": stages}))
+    here, there = resolve_stages("m.gguf", 4, plan=str(path))
+    require_present([here])  # a stage on another host (--remote-stages) is not checked here
     with pytest.raises(ValueError, match=r"places layers on cuda:63, not present now \(present: "):
-        resolve_stages("m.gguf", 4, plan=str(path))
+        require_present([here, there])  # what the pipeline checks before starting its stages
     path.write_text(json.dumps({"version": 1}))
     with pytest.raises(ValueError, match="plan has no 'stages' list"):
         resolve_stages("m.gguf", 4, plan=str(path))

@@ -23,7 +23,7 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from hetero.config import RuntimeConfig
-from hetero.dist.stages import StageSpec
+from hetero.dist.stages import StageSpec, require_present
 from hetero.dist.startup import StartWatch
 from hetero.dist.step import StepPlan, StepResult
 from hetero.dist.worker import STOP, StageArgs, stage_main
@@ -116,6 +116,7 @@ class Pipeline:
         self._errors = []  # a status pipe per local stage: its phases, and why it failed
         kernels = forced()  # a test's (or a comparison's) kernel choices hold in every stage
         local = sorted(set(range(len(stages))) - remote)
+        require_present([stages[r] for r in local])
         check_mps([stages[r] for r in local])
         for rank in local:
             errors, err_child = ctx.Pipe(duplex=False)

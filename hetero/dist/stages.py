@@ -189,17 +189,15 @@ def load_plan(path: str | Path, n_layers: int) -> list[StageSpec]:
     if isinstance(data, dict) and "version" in data:
         from hetero.planner.plan import Plan
 
-        stages = stages_from_plan(Plan.load(path), n_layers)
-    elif not isinstance(data, dict) or "stages" not in data:
+        return stages_from_plan(Plan.load(path), n_layers)
+    if not isinstance(data, dict) or "stages" not in data:
         raise ValueError(f"--plan {path}: expected a JSON object with a 'stages' list")
-    else:
-        stages = stages_from_plan(data, n_layers)
-    _require_present(stages)
-    return stages
+    return stages_from_plan(data, n_layers)
 
 
-def _require_present(stages: list[StageSpec]) -> None:
-    """A plan made on another machine, or before a GPU went away, is refused in one line."""
+def require_present(stages: list[StageSpec]) -> None:
+    """The stages to start on this host must name its devices: a plan made on another machine,
+    or before a GPU went away, is refused in one line before any stage starts."""
     from hetero.planner.plan import check_present
     from hetero.planner.profile import live_devices
 
