@@ -197,11 +197,22 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
 
 def test_cli_profile_json_reads_the_cache(cache_home):
     """`hetero profile --json` after the measurement above: the cached profile, at once."""
-    r = run_cli("profile", "--json", env={"XDG_CACHE_HOME": str(cache_home)})
+    import torch
+
+    # the fingerprint holds the thread count: the child starts with the one measured above
+    env = {"XDG_CACHE_HOME": str(cache_home), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    (cached,) = (cache_home / "hetero" / "profiles").glob("*.json")
+    mtime = cached.stat().st_mtime_ns
+    r = run_cli("profile", "--json", env=env)
     assert r.returncode == 0, r.stderr
     (cpu,) = [d for d in json.loads(r.stdout) if d["id"] == "cpu"]
     assert cpu["source"] == "measured" and cpu["matmul"]["fp16"]["kernel"] == "fbgemm-fp16"
-    assert "profiling" not in r.stderr  # no progress bar: nothing was measured again
+    assert cached.stat().st_mtime_ns == mtime and "stage 0" not in r.stderr  # nothing measured
+    table = run_cli("profile", env=env).stdout
+    head, _, row = table.splitlines()[:3]
+    assert "decode GB/s" in head and "prefill TFLOP/s" in head
+    fp16 = cpu["matmul"]["fp16"]
+    assert f"fp16 {fp16['decode_gbs']:.3g}" in row and f"fp16 {fp16['prefill_tflops']:.3g}" in row
 
 
 def test_plan_devices_for_a_pipeline(cache_home, monkeypatch, smollm2_path):

@@ -59,12 +59,13 @@ def format_plan(p: Plan) -> str:
 
 
 def format_profiles(profiles: list[DeviceProfile]) -> str:
-    header = ["device", "name", "bus", "cc", "mem GB (free)", "copy GB/s", "TFLOP/s", "decode GB/s"]
+    header = ["device", "name", "bus", "cc", "mem GB (free)", "copy GB/s", "TFLOP/s"]
+    header += ["decode GB/s", "prefill TFLOP/s"]
     rows = []
     for d in profiles:
-        decode = ", ".join(
-            f"{k} {r.decode_gbs:.0f}" for k, r in sorted(d.matmul.items()) if k.count(":") < 2
-        )
+        kinds = [(k, r) for k, r in sorted(d.matmul.items()) if k.count(":") < 2]
+        decode = ", ".join(f"{k} {r.decode_gbs:.3g}" for k, r in kinds)
+        prefill = ", ".join(f"{k} {r.prefill_tflops:.3g}" for k, r in kinds)
         rows.append(
             [
                 d.id,
@@ -75,6 +76,7 @@ def format_profiles(profiles: list[DeviceProfile]) -> str:
                 f"{d.mem_bw_gbs:.0f}",
                 f"{d.bf16_tflops:.2f}",
                 decode,
+                prefill,
             ]
         )
     lines = _table(header, rows)
