@@ -60,6 +60,7 @@ class TextStream:
     def add(self, step: StepOutput) -> str:
         """Apply one step; returns the new text. Sets finish_reason when the sequence ends."""
         if self.finished:  # ended by a stop string; the engine's abort echo is ignored
+            self.step_logprobs = None
             return ""
         delta = ""
         for token in step.new_token_ids:
