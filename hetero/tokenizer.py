@@ -17,6 +17,7 @@ drops one leading space. `IncrementalDetokenizer` streams exactly this text.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -301,12 +302,23 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
-        """Token ids for `text`; `add_special` adds BOS/EOS as the metadata says."""
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids for `text`; `add_special` adds BOS/EOS as the metadata says.
+        parse_special=False: control tokens' text in `text` (a user's file that contains
+        "<|fim_middle|>") is encoded as plain text, never as the control token (llama.cpp's
+        `parse_special` off)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        backend = self._backend if parse_special else self._plain_backend
+        ids = backend.encode(text, add_special_tokens=False).ids
         return self._with_special(ids) if add_special else ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> HFTokenizer:
+        """The backend with its special tokens' texts matched as plain text."""
+        plain = HFTokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def encode_batch(self, texts: Sequence[str], add_special: bool = False) -> list[list[int]]:
         """`encode` over many texts, in parallel on the Rust side."""

@@ -100,6 +100,16 @@ def test_infill_prompt_layout(tok):
     assert ids == expected_ids(tok, prompt="ret") and not truncated
 
 
+def test_control_token_text_in_user_code_stays_text(tok):
+    """A file that mentions "<fim_middle>" (a tokenizer's source, say) must not put the control
+    token in the prompt: the user's texts are encoded with special-token parsing off."""
+    code = "s = '<fim_middle>'\n"
+    inp = InfillInput(code, "t = '<fim_suffix>'", "", [("a<fim_prefix>.py", "<fim_middle>")])
+    ids, _ = build_infill(tok, inp, 10_000)
+    assert [ids.count(t) for t in (11, 12, 13)] == [1, 1, 1]
+    assert tok.decode(ids[ids.index(11) + 1 : ids.index(13)]) == code
+
+
 def test_long_inputs_are_cut_away_from_the_cursor(tok):
     prefix, suffix = "x = 1\n" * 300, "y = 2\n" * 300
     inp = InfillInput(prefix, suffix, "", [("big.py", "z = 3\n" * 300)])
@@ -157,17 +167,21 @@ def test_n_predict_0_only_warms_the_cache(daemon, tok):
 
 
 def test_infill_bad_input(daemon):
+    both = {"input_prefix": "a", "input_suffix": ""}
     for body, param in (
-        ({"input_prefix": "a", "input_extra": [{"text": 5}]}, "input_extra"),
-        ({"input_prefix": "a", "input_extra": [{"name": "x"}]}, "input_extra"),
-        ({"input_prefix": 3}, "input_prefix"),
-        ({"input_prefix": "a", "n_predict": CONTEXT}, "n_predict"),
-        ({"input_prefix": "a", "mystery": 1}, "mystery"),
+        ({**both, "input_extra": [{"text": 5}]}, "input_extra"),
+        ({**both, "input_extra": [{"name": "x"}]}, "input_extra"),
+        ({**both, "input_extra": [{"filename": "a.py"}]}, "input_extra"),  # no text
+        ({**both, "input_prefix": 3}, "input_prefix"),
+        ({"input_suffix": "b"}, "input_prefix"),  # both required, as llama.cpp has them
+        ({"input_prefix": "a"}, "input_suffix"),
+        ({**both, "n_predict": CONTEXT}, "n_predict"),
+        ({**both, "mystery": 1}, "mystery"),
     ):
         status, out = daemon.post("/infill", body)
         assert status == 400, (body, out)
         assert out["error"]["param"] == param
-    status, out = daemon.post("/infill", {"input_prefix": "a", "n_predict": 1})
+    status, out = daemon.post("/infill", {**both, "n_predict": 1})
     assert status == 200 and out["tokens_predicted"] == 1
 
 

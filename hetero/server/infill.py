@@ -37,8 +37,8 @@ from hetero.tokenizer import FimTokens
 
 INFILL_FIELDS: dict[str, Field] = {
     "model": Field("string"),
-    "input_prefix": Field("string"),
-    "input_suffix": Field("string"),
+    "input_prefix": Field("string", required=True),  # required, as llama.cpp has them
+    "input_suffix": Field("string", required=True),
     "input_extra": Field("array"),
     "prompt": Field("string"),
     "n_predict": Field("integer", -1),
@@ -92,16 +92,21 @@ def fim_prompt(tokenizer, prefix: list[int], suffix: list[int]) -> list[int]:
     return [*_bos(tokenizer), fim.prefix, *prefix, fim.suffix, *suffix, fim.middle]
 
 
+def _user_text(tokenizer, text: str) -> list[int]:
+    """A user's code as plain text: "<|fim_middle|>" in a file is not the control token."""
+    return tokenizer.encode(text, parse_special=False)
+
+
 def _extra_tokens(tokenizer, fim: FimTokens, chunks: list[tuple[str, str]]) -> list[int]:
     extra: list[int] = []
     if fim.repo is not None:
         extra += [fim.repo, *tokenizer.encode(REPO_HEADER)]
     for filename, text in chunks:
         if fim.sep is not None:
-            extra += [fim.sep, *tokenizer.encode(filename + "\n")]
+            extra += [fim.sep, *_user_text(tokenizer, filename + "\n")]
         else:
             extra += tokenizer.encode(SNIPPET_HEADER)
-        extra += tokenizer.encode(text)
+        extra += _user_text(tokenizer, text)
     if fim.sep is not None:
         extra += [fim.sep, *tokenizer.encode("filename\n")]
     return extra
@@ -118,8 +123,8 @@ class InfillInput:
 def build_infill(tokenizer, inp: InfillInput, room: int) -> tuple[list[int], bool]:
     """The prompt's token ids within `room` tokens, and whether anything had to be cut."""
     fim = require_fim(tokenizer)
-    pre, suf = tokenizer.encode(inp.prefix), tokenizer.encode(inp.suffix)
-    typed = tokenizer.encode(inp.prompt)
+    pre, suf = _user_text(tokenizer, inp.prefix), _user_text(tokenizer, inp.suffix)
+    typed = _user_text(tokenizer, inp.prompt)
     extra = _extra_tokens(tokenizer, fim, inp.chunks)
     bos = _bos(tokenizer)
     avail = room - 3 - len(bos) - len(typed)
@@ -145,15 +150,16 @@ def _chunks(extra: list | None) -> list[tuple[str, str]]:
         ok = (
             isinstance(c, dict)
             and set(c) <= {"filename", "text"}
-            and isinstance(c.get("text", ""), str)
+            and isinstance(c.get("text"), str)
             and isinstance(c.get("filename", ""), str)
         )
         if not ok:
             raise bad(
-                f"input_extra[{i}] must be an object {{'filename': string, 'text': string}}",
+                f"input_extra[{i}] must be an object {{'filename': string, 'text': string}} "
+                "('text' required)",
                 param="input_extra",
             )
-        out.append((c.get("filename") or "tmp", c.get("text", "")))
+        out.append((c.get("filename") or "tmp", c["text"]))
     return out
 
 

@@ -255,8 +255,9 @@ def _encode_prompts(tokenizer, items: Sequence[str | list[int]], suffix: str | N
     ids = [tokenizer.encode(p, add_special=True) if isinstance(p, str) else p for p in items]
     if suffix is None:
         return ids
-    suffix_ids = tokenizer.encode(suffix)
-    texts = [tokenizer.encode(p) if isinstance(p, str) else p for p in items]
+    # code around a gap: control tokens' text in it stays text (as /infill does)
+    suffix_ids = tokenizer.encode(suffix, parse_special=False)
+    texts = [tokenizer.encode(p, parse_special=False) if isinstance(p, str) else p for p in items]
     return [fim_prompt(tokenizer, t, suffix_ids) for t in texts]
 
 
