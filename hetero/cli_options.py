@@ -38,7 +38,10 @@ def runtime_options(f):
         "dequantized weights; quant: keep GGUF blocks (reference path); qdot: GGUF blocks times "
         "int8 activations in native code; fp16/int4/int8/bf16: CPU repacks",
     )(f)
-    f = click.option("--threads", type=int, default=0, help="CPU threads (0: torch's default)")(f)
+    threads = click.option(
+        "--threads", type=click.IntRange(0), default=0, help="CPU threads (0: torch's default)"
+    )
+    f = threads(f)
     return f
 
 

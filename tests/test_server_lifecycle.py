@@ -209,6 +209,17 @@ def test_missing_and_broken_model_files(tmp_path):
     broken.write_bytes(b"not a gguf file at all" * 10)
     r = run_cli(str(broken), "--port", str(free_port()))
     assert r.returncode == 1 and "failed to load" in r.stderr, r.stderr
+    r = run_cli(str(tmp_path), "--port", str(free_port()))
+    assert r.returncode == 1 and "is a directory, not a GGUF model file" in r.stderr, r.stderr
+
+
+def test_bad_listen_addresses_are_named(smollm2_path):
+    r = run_cli(str(smollm2_path), "--host", "", "--port", str(free_port()))
+    assert r.returncode == 1 and "--host is empty" in r.stderr, r.stderr
+    r = run_cli(str(smollm2_path), "--host", "999.1.1.1", "--port", str(free_port()))
+    assert r.returncode == 1 and "cannot listen on '999.1.1.1' port" in r.stderr, r.stderr
+    r = run_cli(str(smollm2_path), "--threads", "-5")
+    assert r.returncode == 2 and "-5 is not in the range x>=0" in r.stderr, r.stderr
 
 
 def test_sigint_while_loading_exits_at_once(smollm2_path):

@@ -108,7 +108,11 @@ def serve_cli(ctx: click.Context, config_path: str | None, **values) -> None:
         stream=sys.stderr,
     )
     try:
+        if not server["host"].strip():
+            raise ValueError("--host is empty: give an address (0.0.0.0: every interface)")
         model_path = resolve_model(server.pop("model"))
+        if model_path.is_dir():
+            raise FileNotFoundError(f"{model_path} is a directory, not a GGUF model file")
         if not model_path.is_file():
             raise FileNotFoundError(f"no such model file: {model_path}")
         code = _serve(model_path, server, values)

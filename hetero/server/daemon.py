@@ -131,9 +131,13 @@ async def serve(settings: ServerSettings) -> int:
         create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=2.0
     )
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
+    try:
+        await web.TCPSite(runner, settings.host, settings.port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {settings.host!r} port {settings.port}: {e}") from e
     host, port = runner.addresses[0][:2]
-    url = f"http://{host}:{port}"
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # IPv6: [::1]
     log.info("listening on %s; loading %s", url, settings.model_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
