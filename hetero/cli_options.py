@@ -130,6 +130,13 @@ def engine_options(f):
             help="token budget of one step (decodes + prefill chunks)",
         ),
         click.option(
+            "--long-prefill-token-threshold",
+            type=click.IntRange(0),
+            default=0,
+            show_default=True,
+            help="the most tokens one prompt may take in one step (0: no cap but the budget)",
+        ),
+        click.option(
             "--max-model-len", type=click.IntRange(2), default=None, help="default: the model's"
         ),
         click.option(

@@ -235,3 +235,14 @@ def test_sigint_while_loading_exits_at_once(smollm2_path):
     assert d.stop(signal.SIGINT) == 0, d.log()
     assert time.monotonic() - t0 < 10
     d.log_path.unlink()
+
+
+def test_seed_and_long_prefill_threshold_reach_the_engine_config():
+    from hetero.llm import build_configs
+    from hetero.server.app import SERVER_KEYS
+
+    args = ["--seed", "5", "--long-prefill-token-threshold", "64"]
+    ctx = serve_cli.make_context("hetero-serve", args)
+    values = {k: v for k, v in ctx.params.items() if k not in (*SERVER_KEYS, "config_path")}
+    engine, _ = build_configs(**values)
+    assert engine.seed == 5 and engine.scheduler.long_prefill_token_threshold == 64

@@ -62,6 +62,12 @@ class AutoOrMs(click.ParamType):
     help="TOML file of these options (flags given on the command line win)",
 )
 @click.option(
+    "--seed",
+    type=click.IntRange(0, 2**64 - 1),
+    default=None,
+    help="seed of the engine's random stream, for requests that give none (a run then repeats)",
+)
+@click.option(
     "--max-request-bytes", type=click.IntRange(1024), default=8 * 2**20, show_default=True
 )
 @click.option(
