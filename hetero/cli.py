@@ -9,7 +9,12 @@ import time
 
 import click
 
-from hetero.cli_options import cuda_graph_max_tokens_option, engine_options, runtime_options
+from hetero.cli_options import (
+    FloatRange,
+    cuda_graph_max_tokens_option,
+    engine_options,
+    runtime_options,
+)
 from hetero.models import resolve_model
 
 MODEL_ARG = click.argument("model", required=False)
@@ -31,7 +36,7 @@ def main() -> None:
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
 @click.option("--system", default=None, help="system message (with --chat)")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--temperature", "-t", type=click.FloatRange(0.0), default=0.0, show_default=True)
+@click.option("--temperature", "-t", type=FloatRange(0.0), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
 @click.option("--stats/--no-stats", default=True, help="print tok/s to stderr at the end")
 @runtime_options
@@ -180,7 +185,7 @@ def quantize(src, dst, qtype):
 )
 @click.option(
     "--spec-oracle",
-    type=click.FloatRange(0.0, 1.0),
+    type=FloatRange(0.0, 1.0),
     multiple=True,
     help="with --spec-ab, also guess from the plain run's answers, each token right with this "
     "probability (a set acceptance, for models with random weights); repeatable",

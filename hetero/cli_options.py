@@ -6,9 +6,22 @@ SchedulerConfig), so `hetero.llm.build_configs(**options)` sorts them without a 
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from hetero.engine.config import EngineConfig
+
+
+class FloatRange(click.FloatRange):
+    """click's FloatRange that also refuses nan and inf (click lets `nan` through any range)."""
+
+    def convert(self, value, param, ctx):
+        out = super().convert(value, param, ctx)
+        if not math.isfinite(out):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return out
+
 
 # also on `hetero plan`, which prices prefill steps as the engine runs them
 cuda_graph_max_tokens_option = click.option(
@@ -70,7 +83,7 @@ def pipeline_options(f):
         ),
         click.option(
             "--stage-timeout",
-            type=click.FloatRange(0.0, min_open=True),
+            type=FloatRange(0.0, min_open=True),
             default=600.0,
             show_default=True,
             help="seconds a pipeline step may take before the pipeline counts as stuck",
@@ -112,7 +125,7 @@ def engine_options(f):
         ),
         click.option(
             "--kv-memory-fraction",
-            type=click.FloatRange(0.0, 1.0, min_open=True),
+            type=FloatRange(0.0, 1.0, min_open=True),
             default=0.9,
             show_default=True,
             help="share of the memory free after the weights that the KV cache takes",
@@ -141,7 +154,7 @@ def engine_options(f):
         ),
         click.option(
             "--admit-wait-ms",
-            type=click.FloatRange(0.0),
+            type=FloatRange(0.0),
             default=0.0,
             show_default=True,
             help="while decodes run, new prompts wait up to this long for others, to be "
@@ -159,7 +172,7 @@ def engine_options(f):
         cuda_graph_max_tokens_option,
         click.option(
             "--kv-ram-gb",
-            type=click.FloatRange(0.0),
+            type=FloatRange(0.0),
             default=None,
             help="host-RAM tier for evicted KV blocks, GiB (default with a GPU: half the free "
             "RAM, at most 16, leaving 8 free; 0 on a CPU, whose KV pool is in RAM already)",
@@ -172,7 +185,7 @@ def engine_options(f):
         ),
         click.option(
             "--kv-disk-gb",
-            type=click.FloatRange(0.0, min_open=True),
+            type=FloatRange(0.0, min_open=True),
             default=None,
             help="cap of the disk tier, GiB (default: half the free space there)",
         ),

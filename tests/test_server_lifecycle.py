@@ -220,6 +220,8 @@ def test_bad_listen_addresses_are_named(smollm2_path):
     assert r.returncode == 1 and "cannot listen on '999.1.1.1' port" in r.stderr, r.stderr
     r = run_cli(str(smollm2_path), "--threads", "-5")
     assert r.returncode == 2 and "-5 is not in the range x>=0" in r.stderr, r.stderr
+    r = run_cli(str(smollm2_path), "--kv-ram-gb", "nan")  # click's FloatRange lets nan through
+    assert r.returncode == 2 and "'nan' is not a finite number" in r.stderr, r.stderr
 
 
 def test_sigint_while_loading_exits_at_once(smollm2_path):

@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from hetero.cli_options import engine_options
+from hetero.cli_options import FloatRange, engine_options
 from hetero.server.config_file import apply_config
 
 SERVER_KEYS = (
@@ -72,7 +72,7 @@ class AutoOrMs(click.ParamType):
 )
 @click.option(
     "--shutdown-grace",
-    type=click.FloatRange(0),
+    type=FloatRange(0),
     default=30.0,
     show_default=True,
     help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
