@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hetero.chat_template import ChatTemplateError, check_messages
+from hetero.chat_template import ChatTemplateError
 from hetero.server import logprobs as lp
 from hetero.server.generation import Event, Job
 from hetero.server.infill import fim_prompt
@@ -133,16 +133,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     logprobs = _chat_logprobs(body)
     if logprobs is not None:
         kw["logprobs"] = logprobs
-    messages = body["messages"]
-    try:  # before anything reads them (JSON mode looks for 'json' in their content)
-        check_messages(messages)
-    except ChatTemplateError as e:
-        raise bad(str(e), param="messages") from e
-    if _json_mode(body):
-        kw["json_object"] = True
     add_prompt = body.get("add_generation_prompt")
     add_prompt = True if add_prompt is None else add_prompt
-    ids = await state.off_loop(_chat_prompt, ae.tokenizer, messages, add_prompt)
+    # the template's rendering checks the messages, before JSON mode reads their content
+    ids = await state.off_loop(_chat_prompt, ae.tokenizer, body["messages"], add_prompt)
+    if _json_mode(body):
+        kw["json_object"] = True
     param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     max_tokens = resolve_max_tokens(
         body.get(param), len(ids), engine.max_model_len, state.pool_tokens,
