@@ -46,11 +46,11 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
 
 def _check_share_here(spec: str, gpus: list[str]) -> None:
     """--share measures a share of a GPU of this machine: refuse anything else before starting."""
+    from hetero.dist.stages import device_key
     from hetero.planner.plan import PlanError
     from hetero.planner.shares import parse_share
 
-    base = parse_share(spec).base
-    base = "cuda:0" if base == "cuda" else base
+    base = device_key(parse_share(spec).base)
     if base == "cpu":
         raise PlanError(f"--share {spec}: shares are of a GPU (CUDA MPS), not of the CPU")
     if base not in gpus:

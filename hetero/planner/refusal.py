@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hetero.planner.cost import kv_token_bytes
 from hetero.planner.search import search
 
@@ -54,8 +56,6 @@ def explain(setup) -> str:
 
 def _fits(setup, concurrency: int, context: int) -> bool:
     """Whether some split holds the weights and KV for `concurrency` sequences of `context`."""
-    from dataclasses import replace
-
     cfg = replace(setup.config, concurrency=max(concurrency, 1))
     s = replace(setup, config=cfg, context=context if concurrency else 0, _prefix={})
     n_dev, use_all = len(s.costs), cfg.use_all_devices

@@ -50,9 +50,10 @@ def _is_machine_name(name: str) -> bool:
 
 
 def _machine_device(machine: _Machine, name: str) -> DeviceProfile:
+    from hetero.dist.stages import device_key
     from hetero.planner.profile import profiled_elsewhere
 
-    name = "cuda:0" if name == "cuda" else name
+    name = device_key(name)
     found = machine.get(name)
     if found is not None:
         return found
