@@ -65,7 +65,8 @@ class TextStream:
         delta = ""
         for token in step.new_token_ids:
             self.out.token_ids.append(token)
-            self._starts.append(self._fed)
+            if self.stop is not None:  # only a stop string cuts tokens off
+                self._starts.append(self._fed)
             ends_on_token = (
                 step.finished and step.finish_reason == "stop" and token in self.stop_ids
             )
