@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Architectures of the llama family that one model file (model/llama.py) serves through flags.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Architectures of the llama family that one model file (model/llama.py) serves through flags,
+# and the mixture-of-experts families (model/qwen3moe.py, model/gpt_oss.py; experts: model/moe.py).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
+MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class RopeScaling:
     beta_slow: float = 1.0
     # YaRN attention temperature multiplier; 0 means "derive 0.1*ln(factor)+1"
     attn_factor: float = 0.0
+    # YaRN correction dims rounded to whole dims (floor/ceil), as llama.cpp rounds them; gpt-oss
+    # keeps them fractional (its reference implementation and transformers' "truncate": false)
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,27 @@ class ModelConfig:
     tied_embeddings: bool = False
     attn_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts ({arch}.expert_count, .expert_used_count,
+    # .expert_feed_forward_length): 0 for dense models
+    n_experts: int = 0
+    n_experts_used: int = 0
+    d_ff_expert: int = 0
+    # routing weights of the chosen experts renormalized to sum to 1 ({arch}.expert_weights_norm;
+    # qwen3moe: always, as llama.cpp builds it)
+    expert_weights_norm: bool = False
+    # Sliding-window attention ({arch}.attention.sliding_window): the window of the layers that
+    # have one, in tokens (a query sees itself and the window - 1 tokens before it), and which
+    # layers those are (empty: none)
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def layer_window(self, i: int) -> int:
+        """Layer i's attention window in tokens; 0 for full attention."""
+        return self.sliding_window if self.swa_layers and self.swa_layers[i] else 0
 
     @property
     def q_size(self) -> int:
