@@ -46,6 +46,14 @@ _SCALES: dict[GGMLQuantizationType, _Scales] = {
     _T.IQ4_NL: _Scales(0, 3e-4),  # d * value, values -127 .. 113
     _T.IQ4_XS: _Scales(0, 1.5e-5),  # d * (ls - 32) * value
     _T.MXFP4: _Scales(0, 2**-8, encoding="e8m0"),  # d * doubled E2M1 (0 .. 12)
+    # grid i-quants: d * (group scale) * (grid value) * sign
+    _T.IQ2_XXS: _Scales(0, 3.6e-4),
+    _T.IQ2_XS: _Scales(0, 3.6e-4),
+    _T.IQ2_S: _Scales(0, 3.6e-4),
+    _T.IQ3_XXS: _Scales(0, 1.7e-4),
+    _T.IQ3_S: _Scales(0, 1.5e-4),
+    _T.IQ1_S: _Scales(0, 3e-3),
+    _T.IQ1_M: _Scales(48, 3e-3, encoding="iq1m"),
 }
 
 

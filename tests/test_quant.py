@@ -18,6 +18,7 @@ from hetero.quant import (
     UnsupportedTensorType,
     dequantize,
     get_quant,
+    iq_grids,
     random_blocks,
     row_bytes,
     supported_types,
@@ -43,6 +44,8 @@ def _masked_random_bytes(qt: QuantType, n_blocks: int, rng: np.random.Generator)
     for off in qt.f16_offsets:
         hi = raw[:, off + 1]
         hi[(hi & 0x7C) == 0x7C] &= 0xBF
+    if qt.name == "IQ1_M":  # d's exponent: bits 6-7 of byte 53 and 4-6 of byte 55 (iquants)
+        raw[((raw[:, 53] & 0xC0) == 0xC0) & ((raw[:, 55] & 0x70) == 0x70), 55] &= 0xBF
     return raw
 
 
@@ -117,9 +120,7 @@ def test_dequantize_rejects_bad_input() -> None:
         dequantize(torch.zeros(10, dtype=torch.float16), "F16", (3, 4))
 
 
-@pytest.mark.parametrize(
-    "name", ["IQ2_XXS", "TQ1_0", "TQ2_0", "NVFP4", "Q8_1", "Q8_K", "I8", "F64"]
-)
+@pytest.mark.parametrize("name", ["TQ1_0", "TQ2_0", "NVFP4", "Q8_1", "Q8_K", "I8", "F64"])
 def test_unsupported_types_are_refused_by_name(name: str) -> None:
     t = GGMLQuantizationType[name]
     for key in (t, int(t), name, name.lower()):
@@ -144,6 +145,18 @@ def test_mxfp4_every_exponent_like_gguf() -> None:
     assert w[2, 1].item() == 2.0**-126 and w[0, 1].item() == 2.0**-128  # code 1: 0.5, doubled
     assert w[130, 7].item() == 12 * 2.0**2  # code 7: 6, doubled, times 2^(130 - 128)
     assert torch.isinf(w[255]).sum() == 24  # 2^127 times a doubled value >= 2: past 2^128
+
+
+@pytest.mark.parametrize("name", sorted(iq_grids.GRIDS))
+def test_iq_grids_equal_gguf(name: str) -> None:
+    """The copied, packed grids decode to gguf's own tables (llama.cpp's iq*_grid values)."""
+    cls = getattr(quants, name)
+    cls.init_grid()
+    ours = iq_grids.grid(name, torch.device("cpu")).numpy()
+    assert ours.shape == cls.grid_shape
+    assert np.array_equal(ours, cls.grid.reshape(cls.grid_shape))
+    signs = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    assert np.array_equal(iq_grids.ksigns_table(), signs)
 
 
 def test_unknown_types_are_refused() -> None:
