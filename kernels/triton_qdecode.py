@@ -17,6 +17,13 @@ weights of elements chunk*E + 4f + c, c < 4, so a static loop over f decodes the
 Fields whose bits would leave the 23-bit mantissa are read from word >> 16 (one shift a word).
 The high-bit plane (Q5_*, Q6_K, Q3_K) is shifted into place next to the low field first.
 
+The codebook types (CB > 0: IQ4_NL, IQ4_XS, MXFP4) look their 4-bit code up instead: the 16
+int8 values sit in four int32 constants (4 bytes each, little-endian), code bit 3 and bit 2 pick
+the word (three selects), and a shift left then an arithmetic shift right extract the byte
+sign-extended: no memory access, and exact.
+
+    TABLE[q] = (word[q >> 2] << (24 - 8 (q & 3))) >> 24
+
     _load_step       a step's code words and high plane
     _field           one field of the words as q + OFF (float32)
     _group_scales    a group's A and B from the scale planes
@@ -29,6 +36,18 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from hetero.quant.codebooks import E2M1_DOUBLED, IQ4NL_VALUES
+
+
+def _table_word(values: tuple[int, ...], w: int) -> tl.constexpr:
+    """Values 4w .. 4w+3 of a 16-entry int8 table as one int32 (little-endian bytes)."""
+    word = int.from_bytes(bytes(v & 0xFF for v in values[4 * w : 4 * w + 4]), "little")
+    return tl.constexpr(word - (1 << 32) if word >= 1 << 31 else word)
+
+
+_NL0, _NL1, _NL2, _NL3 = (_table_word(IQ4NL_VALUES, w) for w in range(4))  # CB = 1
+_FP0, _FP1, _FP2, _FP3 = (_table_word(E2M1_DOUBLED, w) for w in range(4))  # CB = 2
 
 
 @triton.jit
@@ -56,14 +75,17 @@ def _load_step(
 @triton.jit
 def _field(
     words, words_hi, high, zero,
-    f: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
+    f: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
-    """float32 q + OFF of field f of every word, exact (see the module docstring).
+    """float32 q + OFF of field f of every word, exact (see the module docstring); for a
+    codebook type (CB > 0) the table value of the 4-bit code q.
 
     `zero` is a run-time 0: with the exponent bits in a register, the compiler emits one LOP3
     (a & mask | c) per code instead of an AND and an OR with two immediates.
     """
     s: tl.constexpr = LB * f
+    if CB > 0:
+        return _codebook((words >> s) & 15, CB)
     if s + LB + HB <= 23:
         p: tl.constexpr = s
         src = words
@@ -83,10 +105,31 @@ def _field(
 
 
 @triton.jit
+def _codebook(q, CB: tl.constexpr):
+    """float32 TABLE[q] of int32 codes q in 0..15 (the module docstring)."""
+    if CB == 1:
+        lo = tl.where((q & 4) != 0, _NL1, _NL0)
+        hi = tl.where((q & 4) != 0, _NL3, _NL2)
+    else:
+        lo = tl.where((q & 4) != 0, _FP1, _FP0)
+        hi = tl.where((q & 4) != 0, _FP3, _FP2)
+    word = tl.where((q & 8) != 0, hi, lo)
+    return ((word << (24 - 8 * (q & 3))) >> 24).to(tl.float32)
+
+
+@triton.jit
+def e8m0_half(e):
+    """float32 2^(e - 128) of uint8 exponents e, bit for bit as `hetero.quant.codebooks`."""
+    e = e.to(tl.int32)
+    bits = tl.where(e < 2, 0x00200000 * (e + 1), (e - 1) << 23)  # e < 2: the subnormals
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _group_scales(
     scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask, grp_stride, sb_stride,
     f: tl.constexpr, LB: tl.constexpr, G: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     """(A, B) float32 [BN, S, 1] of the group holding field f of chunks ch [S] (B: only with
     mins). A chunk holds E / G groups (E >= G), or is part of one (Q8_0: E = 16, G = 32).
@@ -117,7 +160,11 @@ def _group_scales(
             dmin = tl.load(dmin_ptr + sb, mask=rmask, other=0).to(tl.float32)[:, None]
             b = dmin * mn.to(tl.float32)
     else:
-        a = tl.load(scale_ptr + gidx, mask=m, other=0).to(tl.float32)
+        a = tl.load(scale_ptr + gidx, mask=m, other=0)
+        if CB == 2:  # MXFP4: the E8M0 byte
+            a = e8m0_half(a)
+        else:
+            a = a.to(tl.float32)
         if HAS_MIN:
             b = -tl.load(min_ptr + gidx, mask=m, other=0).to(tl.float32)
     return a[:, :, None], b[:, :, None]
@@ -127,8 +174,9 @@ def _group_scales(
 def _leaf(
     words, high, zero, a, b, f: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, HAS_MIN: tl.constexpr,
+    CB: tl.constexpr,
 ):  # fmt: skip
-    w = _field(words, words >> 16, high, zero, f, LB, HB, OFF) * a
+    w = _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * a
     if HAS_MIN:
         w = w - b
     return w
@@ -143,10 +191,10 @@ def _leaf(
 def _pair(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
-    lo = _leaf(words, high, zero, a, b, f0, LB, HB, OFF, HAS_MIN)
-    hi = _leaf(words, high, zero, a, b, f0 + 1, LB, HB, OFF, HAS_MIN)
+    lo = _leaf(words, high, zero, a, b, f0, LB, HB, OFF, HAS_MIN, CB)
+    hi = _leaf(words, high, zero, a, b, f0 + 1, LB, HB, OFF, HAS_MIN, CB)
     return tl.join(lo, hi)
 
 
@@ -154,12 +202,14 @@ def _pair(
 def _quad(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     if G == 16:
-        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
-    lo = _pair(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
-    hi = _pair(words, high, zero, a, b, sargs, f0 + 2, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    lo = _pair(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    hi = _pair(
+        words, high, zero, a, b, sargs, f0 + 2, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+    )
     return tl.join(lo, hi)
 
 
@@ -167,12 +217,14 @@ def _quad(
 def _oct(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     if G == 32:
-        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
-    lo = _quad(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
-    hi = _quad(words, high, zero, a, b, sargs, f0 + 4, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    lo = _quad(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    hi = _quad(
+        words, high, zero, a, b, sargs, f0 + 4, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+    )
     return tl.join(lo, hi)
 
 
@@ -180,10 +232,12 @@ def _oct(
 def _hex(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
-    lo = _oct(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
-    hi = _oct(words, high, zero, a, b, sargs, f0 + 8, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    lo = _oct(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    hi = _oct(
+        words, high, zero, a, b, sargs, f0 + 8, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+    )
     return tl.join(lo, hi)
 
 
@@ -191,7 +245,7 @@ def _hex(
 def _decode_tile(
     words, high, zero, sargs,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     """float32 [BN, S*E]: the step's weights in element order. The joins and the permute only
     rename registers: every thread holds all fields of its words."""
@@ -201,13 +255,15 @@ def _decode_tile(
     a = tl.zeros([1, 1, 1], dtype=tl.float32)  # placeholders: the node of a group loads them
     b = a
     if F == 4:  # Q8_0: a chunk is half a group
-        a, b = _group_scales(*sargs, 0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
-        w = _quad(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        a, b = _group_scales(*sargs, 0, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB)
+        w = _quad(
+            words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+        )
         w = tl.permute(w, (0, 1, 4, 3, 2))
     elif F == 8:
-        w = _oct(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _oct(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
         w = tl.permute(w, (0, 1, 5, 4, 3, 2))
     else:
-        w = _hex(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _hex(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
         w = tl.permute(w, (0, 1, 6, 5, 4, 3, 2))
     return tl.reshape(w, [BN, S * 4 * F])

@@ -57,7 +57,7 @@ def _qgemv_kernel(
     T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     """y[t, rows] for t = program_id(0) (adjacent programs share a weight tile: one DRAM read);
@@ -98,13 +98,13 @@ def _qgemv_kernel(
             if (4 * f) % G == 0:  # the first field of a group: its scales, fresh sums
                 a, b = _group_scales(
                     scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask,
-                    grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN,
+                    grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB,
                 )  # fmt: skip
                 qx = tl.zeros([BN, S, 4], dtype=tl.float32)
                 xs = tl.zeros([S, 4], dtype=tl.float32)
             xv = tl.load(x_row + c0 * E + 4 * f + xc, mask=cmask[:, None], other=0)
             xv = xv.to(tl.float32)
-            qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF) * xv[None, :, :]
+            qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * xv[None, :, :]
             if HAS_MIN:
                 xs += xv
             if (4 * (f + 1)) % G == 0 or f == F - 1:  # the group's last field in this chunk
@@ -125,7 +125,7 @@ def _qmm_kernel(
     T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, BT] = W[rows] @ x[ts]^T, S chunks of K a step: the decoded tile is operand A.
@@ -167,7 +167,7 @@ def _qmm_kernel(
             grp_stride,
             sb_stride,
         )
-        w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
         # Rounded to x's dtype exactly as the reference rounds its dequantized matrix.
         k = c0 * E + kk
         xm = (k < c_end * E)[:, None] & tmask[None, :]
@@ -187,7 +187,7 @@ def _dequant_kernel(
     N, n_chunks, out_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     """out[rows, chunks] = W in out's dtype (float32: the reference's bits; bf16/fp16: those
@@ -201,7 +201,7 @@ def _dequant_kernel(
     cmask = ch < n_chunks
     words, high = _load_step(codes_ptr, high_ptr, rows, rmask, c0, n_chunks, code_stride, S, LB, HB)
     sargs = (scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask, grp_stride, sb_stride)
-    w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
     k = c0 * E + tl.arange(0, S * E)
     optr = out_ptr + rows.to(tl.int64)[:, None] * out_stride + k[None, :]
     tl.store(
