@@ -13,6 +13,7 @@ from hetero.cli_options import (
     FloatRange,
     cuda_graph_max_tokens_option,
     engine_options,
+    moe_options,
     runtime_options,
 )
 from hetero.models import resolve_model
@@ -113,11 +114,16 @@ def info(model):
 
 @main.command()
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--shape", required=True, help="llama3-8b, qwen2.5-7b, smollm2-135m, ...")
-@click.option("--quant", default="q4_k_m", show_default=True, help="q4_k_m, q5_k_m, q6_k, q8_0 ...")
+@click.option(
+    "--shape", required=True, help="llama3-8b, qwen2.5-7b, qwen3-30b-a3b, gpt-oss-20b, ..."
+)
+@click.option(
+    "--quant", default="q4_k_m", show_default=True, help="q4_k_m, q5_k_m, q6_k, q8_0, mxfp4_moe ..."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 def synth(out, shape, quant, seed):
-    """Write a full-size llama-family GGUF with random finite weights (for benchmarks)."""
+    """Write a full-size GGUF (llama family, qwen3moe, gpt-oss) with random finite weights (for
+    benchmarks)."""
     from hetero.synth import write_synthetic
 
     t0 = time.perf_counter()
@@ -279,6 +285,7 @@ def profile(refresh, shares, as_json):
     "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
 )
 @cuda_graph_max_tokens_option
+@moe_options
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")

@@ -55,7 +55,25 @@ def runtime_options(f):
         "--threads", type=click.IntRange(0), default=0, help="CPU threads (0: torch's default)"
     )
     f = threads(f)
-    return f
+    return moe_options(f)
+
+
+# also on `hetero plan`, which prices the experts in RAM
+def moe_options(f):
+    f = click.option(
+        "--n-cpu-moe",
+        type=click.IntRange(0),
+        default=0,
+        show_default=True,
+        help="mixture-of-experts models: keep the experts of the first N layers in system RAM, "
+        "multiplied on the CPU (the rest on --device)",
+    )(f)
+    return click.option(
+        "--cpu-moe",
+        is_flag=True,
+        help="mixture-of-experts models: keep every layer's experts in system RAM, multiplied "
+        "on the CPU (attention, the router and the rest on --device)",
+    )(f)
 
 
 def pipeline_options(f):

@@ -109,6 +109,14 @@ class RuntimeConfig:
     # Adjacent linears that share an input and a GGUF type run as one matmul (q|k|v, gate|up);
     # off: one matmul per tensor (the unfused form the fused one is tested against)
     fuse_linears: bool = True
+    # Mixture-of-experts models: the experts of every layer (cpu_moe) or of the first n_cpu_moe
+    # layers stay in system RAM and multiply on the CPU, the rest on `device` (llama.cpp's
+    # --cpu-moe / --n-cpu-moe; model/moe.py)
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+
+    def __post_init__(self) -> None:
+        check_cpu_moe(self.cpu_moe, self.n_cpu_moe)
 
     def weights_mode(self) -> str:
         modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
@@ -141,6 +149,14 @@ class RuntimeConfig:
         if self.dtype not in table:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(table)}")
         return table[self.dtype]
+
+
+def check_cpu_moe(cpu_moe: bool, n_cpu_moe: int) -> None:
+    """--cpu-moe / --n-cpu-moe as given (against a model: model/moe.cpu_expert_layers)."""
+    if n_cpu_moe < 0:
+        raise ValueError(f"n_cpu_moe must be >= 0, got {n_cpu_moe}")
+    if cpu_moe and n_cpu_moe:
+        raise ValueError("give --cpu-moe (every layer's experts) or --n-cpu-moe N, not both")
 
 
 def bind_device(device: str) -> None:

@@ -8,9 +8,10 @@ position, each decode step, each verified guess) is compared with transformers' 
 position of the same tokens: within 1e-3. gpt-oss's window (6 tokens here) is far shorter than
 the prompts, so window layers, full layers and the sinks all shape the logits.
 
-The files: F32 (the engine with dense and with GGUF-block experts), and Q8_0 / Q4_K matrices
-(the HF model then takes the file's dequantized weights: both sides compute with the same
-numbers, and the experts run through the registry's moe_matmul on their blocks).
+The files: F32 (the engine with dense and with GGUF-block experts), Q4_K matrices, and gpt-oss as
+released (MXFP4 experts, Q8_0 attention); the HF model then takes the file's dequantized
+weights, so both sides compute with the same numbers, and the experts run through the
+registry's moe_matmul on their blocks.
 """
 
 from __future__ import annotations
@@ -46,18 +47,27 @@ TOL = 1e-3
 MAKERS = {"qwen3moe": tiny_qwen3moe, "gpt-oss": tiny_gpt_oss}
 
 
+CASES = [
+    ("qwen3moe", T.F32, "dense"),
+    ("qwen3moe", T.F32, "quant"),
+    ("qwen3moe", T.Q4_K, "quant"),
+    ("gpt-oss", T.F32, "dense"),
+    ("gpt-oss", T.Q4_K, "quant"),
+    ("gpt-oss", T.MXFP4, "quant"),  # as released: MXFP4 experts, Q8_0 attention
+]
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """(arch, GGUF type) -> (HF model holding the file's weights, path)."""
     folder = tmp_path_factory.mktemp("moe")
     out = {}
-    for arch, make in MAKERS.items():
-        for qtype in (T.F32, T.Q8_0, T.Q4_K):
-            model = make(seed=1)
-            path = write_gguf(model, folder / f"{arch}-{qtype.name}.gguf", qtype)
-            if qtype != T.F32:
-                load_weights_from(model, path)
-            out[arch, qtype] = (model, path)
+    for arch, qtype in sorted({(a, q) for a, q, _ in CASES}):
+        model = MAKERS[arch](seed=1)
+        path = write_gguf(model, folder / f"{arch}-{qtype.name}.gguf", qtype)
+        if qtype != T.F32:
+            load_weights_from(model, path)
+        out[arch, qtype] = (model, path)
     return out
 
 
@@ -128,16 +138,6 @@ def max_row_error(hf, finals: list[list[int]], rec: RowRecorder) -> tuple[float,
         worst = max(worst, (row - ref[tuple(seq)][len(prefix) - 1]).abs().max().item())
         n += 1
     return worst, n
-
-
-CASES = [
-    ("qwen3moe", T.F32, "dense"),
-    ("qwen3moe", T.F32, "quant"),
-    ("qwen3moe", T.Q4_K, "quant"),
-    ("gpt-oss", T.F32, "dense"),
-    ("gpt-oss", T.Q8_0, "quant"),
-    ("gpt-oss", T.Q4_K, "quant"),
-]
 
 
 @pytest.mark.parametrize(("arch", "qtype", "weights"), CASES)
@@ -230,3 +230,46 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
     msg = str(e.value)
     assert "'deepseek2' is not supported" in msg
     assert all(a in msg for a in ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss"))
+
+
+def test_cpu_moe_options_are_checked_against_the_model(files, tmp_path):
+    from click.testing import CliRunner
+
+    from hetero.cli import main
+    from hetero.model.moe import experts_runtime
+    from hetero.synth import write_synthetic
+
+    path = files["qwen3moe", T.F32][1]
+    with pytest.raises(ValueError, match="--n-cpu-moe 3: the model has only 2 layers"):
+        load_model(path, RuntimeConfig(n_cpu_moe=3))
+    with pytest.raises(ValueError, match="not both"):
+        RuntimeConfig(cpu_moe=True, n_cpu_moe=1)
+    dense = write_synthetic(tmp_path / "dense.gguf", "tiny-qwen3", "q8_0", progress=False)
+    with pytest.raises(ValueError, match="has no experts"):
+        load_model(dense, RuntimeConfig(cpu_moe=True))
+    out = CliRunner().invoke(main, ["generate", str(path), "-p", "hi", "--n-cpu-moe", "5"])
+    assert out.exit_code != 0 and "only 2 layers" in out.output
+    cfg = load_gguf(path).config
+    on_gpu = RuntimeConfig(device="cuda", n_cpu_moe=1)
+    assert experts_runtime(cfg, on_gpu, 0) == RuntimeConfig(
+        device="cpu", dtype="fp32", weights="quant"
+    )
+    assert experts_runtime(cfg, on_gpu, 1) is None  # past the first n_cpu_moe layers
+    assert experts_runtime(cfg, RuntimeConfig(cpu_moe=True), 1) is None  # on a CPU already
+
+
+@pytest.mark.parametrize("arch", MAKERS)
+def test_cuda_graph_static_buffers_equal_eager(files, arch):
+    """The decode graphs' static-buffer path (run eagerly here: padding rows of length 0, the
+    reference attention reading slots from the block tables, the window from each row's
+    length) gives the eager engine's tokens and logprobs (tests/test_cuda_graph.py's check)."""
+    from test_cuda_graph import _generate, _same
+
+    from hetero.kernels.registry import forcing
+
+    loaded = load_model(files[arch, T.F32][1], RuntimeConfig(weights="dense"))
+    with forcing({"kv_write": "torch", "paged_attention": "torch"}):
+        eager, _, _ = _generate(loaded, False, False, "fp32")
+        static, graphs, _ = _generate(loaded, True, False, "fp32")
+    assert graphs.steps > 0
+    _same(eager, static, "fp32")

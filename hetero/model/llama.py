@@ -26,6 +26,7 @@ from hetero.gguf_loader import GGUFModel
 from hetero.kernels import select
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.layers import QuantEmbedding, QuantLinear, RMSNorm, Rotary
+from hetero.model.moe import cpu_expert_layers
 
 
 class Attention(nn.Module):
@@ -125,6 +126,7 @@ class LlamaModel(nn.Module):
         cfg = self.config = gm.config
         self.runtime = rt
         bind_device(rt.device)  # load-time repacks launch kernels on the current device
+        cpu_expert_layers(cfg, rt)  # --cpu-moe / --n-cpu-moe must fit the model
         self.layer_range = layers if layers is not None else range(cfg.n_layers)
         # A pipeline stage holds only its layers: the embedding on the first stage, the final
         # norm and lm_head on the last (which keeps the embedding too when lm_head is tied to it).

@@ -16,12 +16,18 @@ C model width, E experts, k chosen a token, F expert width, S = T * k slots (tok
     out[t] = sum_j w[t, j] o[(t, j)]                                                [T, C]
 
 The expert weights are ggml's 3-D tensors ffn_{gate,up,down}_exps [E, N, K], kept in their GGUF
-blocks ("quant": the registry's moe_matmul dequantizes only the experts the tokens chose, or the
-GPU kernel reads the blocks in place) or dequantized once ("dense", the exact path of the tests).
+blocks (the registry's moe_matmul: the reference dequantizes only the experts the tokens chose,
+the GPU kernel reads the blocks in place) in every weights mode but an explicit "dense", which
+dequantizes them once (the exact path of the tests): experts are most of a MoE model's bytes,
+so "auto" keeps them in blocks on a GPU as well (dense, Qwen3-30B-A3B would take 61 GB in bf16).
 
 `Experts` is one call, experts(h, ids, w) -> [T, C], on the device its weights live on: given
 h elsewhere it moves h, ids and w there and the sum back. That is the seam for experts held in
-system RAM and multiplied on the CPU while attention and the router run on a GPU.
+system RAM and multiplied on the CPU while attention and the router run on a GPU
+(--cpu-moe / --n-cpu-moe: experts_runtime). There the reference matmul runs for now (it
+dequantizes the chosen experts per call; the CPU's native expert kernels are still to come),
+and a step that moves activations to the CPU cannot be captured in a CUDA graph: such an
+engine logs that capture failed and runs its steps eagerly.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.config import RuntimeConfig
+from hetero.config import ModelConfig, RuntimeConfig
 from hetero.gguf_loader import GGUFModel, GGUFTensor
 from hetero.kernels import select
 from hetero.kernels.registry import prepare_weight
@@ -85,7 +91,7 @@ class ExpertWeight(nn.Module):
         self.ggml_type = int(t.ggml_type)
         impl = select("moe_matmul", torch.device(rt.device))
         self._matmul = impl.fn
-        if rt.weights_mode() == "dense":
+        if rt.weights == "dense":  # asked for: "auto" keeps experts in blocks on a GPU too
             self.qweight = _dense(t, rt.device, rt.torch_dtype())
         else:  # the file's blocks (on a CPU a view of the mapping: no copy)
             raw = t.torch().to(rt.device)
@@ -108,6 +114,7 @@ class Experts(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
         self.activation, self.device = activation, torch.device(rt.device)
+        self.dtype = rt.torch_dtype()
         p = f"blk.{i}.ffn_"
         self.gate, self.up, self.down = (
             ExpertWeight(gm.tensor(f"{p}{part}_exps.weight"), gm.get(f"{p}{part}_exps.bias"), rt)
@@ -122,14 +129,38 @@ class Experts(nn.Module):
         return g * torch.sigmoid(OAI_ALPHA * g) * (up.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        home = h.device
+        home, dtype = h.device, h.dtype
         if home != self.device:  # experts held elsewhere (RAM): compute there, return the sum
-            h, ids, w = h.to(self.device), ids.to(self.device), w.to(self.device)
+            h, ids, w = h.to(self.device, self.dtype), ids.to(self.device), w.to(self.device)
         t, k = ids.shape
         a = self._act(self.gate(h, ids), self.up(h, ids))  # [S, F]
         o = self.down(a, ids).view(t, k, -1)  # [T, k, C]
         out = (o * w.to(o.dtype)[..., None]).sum(1)  # [T, C]
-        return out.to(home, non_blocking=True)
+        return out.to(home, dtype)
+
+
+def cpu_expert_layers(cfg: ModelConfig, rt: RuntimeConfig) -> int:
+    """How many of the first layers keep their experts in RAM, on the CPU (--cpu-moe: all,
+    --n-cpu-moe N: N); a clear error for a model without experts or N past its layers."""
+    if not (rt.cpu_moe or rt.n_cpu_moe):
+        return 0
+    if not cfg.is_moe:
+        raise ValueError(
+            f"--cpu-moe / --n-cpu-moe: this {cfg.arch} model has no experts (it is not a "
+            "mixture-of-experts model)"
+        )
+    if rt.n_cpu_moe > cfg.n_layers:
+        raise ValueError(f"--n-cpu-moe {rt.n_cpu_moe}: the model has only {cfg.n_layers} layers")
+    return cfg.n_layers if rt.cpu_moe else rt.n_cpu_moe
+
+
+def experts_runtime(cfg: ModelConfig, rt: RuntimeConfig, i: int) -> RuntimeConfig | None:
+    """Where layer i's experts run when not with the rest: on the CPU, in their GGUF blocks
+    (the mapped file: no copy), float32, for the layers --cpu-moe / --n-cpu-moe name. None on
+    a CPU, where they are in RAM already."""
+    if i >= cpu_expert_layers(cfg, rt) or rt.device.startswith("cpu"):
+        return None
+    return RuntimeConfig(device="cpu", dtype="fp32", weights="quant", threads=rt.threads)
 
 
 class SparseMoE(nn.Module):
@@ -147,7 +178,9 @@ class SparseMoE(nn.Module):
         """experts_rt: where and how the experts run, when not with the rest (rt)."""
         super().__init__()
         self.router = Router(gm, i, rt, gating)
-        self.experts = Experts(gm, i, experts_rt or rt, activation)
+        self.experts = Experts(
+            gm, i, experts_rt or experts_runtime(gm.config, rt, i) or rt, activation
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         ids, w = self.router(h)

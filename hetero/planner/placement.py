@@ -13,6 +13,13 @@ from functools import cached_property
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
 from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
 from hetero.planner.device import DeviceProfile
+from hetero.planner.experts import (
+    check_ram,
+    expert_host,
+    experts_or_layers,
+    may_move_experts,
+    ram_expert_layers,
+)
 from hetero.planner.model_desc import ModelDesc
 from hetero.planner.plan import (
     DEFAULT_CONTEXT_CAP,
@@ -177,21 +184,47 @@ def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
     return dev.usable_memory * (1.0 - cfg.margin) - margin
 
 
-def _pick_mode(desc: ModelDesc, dev: DeviceProfile, cfg: PlanConfig, kv: str, compact: bool):
+def _pick_mode(
+    desc: ModelDesc,
+    dev: DeviceProfile,
+    cfg: PlanConfig,
+    kv: str,
+    compact: bool,
+    ram: tuple[int, DeviceCost | None] = (0, None),
+):
+    """Device `dev`'s costs in its fastest weights mode (compact: its smallest); `ram`: the
+    layers whose experts stay in RAM, and the host that multiplies them."""
     graphs = not cfg.enforce_eager
     costs = [
-        DeviceCost(desc, dev, m, kv, graphs, cfg.max_num_seqs) for m in _modes(dev, cfg.weights)
+        DeviceCost(desc, dev, m, kv, graphs, cfg.max_num_seqs, *ram)
+        for m in _modes(dev, cfg.weights)
     ]
     if compact:
         return min(costs, key=lambda c: c.weights_bytes(0, desc.n_layers, True, True))
     return min(costs, key=lambda c: sum(c.decode_layer_seconds(1, cfg.prompt_len)))
 
 
-def _attempts(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig, context: int):
+def _attempts(
+    desc: ModelDesc,
+    devices: list[DeviceProfile],
+    cfg: PlanConfig,
+    context: int,
+    ram: int = 0,
+    spill: bool = True,
+):
     gpus = [d for d in devices if not d.is_cpu]
     cpus = [d for d in devices if d.is_cpu]
+    if ram and gpus:  # the GPUs take the layers, the first CPU's RAM the chosen experts
+        host = DeviceCost(desc, expert_host(cpus), "quant", "fp16")
+        for compact in (False, True):
+            costs = [
+                _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.kv_dtype), compact, (ram, host))
+                for d in gpus
+            ]
+            yield _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in gpus])
+        return
     groups = [gpus, gpus + cpus] if gpus and cpus and not cfg.use_all_devices else [gpus + cpus]
-    for group in groups:
+    for group in groups if spill else groups[:1]:
         for compact in (False, True):
             costs = [
                 _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.kv_dtype), compact) for d in group
@@ -219,16 +252,44 @@ def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Pla
     if len(set(ids)) != len(ids):
         raise PlanError(f"a device is listed twice: {', '.join(ids)}")
     context = _context(desc, cfg)
-    last: _Setup | None = None
-    for setup in _attempts(desc, devices, cfg, context):
-        last = setup
-        n_dev, n = len(setup.costs), desc.n_layers
-        split = search(n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices)
-        if split is not None:
-            return _build(*_without_idle_shares(setup, split), devices)
+    ram = ram_expert_layers(desc, cfg, devices)
+    if ram:
+        host = expert_host([d for d in devices if d.is_cpu])
+        check_ram(desc, host, ram, _budget(host, cfg))
+    if may_move_experts(desc, devices, cfg):
+        found, last = experts_or_layers(
+            desc.n_layers, lambda n, spill=True: _place_with(desc, devices, cfg, context, n, spill)
+        )
+    else:
+        found, last = _place_with(desc, devices, cfg, context, ram)
+    if found is not None:
+        return found
     from hetero.planner.refusal import explain
 
     raise PlanError(explain(last))
+
+
+def _place_with(
+    desc: ModelDesc,
+    devices: list[DeviceProfile],
+    cfg: PlanConfig,
+    context: int,
+    ram: int,
+    spill: bool = True,
+) -> tuple[Plan | None, _Setup | None]:
+    """The fastest plan that fits with the experts of the first `ram` layers in RAM (None),
+    and the last setup tried (for the refusal's numbers); spill: the CPUs may take the last
+    layers when the GPUs cannot hold them."""
+    last: _Setup | None = None
+    for setup in _attempts(desc, devices, cfg, context, ram, spill):
+        last = setup
+        if ram and setup.costs[0].ram_expert_bytes() > _budget(setup.costs[0].expert_host.dev, cfg):
+            return None, last  # the RAM cannot hold them either
+        n_dev, n = len(setup.costs), desc.n_layers
+        split = search(n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices)
+        if split is not None:
+            return _build(*_without_idle_shares(setup, split), devices), last
+    return None, last
 
 
 def _without_idle_shares(setup: _Setup, split: Split) -> tuple[_Setup, Split]:
@@ -337,9 +398,20 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         max_context=min(desc.config.context_length, blocks // cfg.concurrency * cfg.block_size),
         max_concurrency=blocks // per_seq,
         model_path=desc.source,
-        unused_devices=tuple(d.id for d in devices if d.id not in used_ids),
-        notes=_notes(stages, devices, cfg),
+        unused_devices=tuple(
+            d.id for d in devices if d.id not in used_ids and d.id != _host_id(setup)
+        ),
+        notes=_notes(stages, devices, cfg, _host_id(setup)),
+        experts_in_ram=setup.costs[0].ram_experts,
+        expert_device=_host_id(setup),
+        expert_ram_bytes=int(setup.costs[0].ram_expert_bytes()),
+        expert_bytes=desc.expert_bytes(),
     )
+
+
+def _host_id(setup: _Setup) -> str:
+    host = setup.costs[0].expert_host
+    return "" if host is None or not setup.costs[0].ram_experts else host.dev.id
 
 
 def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) -> StagePlan:
@@ -347,7 +419,9 @@ def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) ->
     return replace(s, num_kv_blocks=blocks, kv_bytes=blocks * per_block)
 
 
-def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfig) -> tuple:
+def _notes(
+    stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfig, host: str = ""
+) -> tuple:
     notes = []
     measured = {d.id for d in devices if d.source != "datasheet"}  # spec#2 is another card
     shared = sorted({s.base_device for s in stages if "#" in s.device and s.device in measured})
@@ -360,7 +434,7 @@ def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfi
     kinds = {s.device in on_cpu for s in stages}
     if kinds == {True, False} and not cfg.use_all_devices:  # the CPU took layers not asked of it
         notes.append("the GPUs cannot hold the model with its KV: the last layers run on the CPU")
-    unused = [d.id for d in devices if d.id not in {s.device for s in stages}]
+    unused = [d.id for d in devices if d.id not in {s.device for s in stages} and d.id != host]
     if unused and cfg.concurrency == 1:
         notes.append(
             f"{', '.join(unused)} unused: one stream is fastest on the fewest devices that hold "
