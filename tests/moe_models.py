@@ -169,9 +169,12 @@ def _gpt_oss_layer(sd: dict[str, torch.Tensor], p: str, b: str) -> dict[str, tor
 
 
 def _type_for(name: str, weight: torch.Tensor, qtype: T) -> T:
-    """qtype for the matrices (experts included), F32 for vectors, norms and the router."""
+    """qtype for the matrices (experts included), F32 for vectors, norms and the router; with
+    MXFP4, as gpt-oss is released (llama.cpp's MXFP4_MOE): the experts only, Q8_0 elsewhere."""
     if weight.dim() < 2 or not name.endswith(".weight") or "ffn_gate_inp" in name:
         return T.F32
+    if qtype == T.MXFP4 and weight.dim() == 2:
+        return T.Q8_0
     return qtype
 
 
