@@ -126,9 +126,7 @@ def _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr):
 def _window_start(first_limit, window, BN: tl.constexpr):
     """The first key tile (a multiple of BN) rows whose limits are >= first_limit need under a
     sliding window (window 0: the whole context, tile 0)."""
-    if window > 0:
-        return tl.maximum(first_limit - window, 0) // BN * BN
-    return first_limit * 0
+    return tl.where(window > 0, tl.maximum(first_limit - window, 0) // BN * BN, 0)
 
 
 @triton.jit

@@ -108,3 +108,14 @@ def test_command_line_validates_the_options():
     assert bad.exit_code != 0 and "the model has only 48 layers" in bad.output
     neg = runner.invoke(main, ["plan", "synth:qwen3-30b-a3b", "--n-cpu-moe", "-1"])
     assert neg.exit_code != 0 and "-1" in neg.output
+
+
+def test_a_gguf_header_describes_its_experts_as_the_shape_does(tmp_path):
+    from hetero.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "m.gguf", "tiny-gpt-oss", "mxfp4_moe", progress=False)
+    header, shape = describe(str(path)), describe("synth:tiny-gpt-oss:mxfp4_moe")
+    assert header.expert_bytes() == shape.expert_bytes() > 0
+    assert header.config.n_experts == shape.config.n_experts == 8
+    assert header.config.swa_layers == shape.config.swa_layers == (True, False)
+    assert {t.ggml_type for layer in header.layers for t in layer if t.is_expert} == {"MXFP4"}
