@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.config import ModelConfig
+from hetero.gguf_loader import load_gguf
+from hetero.kernels.cpu_qdot import cpu_scheme, qdot_blocks
+from hetero.synth import tensor_specs
+from hetero.synth_shapes import get_shape
 
 # Bytes per weight of the CPU repacks (kernels/cpu_linear.py): int4 keeps a bf16 (scale, zero)
 # pair per 32 weights; int8 a bf16 scale per row (ignored: < 0.1%).
@@ -45,8 +49,6 @@ def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
         return (4.0 if on_cpu else 2.0) * t.params  # fp32 on a CPU, bf16 on a GPU
     weights = packed_mode(weights, t.ggml_type)
     if weights == "qdot":  # kernels/cpu_qdot.py: Q4_0/Q4_1 blocks 0.75 B/w, the rest as Q8 blocks
-        from hetero.kernels.cpu_qdot import qdot_blocks
-
         return (1.125 if qdot_blocks(t.ggml_type) == "Q8_0" else 0.75) * t.params
     return _PACKED_BYTES[weights] * t.params
 
@@ -57,7 +59,6 @@ def packed_mode(weights: str, ggml_type: str) -> str:
     (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
     if weights != "qdot":
         return weights
-    from hetero.kernels.cpu_qdot import cpu_scheme
 
     return cpu_scheme(ggml_type)
 
@@ -69,7 +70,6 @@ def rate_key(weights: str, ggml_type: str) -> tuple[str, str]:
     mode = packed_mode(weights, ggml_type)
     if mode != "qdot":
         return mode, ggml_type
-    from hetero.kernels.cpu_qdot import qdot_blocks
 
     return mode, qdot_blocks(ggml_type)
 
@@ -101,7 +101,6 @@ class ModelDesc:
 
 def from_gguf(path: str) -> ModelDesc:
     """Describe the GGUF file at `path` from its header."""
-    from hetero.gguf_loader import load_gguf
 
     gm = load_gguf(path)
     infos = {
@@ -113,8 +112,6 @@ def from_gguf(path: str) -> ModelDesc:
 
 def from_shape(shape: str, quant: str = "q4_k_m") -> ModelDesc:
     """Describe the model `hetero synth --shape SHAPE --quant QUANT` would write."""
-    from hetero.synth import tensor_specs
-    from hetero.synth_shapes import get_shape
 
     s = get_shape(shape)
     infos = {
