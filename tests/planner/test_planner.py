@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from hetero.engine.config import EngineConfig
 from hetero.planner.cost import DeviceCost, kv_token_bytes
 from hetero.planner.device import DeviceProfile, MatmulRate
 from hetero.planner.model_desc import describe, from_gguf
@@ -106,7 +107,7 @@ def test_small_memory_card_gets_few_layers(llama8b):
     assert b.weight_bytes + b.kv_bytes + b.activation_bytes <= b.memory_budget
     # the small card is full: one more layer would not fit beside its weights, KV and activations
     cost = DeviceCost(llama8b, small, b.weights, b.kv_dtype)
-    per_layer_kv = kv_token_bytes(llama8b, b.kv_dtype) * 2048 * 8 / cfg.kv_memory_fraction
+    per_layer_kv = kv_token_bytes(llama8b, b.kv_dtype) * 2048 * 8 / cfg.engine.kv_memory_fraction
     more = cost.weights_bytes(b.layer_start - 1, 32, False, True) + (b.n_layers + 1) * per_layer_kv
     assert more + b.activation_bytes > b.memory_budget
 
@@ -128,15 +129,15 @@ def test_kv_blocks_follow_the_memory_left(llama8b):
     cfg = PlanConfig(concurrency=4, use_all_devices=True, context=2048)
     p = plan(llama8b, [gpu("cuda:0", 1000, 24), gpu("cuda:1", 1000, 12)], cfg)
     for s in p.stages:
-        per_block = kv_token_bytes(llama8b, s.kv_dtype) * s.n_layers * cfg.block_size
+        per_block = kv_token_bytes(llama8b, s.kv_dtype) * s.n_layers * cfg.engine.block_size
         left = s.memory_budget - s.weight_bytes - s.activation_bytes
-        assert s.kv_room_blocks == int(left * cfg.kv_memory_fraction // per_block)
+        assert s.kv_room_blocks == int(left * cfg.engine.kv_memory_fraction // per_block)
         assert s.num_kv_blocks == min(x.kv_room_blocks for x in p.stages)  # one block manager
         assert s.kv_bytes == s.num_kv_blocks * per_block
     more = plan(llama8b, [gpu("cuda:0", 1000, 40), gpu("cuda:1", 1000, 24)], cfg)
     assert more.num_kv_blocks > p.num_kv_blocks
     assert more.max_concurrency > p.max_concurrency
-    assert p.max_concurrency == p.num_kv_blocks // (2048 // cfg.block_size)
+    assert p.max_concurrency == p.num_kv_blocks // (2048 // cfg.engine.block_size)
 
 
 def test_fp8_kv_only_where_the_device_has_fp8(llama8b):
@@ -144,12 +145,16 @@ def test_fp8_kv_only_where_the_device_has_fp8(llama8b):
     p = plan(llama8b, [gpu("cuda:0", 1000, 24, fp8=True), gpu("cuda:1", 900, 24, fp8=False)], cfg)
     assert [s.kv_dtype for s in p.stages] == ["fp8", "fp16"]
     assert p.stages[1].kernels["qlinear"] == "triton"
-    forced = plan(llama8b, [gpu("cuda:0", 1000, 24)], dataclasses.replace(cfg, kv_dtype="bf16"))
+    forced = plan(
+        llama8b,
+        [gpu("cuda:0", 1000, 24)],
+        dataclasses.replace(cfg, engine=EngineConfig(kv_dtype="bf16")),
+    )
     assert forced.stages[0].kv_dtype == "bf16"
     # a CPU keeps fp16 unless fp8 is asked for (stored in software there)
     one_cpu = dataclasses.replace(cfg, use_all_devices=False)
     assert plan(llama8b, [cpu()], one_cpu).stages[0].kv_dtype == "fp16"
-    asked = dataclasses.replace(one_cpu, kv_dtype="fp8")
+    asked = dataclasses.replace(one_cpu, engine=EngineConfig(kv_dtype="fp8"))
     assert plan(llama8b, [cpu()], asked).stages[0].kv_dtype == "fp8"
 
 
