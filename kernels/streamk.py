@@ -11,7 +11,15 @@ waiting with 1.2 eligible warps a scheduler. Here:
   tile split between programs is summed by the last one to finish it (counters, fixed order:
   the same bits every launch).
 - Integer dot products (`int_dot`, bf16 / fp16 activations): x in block fixed point (`xquant`,
-  one small launch), then dp4a on the code words: ~1.2 instructions a weight for Q4_K.
+  one small launch, or none where it is fused into the norm or SiLU before), then dp4a on the
+  code words. ptxas (sm_90) instructions a weight, a unit's steady state:
+
+                    Q4_0  Q4_K  Q5_K  Q6_K  Q8_0
+      rows          1.52  1.75  2.41  2.71  1.46   (a row a thread: triton_streamk_rows)
+      chunks        2.45  3.28  5.02  5.39  3.28   (the [BN, S, 4] tile of _qgemv_kernel)
+      float         5.59  7.55 10.59 10.03  6.70   (_qgemv_kernel's float decode)
+      _qgemv_kernel 4.38  5.44  9.78  8.98  6.06
+
   float32 activations keep the float decode (`int_dot` off), whose rounding they need.
 - Programmatic dependent launch (`pdl`, sm_90+): the first weights load while the previous
   kernel drains.
@@ -188,6 +196,7 @@ def qlinear_streamk(
         return tq.qlinear_triton(x, qweight, ggml_type, shape)
     tq._check(x2, qweight, ggml_type, shape)
     cfg = choose(qweight, x2)
-    if cfg is None:
+    fields = qweight.high is not None and qweight.high_layout != "bytes"
+    if cfg is None or (cfg.int_dot and fields):  # (a weight another hook prepared)
         return tq.qlinear_triton(x, qweight, ggml_type, shape)
     return qgemv_streamk(x2, qweight, cfg).reshape(*lead, shape[0])

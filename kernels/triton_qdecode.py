@@ -86,13 +86,7 @@ def _field(
     if HB > 0:
         hpos: tl.constexpr = p + LB  # the high bits' place above the low field
         if high.dtype == tl.uint32:  # "bytes": lane c's bits at 8k + HB (t % TW), t = cJ + j
-            J: tl.constexpr = 8 // LB
-            t = tl.arange(0, 4) * J + f % J
-            at = (8 * (f // J) + HB * (t % (8 // HB)))[None, None, :]
-            h = tl.where(
-                at >= hpos, high >> tl.maximum(at - hpos, 0), high << tl.maximum(hpos - at, 0)
-            )
-            h = h.to(tl.int32, bitcast=True)
+            h = _bytes_high(high, f, hpos, LB, HB)
         elif hpos >= HB * f:
             h = high << (hpos - HB * f)
         else:
@@ -100,6 +94,38 @@ def _field(
         bits = bits | (h & (((1 << HB) - 1) << hpos))
     v = (bits | (((150 - p) << 23) + zero)).to(tl.float32, bitcast=True)
     return v - ((1 << (23 - p)) - OFF)
+
+
+@triton.jit
+def _shift_to(h, at: tl.constexpr, to: tl.constexpr):
+    """h (uint32) with its bit `at` moved to bit `to`, as int32 (one shift, or none)."""
+    if at > to:
+        h = h >> (at - to)
+    elif at < to:
+        h = h << (to - at)
+    return h.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _bytes_high(
+    high, f: tl.constexpr, hpos: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr
+):  # fmt: skip
+    """[BN, S, 4] int32: field f's high bits of every code word moved to bit hpos, from the
+    "bytes" plane's lane words (uint32 [BN, S, 4]). The 4 lanes take 4 different shifts, so
+    they are split apart, shifted by constants and joined again (a shift by a per-lane vector
+    is a variable shift and a select a lane)."""
+    J: tl.constexpr = 8 // LB
+    TW: tl.constexpr = 8 // HB
+    even, odd = tl.split(tl.reshape(high, [high.shape[0], high.shape[1], 2, 2]))
+    h0, h2 = tl.split(even)
+    h1, h3 = tl.split(odd)
+    base: tl.constexpr = 8 * (f // J)
+    s0 = _shift_to(h0, base + HB * ((0 * J + f % J) % TW), hpos)
+    s1 = _shift_to(h1, base + HB * ((1 * J + f % J) % TW), hpos)
+    s2 = _shift_to(h2, base + HB * ((2 * J + f % J) % TW), hpos)
+    s3 = _shift_to(h3, base + HB * ((3 * J + f % J) % TW), hpos)
+    lanes = tl.join(tl.join(s0, s2), tl.join(s1, s3))  # [BN, S, 2, 2]: lane 2i + j at (i, j)
+    return tl.reshape(lanes, [high.shape[0], high.shape[1], 4])
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from hetero.kernels.triton_qdecode import _float_chunks, _load_step
+from hetero.kernels.triton_qdecode import _float_chunks, _load_step, _shift_to
 from hetero.kernels.triton_qkernels import _split_k_store
 
 
@@ -65,10 +65,17 @@ def _code_word(words, high, j: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr)
         q = words
     else:
         q = (words >> (LB * j)) & (((1 << LB) - 1) * 0x01010101)
-    if HB > 0:  # lane c's bits at HB (t % TW) of each byte, t = cJ + j (repack.high_bit_places)
-        at = (HB * ((tl.arange(0, 4) * J + j) % (8 // HB)) - LB)[None, None, :]
-        h = tl.where(at >= 0, high >> tl.maximum(at, 0), high << tl.maximum(-at, 0))
-        q = q | (h.to(tl.int32, bitcast=True) & ((((1 << HB) - 1) << LB) * 0x01010101))
+    if HB > 0:  # lane c's bits at HB (t % TW) of each byte, t = cJ + j
+        even, odd = tl.split(tl.reshape(high, [high.shape[0], high.shape[1], 2, 2]))
+        h0, h2 = tl.split(even)
+        h1, h3 = tl.split(odd)
+        TW: tl.constexpr = 8 // HB
+        s0 = _shift_to(h0, HB * ((0 * J + j) % TW), LB)  # constant shifts, lane by lane
+        s1 = _shift_to(h1, HB * ((1 * J + j) % TW), LB)
+        s2 = _shift_to(h2, HB * ((2 * J + j) % TW), LB)
+        s3 = _shift_to(h3, HB * ((3 * J + j) % TW), LB)
+        h = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), q.shape)
+        q = q | (h & ((((1 << HB) - 1) << LB) * 0x01010101))
     return q
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from hetero.kernels.triton_qdecode import _shift_to
 from hetero.kernels.triton_streamk_kernels import (
     _dp4a,
     _emit,
@@ -118,13 +119,8 @@ def _lane_word(
     else:
         q = (w >> (LB * j)) & (((1 << LB) - 1) * 0x01010101)
     if HB > 0:
-        at: tl.constexpr = HB * ((c * J + j) % (8 // HB)) - LB
-        hu = hw.to(tl.uint32, bitcast=True)
-        if at >= 0:
-            h = hu >> at
-        else:
-            h = hu << (-at)
-        q = q | (h.to(tl.int32, bitcast=True) & ((((1 << HB) - 1) << LB) * 0x01010101))
+        h = _shift_to(hw.to(tl.uint32, bitcast=True), HB * ((c * J + j) % (8 // HB)), LB)
+        q = q | (h & ((((1 << HB) - 1) << LB) * 0x01010101))
     return q
 
 
