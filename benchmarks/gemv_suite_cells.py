@@ -12,7 +12,7 @@ from gpu_qmatmul import ROTATE_BYTES, _random_blocks, graph_time
 
 from hetero.kernels import streamk as sk
 from hetero.kernels import triton_qmatmul as tq
-from hetero.kernels.repack import PackedWeight, repack
+from hetero.kernels.repack import PackedWeight, chunk_codes, repack
 from hetero.kernels.xquant import XLayout, xquant
 from hetero.quant import get_quant
 
@@ -135,7 +135,13 @@ def _poison(nbytes: list[int]) -> None:
 def _check(v: Variant, pw, x, xq, ref, tol) -> str:
     """'' if v's output on pw is finite, within tol of ref and the same bits twice."""
     n = pw.shape[0]
-    _poison([2 * n, 4 * n, 16 * n])
+    sizes = [2 * n, 4 * n, 16 * n]  # y, qlinear's split-K partials
+    if v.cfg is not None:  # the Stream-K partials [tiles, max_programs, BN] float32
+        e = chunk_codes(pw.spec.low_bits)
+        p = v.cfg.ctas_per_sm * tq._sm_count(x.device)
+        sch = sk.schedule(n, pw.shape[1] // e, v.cfg.step // e, p, v.cfg.bn)
+        sizes.append(4 * sch.tiles * sch.max_programs * v.cfg.bn)
+    _poison(sizes)
     y = _call(v, pw, x, xq).float()
     if not torch.isfinite(y).all():
         return f"{int((~torch.isfinite(y)).sum())} of {n} outputs not finite"
