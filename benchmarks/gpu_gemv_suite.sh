@@ -14,8 +14,8 @@
 #          Stream-K kernel for one token; needs OUTDIR/winners.json)              <= 4 x 150 s
 #
 #   STAGES="suite tests" benchmarks/gpu_gemv_suite.sh OUTDIR
-#       PY (python3), TYPES, SHAPES, BUDGET (360), Q4 / Q6 (the 8B files; written when missing,
-#       hetero synth, ~20 s each on the CPU)
+#       PY (python3), TYPES, SHAPES, BUDGET (360), Q4 / Q6 (the 8B files, default
+#       bench_out/llama3-8b-{q4_k_m,q6_k}.gguf; written when missing, hetero synth, ~20 s each)
 #
 # Each stage has its own timeout; one that fails or times out is reported and the next runs.
 # Logs: OUTDIR/*.log; results: OUTDIR/gemv_results.json, OUTDIR/winners.json,
@@ -28,9 +28,10 @@ BUDGET=${BUDGET:-360}
 STAGES=${STAGES:-suite tests}
 TYPES=${TYPES:-Q4_K,Q6_K,Q5_K,Q8_0,Q4_0}
 SHAPES=${SHAPES:-qo,kv,qk,qkv,gateup,gateup2,down,lmhead}
-Q4=${Q4:-$OUT/llama3-8b-q4_k_m.gguf}
-Q6=${Q6:-$OUT/llama3-8b-q6_k.gguf}
-mkdir -p "$OUT"
+# The 8B files stay outside OUTDIR (which may be copied back whole): bench_out/ is ignored by git
+Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
+Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
+mkdir -p "$OUT" bench_out
 
 stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
   local name=$1 secs=$2
