@@ -6,6 +6,7 @@ from hetero.kernels import cpu_native as _cpu_native  # noqa: F401  (C versions,
 from hetero.kernels import cpu_ops as _cpu_ops  # noqa: F401  (CPU versions of the small ops)
 from hetero.kernels import paged as _paged  # noqa: F401  (registers the paged references)
 from hetero.kernels import reference as _reference  # noqa: F401  (registers the references)
+from hetero.kernels import streamk as _streamk  # noqa: F401  (CUDA; no triton import)
 from hetero.kernels import triton_fused as _triton_fused  # noqa: F401  (CUDA; no triton import)
 from hetero.kernels import triton_paged as _triton_paged  # noqa: F401  (CUDA; no triton import)
 from hetero.kernels import triton_qmatmul as _triton_qmatmul  # noqa: F401  (CUDA; no triton import)

@@ -91,7 +91,49 @@ def launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
         ("gemv_pipe", lambda: tv.run(x(1), pw, tv.Variant("gemv_pipe", bn=16, ctas=8))),
         ("tokens_bn16", lambda: tv.run(x(4), pw, tv.Variant("tokens", bn=16))),
         ("mm_pipe", lambda: tv.run(x(4), pw, tv.Variant("mm_pipe", bt=16, step=128, stages=3))),
+        *streamk_launches(ggml_type),
     ]
+
+
+def streamk_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
+    """The Stream-K decode kernels (streamk) and their activation quantizer, asm included."""
+    from hetero.kernels import streamk as sk
+    from hetero.kernels.xquant import XLayout, xquant
+
+    pw = _weight_bytes(ggml_type, 64, 512)
+    x = torch.zeros(1, 512, dtype=torch.bfloat16)
+    lay = XLayout(pw.spec.low_bits, pw.spec.group)
+    xq = (torch.zeros(1, 256, dtype=torch.int32), torch.zeros(1, 64, dtype=torch.float32))
+
+    def run(cfg):
+        saved = sk._asm_ok
+        sk._asm_ok = lambda device: True  # compile the PTX a GPU would run
+        try:
+            return sk.qgemv_streamk(x, pw, cfg, xq=xq if cfg.int_dot else None)
+        finally:
+            sk._asm_ok = saved
+
+    from hetero.kernels.xquant import add_rms_norm_xquant, silu_mul_xquant
+
+    w = torch.ones(512)
+    return [
+        ("xquant", lambda: xquant(x, lay)),
+        ("xquant_norm", lambda: add_rms_norm_xquant(x, x, w, 1e-6, lay)),
+        ("xquant_silu", lambda: silu_mul_xquant(x, x, lay)),
+        ("sk_int", lambda: run(sk.StreamKConfig(bn=32))),
+        ("sk_f32", lambda: run(sk.StreamKConfig(bn=32, int_dot=False))),
+        ("sk_rows", lambda: run(sk.StreamKConfig(bn=128, warps=4, rows=True))),
+    ]
+
+
+def _weight_bytes(ggml_type: str, n: int, k: int):
+    """`_weight` with the high plane in the "bytes" arrangement."""
+    from hetero.kernels.repack import repack
+    from hetero.quant import get_quant, random_blocks
+
+    qt = get_quant(ggml_type)
+    blocks = random_blocks(ggml_type, n * k // qt.block_size, np.random.default_rng(0))
+    return repack(torch.from_numpy(blocks).reshape(n, -1), ggml_type, (n, k), "bytes")
 
 
 def check(types: list[str], arch: int = 90, only: set[str] | None = None) -> list[str]:
