@@ -27,12 +27,14 @@ class ChatFormat:
     thinks: bool = False  # split off <think> reasoning
     in_reasoning: bool = False  # the prompt opened the think block already
     id_prefix: str = "call_"
+    tools_enabled: bool = True  # Harmony: False reads calls to functions as plain content
 
     def new_output(self) -> ChatOutput:
         fmt = self.tool_format
         kw: dict[str, Any] = {"parallel": self.parallel, "id_prefix": self.id_prefix}
         if fmt is not None and fmt.parser is HarmonyParser:
-            return ChatOutput(HarmonyParser(self.tools, **kw), None)  # channels are its reasoning
+            parser = HarmonyParser(self.tools, tools_enabled=self.tools_enabled, **kw)
+            return ChatOutput(parser, None)  # its analysis channel is the reasoning
         if fmt is None:
             parser = ToolParser()
         else:

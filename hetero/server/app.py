@@ -22,6 +22,8 @@ SERVER_KEYS = (
     "port",
     "api_key",
     "served_model_name",
+    "aliases",
+    "strict_model_name",
     "max_request_bytes",
     "shutdown_grace",
     "log_level",
@@ -54,6 +56,19 @@ class AutoOrMs(click.ParamType):
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
 @click.option("--served-model-name", default=None, help="model name for clients (default: file)")
+@click.option(
+    "--alias",
+    "aliases",
+    multiple=True,
+    help="another name the model answers to, listed in /v1/models (repeatable)",
+)
+@click.option(
+    "--strict-model-name/--no-strict-model-name",
+    default=False,
+    show_default=True,
+    help="refuse (404) requests naming another model; by default any name is served by the one "
+    "model loaded",
+)
 @click.option(
     "--config",
     "config_path",

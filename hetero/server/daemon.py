@@ -20,10 +20,11 @@ from aiohttp import web
 
 from hetero.server import infill, openai_api
 from hetero.server.protocol import ApiError, error_body
-from hetero.server.state import STATE, ServerSettings, ServerState
+from hetero.server.state import STATE, ServerSettings, ServerState, add_ignored_header
 
 log = logging.getLogger("hetero.server")
-PROTECTED = ("/v1/", "/infill")
+# Everything but /health and /metrics needs the key; the API answers with and without /v1.
+PUBLIC = ("/health", "/metrics")
 DRAIN_TAIL_S = 10.0  # after the grace period: time for handlers to tell their clients why
 # With the engine on a thread (--no-engine-process), it and the event loop share the GIL. With
 # Python's default 5 ms switch interval a thread that wants it back (the loop with tokens to send,
@@ -77,7 +78,7 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     key = request.app[STATE].settings.api_key
-    if key and request.path.startswith(PROTECTED):
+    if key and request.path not in PUBLIC:
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else None
         given = given or request.headers.get("X-Api-Key")
@@ -110,12 +111,14 @@ def create_app(state: ServerState) -> web.Application:
         client_max_size=state.settings.max_request_bytes,
     )
     app[STATE] = state
+    app.on_response_prepare.append(add_ignored_header)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", openai_api.models)
-    app.router.add_get("/v1/models/{model:.+}", openai_api.model)  # names may hold slashes
-    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
-    app.router.add_post("/v1/completions", openai_api.completions)
+    for prefix in ("/v1", ""):  # clients configured with a base URL without /v1 work too
+        app.router.add_get(f"{prefix}/models", openai_api.models)
+        app.router.add_get(f"{prefix}/models/{{model:.+}}", openai_api.model)  # names hold "/"
+        app.router.add_post(f"{prefix}/chat/completions", openai_api.chat_completions)
+        app.router.add_post(f"{prefix}/completions", openai_api.completions)
     app.router.add_post("/infill", infill.infill)
     return app
 

@@ -28,7 +28,7 @@ from hetero.engine.core_client import EngineLoadError, EngineProcess
 from hetero.engine.core_wire import EngineInfo
 from hetero.engine.engine import Engine
 from hetero.server.metrics import Metrics
-from hetero.server.protocol import ApiError, parse_json
+from hetero.server.protocol import ApiError, check_model, parse_json
 
 log = logging.getLogger("hetero.server")
 T = TypeVar("T")
@@ -41,6 +41,10 @@ class ServerSettings:
     port: int = 8080
     api_key: str | None = None
     served_model_name: str | None = None
+    # More names the model answers to (listed in /v1/models); with strict_model_name, a request
+    # naming any other model is a 404 (by default any name is served by the one model loaded).
+    aliases: tuple[str, ...] = ()
+    strict_model_name: bool = False
     max_request_bytes: int = 8 * 2**20
     shutdown_grace: float = 30.0
     engine_config: EngineConfig = field(default_factory=EngineConfig)
@@ -58,6 +62,11 @@ class ServerSettings:
     def served_name(self) -> str:
         return self.served_model_name or self.model_path.stem
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The served name first, then the aliases (each once)."""
+        return tuple(dict.fromkeys((self.served_name, *self.aliases)))
+
 
 # --stream-interval-ms auto: every step's tokens go out at once while few requests stream; past
 # AUTO_PACE_STREAMS a stream sends at most one event per AUTO_PACE_S (50 a second, smoother than
@@ -74,6 +83,7 @@ class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.served_name = settings.served_name
+        self.model_names = settings.model_names
         self.status = "loading"
         self.error: str | None = None
         self.engine: EngineInfo | None = None
@@ -203,8 +213,33 @@ class ServerState:
             self.ae.close(timeout)
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
 
+    def model_for(self, body: dict[str, Any]) -> str:
+        """The name to answer `body` with (protocol.check_model: a 404 only under strict names)."""
+        return check_model(body, self.model_names, self.settings.strict_model_name)
+
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
+IGNORED_HEADER = "X-Hetero-Ignored-Fields"
+_logged_ignored: set[str] = set()
+
+
+def ignore_fields(request: web.Request, names: list[str]) -> None:
+    """Fields of the request that are accepted and not used: logged once per name for the life of
+    the server, and named in the answer's X-Hetero-Ignored-Fields header."""
+    if not names:
+        return
+    request["ignored_fields"] = names
+    new = [n for n in names if n not in _logged_ignored]
+    if new:
+        _logged_ignored.update(new)
+        log.info("ignoring request fields this server does not use: %s", ", ".join(new))
+
+
+async def add_ignored_header(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: streams send their headers before the handler returns."""
+    names = request.get("ignored_fields")
+    if names:
+        response.headers[IGNORED_HEADER] = ", ".join(names)
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:
