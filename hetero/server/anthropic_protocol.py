@@ -152,9 +152,10 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if not isinstance(t, dict) or t.get("type", "custom") != "custom":
             kind = t.get("type") if isinstance(t, dict) else None
             raise bad(f"tools[{i}]: the server tool {kind!r} is not available here", "tools")
-        fn = {"name": t.get("name"), "parameters": t.get("input_schema")}
+        fn = {"name": t.get("name")}  # in OpenAI's order: templates print the tools as JSON
         if t.get("description") is not None:
             fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema")
         out.append({"type": "function", "function": fn})
     return check_tools(out)
 
