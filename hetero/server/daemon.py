@@ -18,12 +18,12 @@ import sys
 
 from aiohttp import web
 
-from hetero.server import infill, openai_api
+from hetero.server import infill, openai_api, tokenize
 from hetero.server.protocol import ApiError, error_body
 from hetero.server.state import STATE, ServerSettings, ServerState
 
 log = logging.getLogger("hetero.server")
-PROTECTED = ("/v1/", "/infill")
+PROTECTED = ("/v1/", "/infill", "/tokenize", "/detokenize")
 DRAIN_TAIL_S = 10.0  # after the grace period: time for handlers to tell their clients why
 # With the engine on a thread (--no-engine-process), it and the event loop share the GIL. With
 # Python's default 5 ms switch interval a thread that wants it back (the loop with tokens to send,
@@ -117,6 +117,8 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/infill", infill.infill)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     return app
 
 
