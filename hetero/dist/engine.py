@@ -25,7 +25,7 @@ from hetero.dist.step import StepPlan
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig
 from hetero.engine.engine import Engine, EngineStats, StepOutput, token_output
-from hetero.engine.json_mask import Constraints
+from hetero.engine.grammar_mask import Constraints
 from hetero.engine.request import RequestStatus
 from hetero.engine.scheduler import SchedulerOutput
 from hetero.models import resolve_model
@@ -141,6 +141,7 @@ class PipelineEngine(Engine):
             plan = StepPlan.build(
                 self._next_mb, out, self.params, self.config.block_size, self.constraints
             )
+            plan.eos_ids = tuple(self.tokenizer.eos_ids)
             self.pipeline.submit(plan)
             self._inflight.append((g, out, self._next_mb))
             self._next_mb += 1

@@ -44,7 +44,9 @@ class StepPlan:
     seqs: list[SeqStep] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     rows: list[SampleRow] = field(default_factory=list)
-    allowed: torch.Tensor | None = None  # [rows, V] bool: JSON-mode masks (None: no row has one)
+    # [rows, ceil(V / 32)] int32 packed bits: structured outputs' masks (None: no row has one)
+    allowed: torch.Tensor | None = None
+    eos_ids: tuple[int, ...] = ()  # what min_tokens holds back (sampling.make_batch)
 
     @classmethod
     def build(

@@ -178,6 +178,7 @@ class Stage:
             [r.step for r in rows],
             y.device,
             plan.allowed,
+            plan.eos_ids,
         )
         ids, lps, tops = sampled_lists(self.sampler(y, state))
         return StepResult(plan.micro_batch, ids, lps, tops)

@@ -12,7 +12,7 @@ from hetero.config import RuntimeConfig, bind_device
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.cuda_graph import capture_decode_graphs, graph_rows
-from hetero.engine.json_mask import Constraints
+from hetero.engine.grammar_mask import Constraints
 from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
 from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
@@ -177,13 +177,11 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens (room is needed for at least one output token)"
             )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_token_ids(prompt_ids, params, self.model_config.vocab_size)
+        self.constraints.add(request_id, params)  # a grammar that does not compile refuses here
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)
         self.params[request_id] = params
-        self.constraints.add(request_id, params)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
@@ -254,6 +252,7 @@ class Engine:
             rows.steps,
             logits.device,
             self.constraints.masks(row_ids),  # constrained requests never guess: one row each
+            self.tokenizer.eos_ids,
         )
         ids, lps, tops = sampled_lists(self.sampler(logits, state))
         if self.spec is None:
@@ -287,7 +286,7 @@ class Engine:
         return sampled
 
     def _guesses(self) -> dict[str, list[int]] | None:
-        """Speculative tokens of the decoding requests (none for JSON-constrained ones, whose
+        """Speculative tokens of the decoding requests (none for constrained ones, whose
         mask follows the grammar one accepted token at a time)."""
         if self.spec is None:
             return None
@@ -320,6 +319,17 @@ class Engine:
     def cached_prompt_tokens(self, request_id: str) -> int:
         req = self.scheduler.get(request_id)
         return 0 if req is None else req.num_cached_tokens
+
+
+def check_token_ids(prompt_ids: list[int], params: SamplingParams, vocab: int) -> None:
+    """ValueError unless the prompt's, logit_bias's and stop_token_ids' ids are in [0, vocab)."""
+    for name, ids in (
+        ("prompt token ids", prompt_ids),
+        ("logit_bias token ids", params.logit_bias or ()),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name} must be in [0, {vocab})")
 
 
 def sampled_lists(so) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:

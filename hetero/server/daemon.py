@@ -18,7 +18,7 @@ import sys
 
 from aiohttp import web
 
-from hetero.server import anthropic_api, infill, openai_api
+from hetero.server import anthropic_api, infill, openai_api, tokenize
 from hetero.server.anthropic_protocol import error_body as anthropic_error
 from hetero.server.protocol import ApiError, error_body
 from hetero.server.state import STATE, ServerSettings, ServerState, add_ignored_header
@@ -130,6 +130,8 @@ def create_app(state: ServerState) -> web.Application:
         app.router.add_post(f"{prefix}/messages", anthropic_api.messages)
         app.router.add_post(f"{prefix}/messages/count_tokens", anthropic_api.count_tokens)
     app.router.add_post("/infill", infill.infill)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     return app
 
 

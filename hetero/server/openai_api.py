@@ -26,6 +26,7 @@ from hetero.server.protocol import (
     bad,
     check_fields,
     check_model,
+    check_structured_outputs,
     include_usage,
     make_params,
     resolve_max_tokens,
@@ -33,6 +34,7 @@ from hetero.server.protocol import (
 )
 from hetero.server.sse import EventStream, engine_errors, first_event, stopped_message
 from hetero.server.state import STATE, ServerState, ignore_fields, read_body
+from hetero.structured_outputs import StructuredOutputsParams
 
 # -- /v1/models ----------------------------------------------------------------------------------
 
@@ -76,20 +78,18 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return top or 0
 
 
-def _json_mode(body: dict[str, Any]) -> bool:
-    """Whether `response_format` asks for JSON: `text`; `json_object` under OpenAI's rules; or
-    `json_schema`, of which the output's being one JSON object is enforced, not the schema's
-    properties. JSON output is grammar-constrained (engine/json_mask.py) and ends with its object.
-    """
+def _response_format(body: dict[str, Any]) -> StructuredOutputsParams | None:
+    """What `response_format` asks for: `text` (nothing); `json_object` under OpenAI's rules;
+    `json_schema`, whose schema the output is held to. The output is grammar-constrained
+    (engine/grammar_mask.py) and ends with its JSON value."""
     fmt = body.get("response_format")
     if fmt is None:
-        return False
+        return None
     kind = fmt.get("type")
     if kind == "text":
-        return False
+        return None
     if kind == "json_schema":
-        _check_json_schema(fmt.get("json_schema"))
-        return True
+        return StructuredOutputsParams(json=_json_schema(fmt.get("json_schema")))
     if kind != "json_object":
         raise bad(
             f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
@@ -103,20 +103,24 @@ def _json_mode(body: dict[str, Any]) -> bool:
             "of type 'json_object'.",
             param="messages",
         )
-    return True
+    return StructuredOutputsParams(json_object=True)
 
 
-def _check_json_schema(spec: Any) -> None:
+def _json_schema(spec: Any) -> dict | bool:
     param = "response_format.json_schema"
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise bad(f"'{param}' must be an object with a string 'name'", param=param)
     schema = spec.get("schema", {})
-    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
-        raise bad(
-            f"'{param}.schema' must describe an object (type 'object'): the output is "
-            "constrained to one JSON object",
-            param=param,
-        )
+    if not isinstance(schema, (dict, bool)):
+        raise bad(f"'{param}.schema' must be a JSON Schema (an object)", param=param)
+    return schema
+
+
+async def _check_constraint(state: ServerState, kw: dict[str, Any], param: str) -> None:
+    """Compile the request's constraint off the loop (a large schema takes milliseconds)."""
+    so = kw.get("structured_outputs")
+    if so is not None:
+        await state.off_loop(check_structured_outputs, so, param)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -130,13 +134,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if logprobs is not None:
         kw["logprobs"] = logprobs
     chat = openai_input(body)
-    # the template's rendering checks the messages, before JSON mode reads them
+    # the template's rendering checks the messages, before JSON mode reads their content
     prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat)
     ignore_fields(request, ignored + chat.ignored)
-    if _json_mode(body):
-        kw["json_object"] = True
     if prompt.special_tokens and body.get("skip_special_tokens") is None:
         kw["skip_special_tokens"] = False  # the format's markers are control tokens
+    so = _response_format(body)
+    if so is not None and "structured_outputs" in kw:
+        raise bad(
+            "give 'response_format' or 'structured_outputs', not both", param="response_format"
+        )
+    kw["structured_outputs"] = so or kw.get("structured_outputs")
+    await _check_constraint(state, kw, "response_format" if so else "structured_outputs")
     param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     max_tokens = resolve_max_tokens(
         body.get(param), len(prompt.ids), engine.max_model_len, state.pool_tokens,
@@ -215,6 +224,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     kw = sampling_kwargs(body)
     if body.get("logprobs") is not None:
         kw["logprobs"] = body["logprobs"]
+    await _check_constraint(state, kw, "structured_outputs")
     tok = ae.tokenizer
     items = _prompt_list(body["prompt"], tok.vocab_size)
     prompts = await state.off_loop(_encode_prompts, tok, items, body.get("suffix"))

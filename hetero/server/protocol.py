@@ -8,8 +8,9 @@ server logs once and names in the `X-Hetero-Ignored-Fields` response header. Fie
 change the output in a way this server cannot honour (audio, web search) are a clear 400. The vLLM
 extensions `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens` and `include_stop_str_in_output` are accepted too (clients pass them as
-`extra_body`). Range checks that `SamplingParams` already makes stay there; its ValueError,
-which names the field, becomes a 400 with that field as `param`.
+`extra_body`), and so are vLLM's `min_tokens` and `structured_outputs` (json, json_object, regex,
+choice or grammar: hetero.structured_outputs). Range checks that `SamplingParams` already makes
+stay there; its ValueError, which names the field, becomes a 400 with that field as `param`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetero.sampling import MAX_LOGPROBS, SamplingParams
+from hetero.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's bound on n
 MAX_STOP = 64  # IDE clients send many stop strings; bound the work they ask for
@@ -143,6 +145,8 @@ SAMPLING_FIELDS: dict[str, Field] = {
     "stop_token_ids": Field("int_array"),
     "skip_special_tokens": Field("boolean"),
     "include_stop_str_in_output": Field("boolean"),
+    "min_tokens": Field("integer", 0),
+    "structured_outputs": Field("object"),
 }
 # Fields of OpenAI's API that carry no meaning for one local model; accepted and not used.
 IGNORED = ("user", "service_tier", "store", "metadata", "prediction")
@@ -165,7 +169,7 @@ CHAT_FIELDS: dict[str, Field] = SAMPLING_FIELDS | {
     "chat_template_kwargs": Field("object"),
 }
 # Fields that would change the output in ways this server cannot honour: a 400, never ignored.
-UNSUPPORTED = ("min_tokens",)
+UNSUPPORTED: tuple[str, ...] = ()
 CHAT_UNSUPPORTED = (
     *UNSUPPORTED,
     "functions",  # the deprecated form of tools: answered with function_call, not tool_calls
@@ -288,6 +292,7 @@ _PASSED = (
     "stop_token_ids",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "min_tokens",
 )
 
 
@@ -300,7 +305,9 @@ def sampling_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
         if len(kw["stop"]) > MAX_STOP:
             raise bad(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
     if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported by this server", param="logit_bias")
+        kw["logit_bias"] = _logit_bias(body["logit_bias"])
+    if body.get("structured_outputs") is not None:
+        kw["structured_outputs"] = _structured_outputs(body["structured_outputs"])
     options = body.get("stream_options")
     if options is not None:
         if not body.get("stream"):
@@ -312,6 +319,40 @@ def sampling_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
         if extra:
             raise bad(f"Unrecognized stream option: {sorted(extra)[0]}", param="stream_options")
     return kw
+
+
+def _logit_bias(bias: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON keys are strings) to biases; values are checked by
+    SamplingParams, ids against the vocabulary by the engine."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError as e:
+            msg = f"'logit_bias' keys must be token ids, got {key!r}"
+            raise bad(msg, param="logit_bias") from e
+    return out
+
+
+def _structured_outputs(spec: Mapping[str, Any]) -> StructuredOutputsParams:
+    unknown = set(spec) - {"json", "json_object", "regex", "choice", "grammar"}
+    if unknown:
+        raise bad(
+            f"Unrecognized structured_outputs field: {sorted(unknown)[0]}",
+            param="structured_outputs",
+        )
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as e:
+        raise bad(str(e), param="structured_outputs") from e
+
+
+def check_structured_outputs(so: StructuredOutputsParams, param: str) -> None:
+    """400 naming `param` when the constraint does not compile (a bad schema or grammar)."""
+    try:
+        so.check()
+    except ValueError as e:
+        raise bad(str(e), param=param) from e
 
 
 def include_usage(body: Mapping[str, Any]) -> bool:
