@@ -30,7 +30,12 @@ from hetero.server.anthropic_protocol import (
 from hetero.server.chat_request import chat_prompt
 from hetero.server.chat_response import finished_or_503, read_choices
 from hetero.server.generation import Job
-from hetero.server.protocol import check_fields, make_params, resolve_max_tokens
+from hetero.server.protocol import (
+    check_fields,
+    check_structured_outputs,
+    make_params,
+    resolve_max_tokens,
+)
 from hetero.server.sse import EventStream, engine_errors, first_event, stopped_message
 from hetero.server.state import STATE, ignore_fields, read_body
 from hetero.tool_parsers import Delta
@@ -62,6 +67,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     kw = sampling(body)
     if prompt.special_tokens:
         kw["skip_special_tokens"] = False
+    if prompt.constraint is not None:  # tool_choice any/tool: the call's grammar
+        kw["structured_outputs"] = prompt.constraint
+        await state.off_loop(check_structured_outputs, prompt.constraint, "tools")
     max_tokens = resolve_max_tokens(
         body["max_tokens"], len(prompt.ids), engine.max_model_len, state.pool_tokens
     )

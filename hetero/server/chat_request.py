@@ -5,6 +5,8 @@ Both chat APIs (OpenAI's /v1/chat/completions and Anthropic's /v1/messages) redu
 messages and tools with the model's own template (or, for templates without tool support, the
 generic rewrite: tool_parsers/generic.py), encodes the text, and says how the answer is read: the
 tool-call format (none under tool_choice "none"), and whether `<think>` reasoning is split off.
+Where `tool_choice` forces a call ("required", a named function), the prompt carries the grammar
+of that call in the model's format (tool_grammars.py), which the engine decodes under.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import Any
 
 from hetero.chat_output import ChatFormat
 from hetero.chat_template import ChatTemplateError, check_messages
-from hetero.reasoning import prompt_opens_thinking, template_thinks
+from hetero.reasoning import CLOSE, prompt_opens_thinking, template_thinks
 from hetero.server.protocol import bad
 from hetero.server.tool_checks import check_history, check_tool_choice, check_tools
+from hetero.structured_outputs import StructuredOutputsParams
+from hetero.tool_grammars import forced_call, forced_call_grammar
 from hetero.tool_parsers import ToolFormat, detect_format
 from hetero.tool_parsers.generic import rewrite
 
@@ -42,6 +46,7 @@ class ChatPrompt:
     text: str
     format: ChatFormat | None  # None: the answer is plain content, read as it comes
     special_tokens: bool = False  # the answer's control tokens are text the parser reads
+    constraint: StructuredOutputsParams | None = None  # the forced call's grammar
 
 
 def openai_input(body: dict[str, Any]) -> ChatInput:
@@ -76,12 +81,6 @@ def openai_input(body: dict[str, Any]) -> ChatInput:
 
 def chat_prompt(tokenizer, chat: ChatInput) -> ChatPrompt:
     """Render and encode (runs on the tokenizer threads: templates can be slow)."""
-    if chat.tool_choice == "required" or isinstance(chat.tool_choice, dict):
-        raise bad(
-            f"tool_choice {chat.tool_choice!r} forces a call, which needs decoding constrained "
-            "to the tools' schemas; this server does not have that yet: use 'auto'",
-            param="tool_choice",
-        )
     try:
         template = tokenizer.template_for(chat.tools)
         fmt = detect_format(template)
@@ -105,7 +104,21 @@ def chat_prompt(tokenizer, chat: ChatInput) -> ChatPrompt:
         id_prefix=chat.id_prefix,
         tools_enabled=parse,
     )
-    return ChatPrompt(tokenizer.encode(text), text, read, parse and fmt.special_tokens)
+    prompt = ChatPrompt(tokenizer.encode(text), text, read, parse and fmt.special_tokens)
+    forced = forced_call(chat.tools, chat.tool_choice, chat.parallel)
+    if forced is not None:
+        reasoning = _reasoning(text) if thinks else None
+        grammar = forced_call_grammar(tokenizer, fmt.name, template, forced, reasoning)
+        prompt.constraint = StructuredOutputsParams(grammar=grammar)
+    return prompt
+
+
+def _reasoning(prompt: str) -> str | None:
+    """Where a forced call's answer stands with a think block: "open" (the prompt opened it),
+    None (the prompt closed one: Qwen3 with thinking off), else "may" (the answer may open one)."""
+    if prompt_opens_thinking(prompt):
+        return "open"
+    return None if prompt.rstrip().endswith(CLOSE) else "may"
 
 
 def _render(tokenizer, fmt: ToolFormat, messages: list[dict], chat: ChatInput) -> str:

@@ -123,6 +123,32 @@ async def _check_constraint(state: ServerState, kw: dict[str, Any], param: str) 
         await state.off_loop(check_structured_outputs, so, param)
 
 
+async def _constrain(
+    state: ServerState,
+    body: dict[str, Any],
+    kw: dict[str, Any],
+    forced: StructuredOutputsParams | None,
+) -> None:
+    """The chat's output constraint: `response_format`, vLLM's `structured_outputs`, or the
+    grammar of a call that `tool_choice` forces (at most one of them)."""
+    so = _response_format(body)
+    if so is not None and "structured_outputs" in kw:
+        raise bad(
+            "give 'response_format' or 'structured_outputs', not both", param="response_format"
+        )
+    kw["structured_outputs"] = so or kw.get("structured_outputs")
+    param = "response_format" if so else "structured_outputs"
+    if forced is not None:
+        if kw["structured_outputs"] is not None:
+            raise bad(
+                f"tool_choice {body['tool_choice']!r} forces a tool call, whose arguments follow "
+                f"the tool's schema; '{param}' cannot constrain the same answer",
+                param=param,
+            )
+        kw["structured_outputs"], param = forced, "tools"
+    await _check_constraint(state, kw, param)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request)
@@ -139,13 +165,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ignore_fields(request, ignored + chat.ignored)
     if prompt.special_tokens and body.get("skip_special_tokens") is None:
         kw["skip_special_tokens"] = False  # the format's markers are control tokens
-    so = _response_format(body)
-    if so is not None and "structured_outputs" in kw:
-        raise bad(
-            "give 'response_format' or 'structured_outputs', not both", param="response_format"
-        )
-    kw["structured_outputs"] = so or kw.get("structured_outputs")
-    await _check_constraint(state, kw, "response_format" if so else "structured_outputs")
+    await _constrain(state, body, kw, prompt.constraint)
     param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     max_tokens = resolve_max_tokens(
         body.get(param), len(prompt.ids), engine.max_model_len, state.pool_tokens,
