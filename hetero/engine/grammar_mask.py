@@ -20,6 +20,7 @@ pipeline's last stage; the sampler unpacks them there (sampling_filters.unpack_a
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -29,6 +30,11 @@ from hetero.sampling import SamplingParams
 
 log = logging.getLogger("hetero.engine")
 MATCHER_CACHE = 64  # compiled grammars kept (IDE clients send the same schemas on every request)
+# Masks go to llguidance's thread pool from this many rows, on machines with cores to spare: a
+# mask takes tens of microseconds, and on 2 busy cores the pool's hand-off measured slower than
+# 64 rows in turn (BENCHMARKS.md).
+PARALLEL_ROWS = 32
+PARALLEL_CORES = 8
 
 
 def grammar_vocab(tokenizer, width: int):
@@ -107,18 +113,23 @@ class Constraints:
     def has(self, request_id: str) -> bool:
         return request_id in self._active
 
-    def masks(self, request_ids: Sequence[str]) -> torch.Tensor | None:
+    def masks(
+        self, request_ids: Sequence[str], parallel: bool | None = None
+    ) -> torch.Tensor | None:
         """[B, words] int32 packed masks of the rows (all bits set on unconstrained rows), or
-        None when no row is constrained."""
+        None when no row is constrained. `parallel`: on the thread pool or not (None: the rule
+        above)."""
         if not self._active:
             return None
         rows = [(m, i) for i, r in enumerate(request_ids) if (m := self._active.get(r)) is not None]
         if not rows:
             return None
         out = torch.full((len(request_ids), self.words), -1, dtype=torch.int32)
-        if len(rows) == 1:  # one row: no thread hand-off
-            m, i = rows[0]
-            m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
+        if parallel is None:
+            parallel = len(rows) >= PARALLEL_ROWS and (os.cpu_count() or 1) >= PARALLEL_CORES
+        if not parallel:
+            for m, i in rows:
+                m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
         else:
             self._pool().unsafe_compute_mask_ptr(rows, out.data_ptr(), self.words * 4, len(out))
         return out
