@@ -107,6 +107,14 @@ class CoreLoop:
                 self.refused.append((msg[1], str(e)))
         elif msg[0] == "abort":
             self.engine.abort(msg[1])
+        elif msg[0] == "embed":
+            try:
+                self._send(("embedded", msg[1], self.engine.embed(msg[2]), None))
+            except Exception as e:  # a refusal, or a failed forward: the request's, not ours
+                refused = isinstance(e, ValueError)
+                if not refused:
+                    log.exception("embeddings failed")
+                self._send(("embedded", msg[1], None, (refused, f"{e}")))
         elif msg[0] == "gauges":
             from hetero.server.metrics import engine_gauge_lines
 

@@ -316,6 +316,16 @@ class Engine:
             req.error,
         )
 
+    def embed(self, prompts: list[list[int]]):
+        """[N, C] float32 embeddings of token-id prompts from this model's last hidden states,
+        pooled as its GGUF says (hetero/embedding.py); ValueError for a prompt it cannot take.
+        A forward of its own: no KV blocks are taken from generation."""
+        from hetero.embedding import Embedder
+
+        if getattr(self, "_embedder", None) is None:
+            self._embedder = Embedder(self.gguf, self.model)
+        return self._embedder(prompts)
+
     def cached_prompt_tokens(self, request_id: str) -> int:
         req = self.scheduler.get(request_id)
         return 0 if req is None else req.num_cached_tokens

@@ -18,7 +18,7 @@ import sys
 
 from aiohttp import web
 
-from hetero.server import infill, openai_api, tokenize
+from hetero.server import embeddings, infill, openai_api, tokenize
 from hetero.server.protocol import ApiError, error_body
 from hetero.server.state import STATE, ServerSettings, ServerState
 
@@ -116,6 +116,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", openai_api.model)  # names may hold slashes
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_post("/v1/embeddings", embeddings.embeddings)
     app.router.add_post("/infill", infill.infill)
     app.router.add_post("/tokenize", tokenize.tokenize)
     app.router.add_post("/detokenize", tokenize.detokenize)
