@@ -123,7 +123,7 @@ def test_raw_base64_and_refusals(smol_daemon, hf_vectors):
     assert np.abs(vec - hf_vectors[0]).max() < FP32_TOL
     cases = [
         ({"input": "x", "dimensions": 64}, "dimensions", "not supported"),
-        ({"input": ""}, "input", "non-empty"),
+        ({"input": ""}, "input", "empty string"),
         ({"input": []}, "input", "must not be empty"),
         ({"input": [[1, 2], [10**7]]}, "input", "token ids"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from hetero.server.protocol import ApiError, Field, bad, check_fields
+from hetero.server.protocol import ApiError, Field, bad, check_fields, prompt_list
 from hetero.server.sse import engine_errors
 from hetero.server.state import STATE, ServerState, read_body
 
@@ -57,26 +57,9 @@ class OwnEmbedder:
 
 
 def _inputs(value: Any, vocab_size: int) -> list[str | list[int]]:
-    """OpenAI's four input shapes -> a list of strings and token-id lists."""
-    if isinstance(value, str):
-        items: list = [value]
-    elif value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        items = [value]
-    else:
-        items = list(value)
-    if not items:
-        raise bad("'input' must not be empty", param="input")
-    if len(items) > MAX_INPUTS:
-        raise bad(f"at most {MAX_INPUTS} inputs are allowed in one request", param="input")
-    for i, p in enumerate(items):
-        ids = isinstance(p, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
-        )
-        if not (isinstance(p, str) or ids) or not p:
-            raise bad(
-                f"input[{i}] must be a non-empty string or array of token ids in [0, {vocab_size})",
-                param="input",
-            )
+    items = prompt_list(value, vocab_size, "input", MAX_INPUTS)
+    if any(p == "" for p in items):  # OpenAI refuses them (a completion may start from nothing)
+        raise bad("'input' must not hold an empty string", param="input")
     return items
 
 
