@@ -55,6 +55,7 @@ message: the server calls it so that a bad schema is a 400, not a failed request
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -101,9 +102,10 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str, bool)):
             raise ValueError("structured_outputs.json must be a JSON Schema (an object or text)")
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """The llguidance grammar (its serialized form): what the engine compiles and caches."""
+        """The llguidance grammar (its serialized form): what the engine compiles and caches
+        (kept once made: a large schema takes milliseconds, and `check` made it already)."""
         return _serialize(self)
 
     def check(self) -> None:

@@ -218,3 +218,12 @@ def test_choice_and_bad_grammars(constraints, smollm2):
         StructuredOutputsParams(json={}, regex="a")
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()
+
+
+def test_logits_narrower_than_the_vocabulary(smollm2):
+    narrow = Constraints(smollm2, smollm2.vocab_size - 40)
+    narrow.add("n", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    bits = narrow.masks(["n"])
+    assert bits.shape == (1, -(-narrow.width // 32))
+    allowed = unpack_allowed(bits, narrow.width)[0].nonzero().flatten().tolist()
+    assert allowed and all(re.fullmatch("[a-z]+", smollm2.decode([t])) for t in allowed)

@@ -177,7 +177,10 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens (room is needed for at least one output token)"
             )
-        check_token_ids(prompt_ids, params, self.model_config.vocab_size)
+        # ids past the tokenizer's vocabulary (padding rows of the logits) have no text
+        check_token_ids(
+            prompt_ids, params, min(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        )
         self.constraints.add(request_id, params)  # a grammar that does not compile refuses here
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)

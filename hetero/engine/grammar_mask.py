@@ -42,12 +42,13 @@ def grammar_vocab(tokenizer, width: int):
     import llguidance
 
     special = tokenizer.special_ids
+    n = min(width, tokenizer.vocab_size)  # a vocabulary wider than the logits: the rest is moot
     tokens = [
         b"\xff" + tokenizer.id_to_token(i).encode() if i in special else tokenizer.token_bytes(i)
-        for i in range(tokenizer.vocab_size)
+        for i in range(n)
     ]
-    tokens += [b""] * (width - len(tokens))
-    eos = sorted(tokenizer.eos_ids) or [0]
+    tokens += [b""] * (width - n)
+    eos = sorted(i for i in tokenizer.eos_ids if i < width) or [0]
 
     class Wrapper:  # the duck type llguidance.TokenizerWrapper reads
         eos_token_id = eos[0]
