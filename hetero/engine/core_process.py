@@ -38,7 +38,7 @@ def engine_main(cmd: Connection, out: Connection, model_path, config, runtime, l
 
     try:
         engine = Engine(model_path, config, runtime, progress=True)
-        engine.constraints.prepare()  # the grammars' vocabulary, before the first request
+        engine.constraints.warm()  # the grammars' vocabulary, before the first request
     except BaseException as e:
         out.send_bytes(dumps(("failed", f"{type(e).__name__}: {e}")))
         return

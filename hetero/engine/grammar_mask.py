@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from hetero.sampling import SamplingParams
+from hetero.structured_outputs import require_llguidance
 
 log = logging.getLogger("hetero.engine")
 MATCHER_CACHE = 64  # compiled grammars kept (IDE clients send the same schemas on every request)
@@ -39,7 +40,7 @@ PARALLEL_CORES = 8
 
 def grammar_vocab(tokenizer, width: int):
     """The llguidance tokenizer of a hetero Tokenizer, `width` tokens wide (~0.3 s for 49k)."""
-    import llguidance
+    llguidance = require_llguidance()
 
     special = tokenizer.special_ids
     n = min(width, tokenizer.vocab_size)  # a vocabulary wider than the logits: the rest is moot
@@ -78,13 +79,28 @@ class Constraints:
         self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a fresh matcher
         self._active: dict[str, object] = {}
         self._executor = None
+        self._missing: ValueError | None = None  # why llguidance could not be loaded
 
     def prepare(self):
         """Build the llguidance vocabulary now, not at the first constrained request, where it
-        would pause every running sequence."""
+        would pause every running sequence. Without llguidance installed this logs why and the
+        engine serves the rest; constrained requests are then refused (ValueError)."""
         if self._vocab is None:
-            self._vocab = grammar_vocab(self._tokenizer, self.width)
+            try:
+                self._vocab = grammar_vocab(self._tokenizer, self.width)
+            except ValueError as e:
+                if self._missing is None:
+                    log.warning("%s", e)
+                self._missing = e
+                raise
         return self._vocab
+
+    def warm(self) -> None:
+        """`prepare`, where a missing llguidance is only logged (engine start)."""
+        try:
+            self.prepare()
+        except ValueError:
+            pass
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         """Start a matcher for the request's constraint (none: nothing); ValueError when the
@@ -94,8 +110,7 @@ class Constraints:
             self._active[request_id] = self._matcher(so.key)
 
     def _matcher(self, grammar: str):
-        from llguidance import LLMatcher
-
+        LLMatcher = require_llguidance().LLMatcher
         fresh = self._compiled.get(grammar)
         if fresh is None:
             fresh = LLMatcher(self.prepare(), grammar, log_level=0)
@@ -137,9 +152,7 @@ class Constraints:
 
     def _pool(self):
         if self._executor is None:
-            from llguidance import LLExecutor
-
-            self._executor = LLExecutor()
+            self._executor = require_llguidance().LLExecutor()
         return self._executor
 
     def accept(self, request_id: str, token_id: int) -> bool:

@@ -133,7 +133,7 @@ class ServerState:
             try:
                 s = self.settings
                 engine = Engine(s.model_path, s.engine_config, s.runtime, progress=True)
-                engine.constraints.prepare()  # the grammars' vocabulary, off the engine thread
+                engine.constraints.warm()  # the grammars' vocabulary, off the engine thread
                 result: Any = engine
             except BaseException as e:  # reported to the loop, which fails the daemon
                 result = e
