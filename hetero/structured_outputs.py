@@ -55,6 +55,7 @@ message: the server calls it so that a bad schema is a 400, not a failed request
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -101,15 +102,15 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str, bool)):
             raise ValueError("structured_outputs.json must be a JSON Schema (an object or text)")
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """The llguidance grammar (its serialized form): what the engine compiles and caches."""
+        """The llguidance grammar (its serialized form): what the engine compiles and caches
+        (kept once made: a large schema takes milliseconds, and `check` made it already)."""
         return _serialize(self)
 
     def check(self) -> None:
         """Compile the grammar (no vocabulary needed); ValueError with the reason if it fails."""
-        from llguidance import LLMatcher
-
+        LLMatcher = require_llguidance().LLMatcher
         try:
             grammar = self.key
         except (ValueError, TypeError) as e:
@@ -119,8 +120,22 @@ class StructuredOutputsParams:
             raise ValueError(f"invalid structured output: {error.strip()}")
 
 
+def require_llguidance():
+    """The llguidance module, or ValueError saying how to get it (a request's refusal, where an
+    install lacks the package: everything else in hetero runs without it)."""
+    try:
+        import llguidance
+    except ImportError as e:
+        raise ValueError(
+            f"structured outputs need the llguidance package, which is not installed ({e}); "
+            "pip install llguidance"
+        ) from e
+    return llguidance
+
+
 def _serialize(p: StructuredOutputsParams) -> str:
-    from llguidance import LLMatcher, grammar_from
+    llguidance = require_llguidance()
+    LLMatcher, grammar_from = llguidance.LLMatcher, llguidance.grammar_from
 
     if p.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)

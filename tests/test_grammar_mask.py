@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -218,3 +219,26 @@ def test_choice_and_bad_grammars(constraints, smollm2):
         StructuredOutputsParams(json={}, regex="a")
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()
+
+
+def test_logits_narrower_than_the_vocabulary(smollm2):
+    narrow = Constraints(smollm2, smollm2.vocab_size - 40)
+    narrow.add("n", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    bits = narrow.masks(["n"])
+    assert bits.shape == (1, -(-narrow.width // 32))
+    allowed = unpack_allowed(bits, narrow.width)[0].nonzero().flatten().tolist()
+    assert allowed and all(re.fullmatch("[a-z]+", smollm2.decode([t])) for t in allowed)
+
+
+def test_without_llguidance_only_constrained_requests_are_refused(smollm2, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # what an install without it imports
+    c = Constraints(smollm2, smollm2.vocab_size)
+    c.warm()  # an engine still starts
+    assert "need the llguidance package" in caplog.text
+    c.add("free", SamplingParams())
+    assert c.masks(["free"]) is None
+    so = StructuredOutputsParams(json_object=True)
+    with pytest.raises(ValueError, match="pip install llguidance"):
+        c.add("json", SamplingParams(structured_outputs=so))
+    with pytest.raises(ValueError, match="pip install llguidance"):
+        so.check()

@@ -137,6 +137,8 @@ CASES = [
     ("completion-too-long", "POST", CHAT, chat(max_tokens=None, max_completion_tokens=CONTEXT),
      AUTH, 400, "max_completion_tokens", f"maximum context length is {CONTEXT} tokens"),
     ("unknown-model-card", "GET", "/v1/models/gpt-4o", None, AUTH, 404, "model", "does not exist"),
+    ("unknown-embedding-model", "POST", "/v1/embeddings", {"input": "x", "model": "gpt-4o"}, AUTH,
+     404, "model", "does not exist"),
     ("too-big", "POST", CMPL, cmpl(prompt="x" * 5000), AUTH, 413, None, "larger than 4096"),
     ("no-key", "POST", CMPL, cmpl(), {}, 401, None, "didn't provide an API key"),
     ("wrong-key", "POST", CMPL, cmpl(), {"Authorization": "Bearer nope"}, 401, None, "Incorrect"),

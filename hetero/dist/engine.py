@@ -108,6 +108,12 @@ class PipelineEngine(Engine):
         self._next_mb = 0
         self._last_done = time.perf_counter()
 
+    def embed(self, prompts: list[list[int]]):
+        raise ValueError(
+            "embeddings are not served by a pipeline's stages yet; give the daemon an "
+            "--embedding-model"
+        )
+
     def describe_kv(self) -> str:
         return f"{self.pipeline.describe()} ({self.config.kv_dtype} KV)"
 

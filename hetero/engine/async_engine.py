@@ -35,6 +35,12 @@ class _Add:
     done: concurrent.futures.Future
 
 
+@dataclass
+class _Embed:
+    prompts: list[list[int]]
+    done: concurrent.futures.Future
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can be served."""
 
@@ -108,6 +114,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    async def embed(self, prompts: list[list[int]]):
+        """Engine.embed, run by the engine thread between two steps."""
+        if self._dead is not None or self._stop.is_set():
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shutting down'}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Embed(prompts, done))
+        return await asyncio.wrap_future(done)
+
     # -- engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -144,6 +158,11 @@ class AsyncEngine:
                 return
             self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
             cmd.done.set_result(None)
+        elif isinstance(cmd, _Embed):
+            try:
+                cmd.done.set_result(self.engine.embed(cmd.prompts))
+            except Exception as e:  # a refusal or a failed forward: the caller's, not the loop's
+                cmd.done.set_exception(e)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
             self._sinks.pop(cmd[1], None)
@@ -173,7 +192,7 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, (_Add, _Embed)):
                 cmd.done.set_exception(EngineDeadError(reason))
 
 

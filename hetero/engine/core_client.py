@@ -50,6 +50,7 @@ class EngineProcess:
         self._closing = False
         self._sinks: dict[str, asyncio.Queue] = {}
         self._gauges: dict[int, asyncio.Future] = {}
+        self._embeds: dict[int, asyncio.Future] = {}
         self._last_gauges: list[str] | None = None
         self._tokens = itertools.count()
         self._lock = threading.Lock()
@@ -129,6 +130,19 @@ class EngineProcess:
             self._gauges.pop(token, None)
         return self._last_gauges
 
+    async def embed(self, prompts: list[list[int]]):
+        """Engine.embed in the engine process (ValueError: its refusal; RuntimeError: it
+        failed)."""
+        if self.dead is not None or self._closing:
+            raise EngineDeadError(f"the engine is not running: {self.dead or 'shutting down'}")
+        token = next(self._tokens)
+        fut = self._embeds[token] = asyncio.get_running_loop().create_future()
+        self._send(("embed", token, prompts))
+        try:
+            return await fut
+        finally:
+            self._embeds.pop(token, None)
+
     def _send(self, msg: tuple) -> None:
         data = dumps(msg)
         try:
@@ -166,6 +180,14 @@ class EngineProcess:
             fut = self._gauges.get(msg[1])
             if fut is not None and not fut.done():
                 fut.set_result(msg[2])
+        elif kind == "embedded":
+            fut = self._embeds.get(msg[1])
+            if fut is not None and not fut.done():
+                if msg[3] is None:
+                    fut.set_result(msg[2])
+                else:
+                    refused, message = msg[3]
+                    fut.set_exception((ValueError if refused else RuntimeError)(message))
         elif kind == "ready":
             self._loaded = True
             self._ready.set_result(msg[1])
@@ -197,6 +219,9 @@ class EngineProcess:
         for fut in self._gauges.values():
             if not fut.done():
                 fut.set_result(None)
+        for fut in self._embeds.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
 
     # -- the end -------------------------------------------------------------------------------
 

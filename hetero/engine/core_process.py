@@ -38,7 +38,7 @@ def engine_main(cmd: Connection, out: Connection, model_path, config, runtime, l
 
     try:
         engine = Engine(model_path, config, runtime, progress=True)
-        engine.constraints.prepare()  # the grammars' vocabulary, before the first request
+        engine.constraints.warm()  # the grammars' vocabulary, before the first request
     except BaseException as e:
         out.send_bytes(dumps(("failed", f"{type(e).__name__}: {e}")))
         return
@@ -107,6 +107,14 @@ class CoreLoop:
                 self.refused.append((msg[1], str(e)))
         elif msg[0] == "abort":
             self.engine.abort(msg[1])
+        elif msg[0] == "embed":
+            try:
+                self._send(("embedded", msg[1], self.engine.embed(msg[2]), None))
+            except Exception as e:  # a refusal, or a failed forward: the request's, not ours
+                refused = isinstance(e, ValueError)
+                if not refused:
+                    log.exception("embeddings failed")
+                self._send(("embedded", msg[1], None, (refused, f"{e}")))
         elif msg[0] == "gauges":
             from hetero.server.metrics import engine_gauge_lines
 

@@ -5,6 +5,7 @@ Server -> engine, one pickled tuple per command:
     ("add", request_id, prompt_ids, SamplingParams)
     ("abort", request_id)
     ("gauges", token)                      the /metrics lines of the engine, answered by token
+    ("embed", token, [prompt ids, ...])    embeddings, answered by token between two steps
     ("shutdown",)                          abort the rest, save the KV prefixes, exit
 
 Engine -> server:
@@ -12,6 +13,7 @@ Engine -> server:
     ("ready", EngineInfo)  |  ("failed", message)        once, after loading
     ("step", [output tuple, ...], [(request_id, refusal), ...])   once per engine step
     ("gauges", token, [line, ...])
+    ("embedded", token, array | None, (is a refusal, message) | None)
     ("died", message)                      the engine loop raised: the process exits next
 
 Step outputs travel as plain tuples (field order of StepOutput), not dataclasses: a tuple pickles

@@ -177,7 +177,10 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens (room is needed for at least one output token)"
             )
-        check_token_ids(prompt_ids, params, self.model_config.vocab_size)
+        # ids past the tokenizer's vocabulary (padding rows of the logits) have no text
+        check_token_ids(
+            prompt_ids, params, min(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        )
         self.constraints.add(request_id, params)  # a grammar that does not compile refuses here
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)
@@ -315,6 +318,16 @@ class Engine:
             req.num_cached_tokens,
             req.error,
         )
+
+    def embed(self, prompts: list[list[int]]):
+        """[N, C] float32 embeddings of token-id prompts from this model's last hidden states,
+        pooled as its GGUF says (hetero/embedding.py); ValueError for a prompt it cannot take.
+        A forward of its own: no KV blocks are taken from generation."""
+        from hetero.embedding import Embedder
+
+        if getattr(self, "_embedder", None) is None:
+            self._embedder = Embedder(self.gguf, self.model)
+        return self._embedder(prompts)
 
     def cached_prompt_tokens(self, request_id: str) -> int:
         req = self.scheduler.get(request_id)

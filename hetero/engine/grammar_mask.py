@@ -20,28 +20,36 @@ pipeline's last stage; the sampler unpacks them there (sampling_filters.unpack_a
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from hetero.sampling import SamplingParams
+from hetero.structured_outputs import require_llguidance
 
 log = logging.getLogger("hetero.engine")
 MATCHER_CACHE = 64  # compiled grammars kept (IDE clients send the same schemas on every request)
+# Masks go to llguidance's thread pool from this many rows, on machines with cores to spare: a
+# mask takes tens of microseconds, and on 2 busy cores the pool's hand-off measured slower than
+# 64 rows in turn (BENCHMARKS.md).
+PARALLEL_ROWS = 32
+PARALLEL_CORES = 8
 
 
 def grammar_vocab(tokenizer, width: int):
     """The llguidance tokenizer of a hetero Tokenizer, `width` tokens wide (~0.3 s for 49k)."""
-    import llguidance
+    llguidance = require_llguidance()
 
     special = tokenizer.special_ids
+    n = min(width, tokenizer.vocab_size)  # a vocabulary wider than the logits: the rest is moot
     tokens = [
         b"\xff" + tokenizer.id_to_token(i).encode() if i in special else tokenizer.token_bytes(i)
-        for i in range(tokenizer.vocab_size)
+        for i in range(n)
     ]
-    tokens += [b""] * (width - len(tokens))
-    eos = sorted(tokenizer.eos_ids) or [0]
+    tokens += [b""] * (width - n)
+    eos = sorted(i for i in tokenizer.eos_ids if i < width) or [0]
 
     class Wrapper:  # the duck type llguidance.TokenizerWrapper reads
         eos_token_id = eos[0]
@@ -71,13 +79,28 @@ class Constraints:
         self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a fresh matcher
         self._active: dict[str, object] = {}
         self._executor = None
+        self._missing: ValueError | None = None  # why llguidance could not be loaded
 
     def prepare(self):
         """Build the llguidance vocabulary now, not at the first constrained request, where it
-        would pause every running sequence."""
+        would pause every running sequence. Without llguidance installed this logs why and the
+        engine serves the rest; constrained requests are then refused (ValueError)."""
         if self._vocab is None:
-            self._vocab = grammar_vocab(self._tokenizer, self.width)
+            try:
+                self._vocab = grammar_vocab(self._tokenizer, self.width)
+            except ValueError as e:
+                if self._missing is None:
+                    log.warning("%s", e)
+                self._missing = e
+                raise
         return self._vocab
+
+    def warm(self) -> None:
+        """`prepare`, where a missing llguidance is only logged (engine start)."""
+        try:
+            self.prepare()
+        except ValueError:
+            pass
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         """Start a matcher for the request's constraint (none: nothing); ValueError when the
@@ -87,8 +110,7 @@ class Constraints:
             self._active[request_id] = self._matcher(so.key)
 
     def _matcher(self, grammar: str):
-        from llguidance import LLMatcher
-
+        LLMatcher = require_llguidance().LLMatcher
         fresh = self._compiled.get(grammar)
         if fresh is None:
             fresh = LLMatcher(self.prepare(), grammar, log_level=0)
@@ -107,27 +129,30 @@ class Constraints:
     def has(self, request_id: str) -> bool:
         return request_id in self._active
 
-    def masks(self, request_ids: Sequence[str]) -> torch.Tensor | None:
+    def masks(
+        self, request_ids: Sequence[str], parallel: bool | None = None
+    ) -> torch.Tensor | None:
         """[B, words] int32 packed masks of the rows (all bits set on unconstrained rows), or
-        None when no row is constrained."""
+        None when no row is constrained. `parallel`: on the thread pool or not (None: the rule
+        above)."""
         if not self._active:
             return None
         rows = [(m, i) for i, r in enumerate(request_ids) if (m := self._active.get(r)) is not None]
         if not rows:
             return None
         out = torch.full((len(request_ids), self.words), -1, dtype=torch.int32)
-        if len(rows) == 1:  # one row: no thread hand-off
-            m, i = rows[0]
-            m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
+        if parallel is None:
+            parallel = len(rows) >= PARALLEL_ROWS and (os.cpu_count() or 1) >= PARALLEL_CORES
+        if not parallel:
+            for m, i in rows:
+                m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
         else:
             self._pool().unsafe_compute_mask_ptr(rows, out.data_ptr(), self.words * 4, len(out))
         return out
 
     def _pool(self):
         if self._executor is None:
-            from llguidance import LLExecutor
-
-            self._executor = LLExecutor()
+            self._executor = require_llguidance().LLExecutor()
         return self._executor
 
     def accept(self, request_id: str, token_id: int) -> bool:

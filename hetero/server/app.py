@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -29,6 +30,7 @@ SERVER_KEYS = (
     "log_level",
     "engine_process",
     "stream_interval_ms",
+    "embedding_model",
 )
 
 
@@ -113,6 +115,13 @@ class AutoOrMs(click.ParamType):
     help="least time between two streamed events of one request; its tokens of that time go "
     "in one event (0: each engine step's tokens at once; auto: 0 while at most 8 requests run, "
     "20 ms beyond, so that HTTP keeps up with a fast engine at many streams)",
+)
+@click.option(
+    "--embedding-model",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="GGUF that answers /v1/embeddings (default: the served model), loaded in the server "
+    "process on the same device",
 )
 @engine_options
 @click.pass_context

@@ -18,7 +18,7 @@ import sys
 
 from aiohttp import web
 
-from hetero.server import anthropic_api, infill, openai_api, tokenize
+from hetero.server import anthropic_api, embeddings, infill, openai_api, tokenize
 from hetero.server.anthropic_protocol import error_body as anthropic_error
 from hetero.server.protocol import ApiError, error_body
 from hetero.server.state import STATE, ServerSettings, ServerState, add_ignored_header
@@ -127,6 +127,7 @@ def create_app(state: ServerState) -> web.Application:
         app.router.add_get(f"{prefix}/models/{{model:.+}}", openai_api.model)  # names hold "/"
         app.router.add_post(f"{prefix}/chat/completions", openai_api.chat_completions)
         app.router.add_post(f"{prefix}/completions", openai_api.completions)
+        app.router.add_post(f"{prefix}/embeddings", embeddings.embeddings)
         app.router.add_post(f"{prefix}/messages", anthropic_api.messages)
         app.router.add_post(f"{prefix}/messages/count_tokens", anthropic_api.count_tokens)
     app.router.add_post("/infill", infill.infill)

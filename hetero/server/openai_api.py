@@ -22,13 +22,13 @@ from hetero.server.protocol import (
     CHAT_FIELDS,
     CHAT_UNSUPPORTED,
     COMPLETION_FIELDS,
-    MAX_PROMPTS,
     bad,
     check_fields,
     check_model,
     check_structured_outputs,
     include_usage,
     make_params,
+    prompt_list,
     resolve_max_tokens,
     sampling_kwargs,
 )
@@ -185,31 +185,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 # -- /v1/completions -----------------------------------------------------------------------------
 
 
-def _prompt_list(prompt: Any, vocab_size: int) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes -> a list of prompts, each a string or token ids."""
-    if isinstance(prompt, str):
-        items: list = [prompt]
-    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise bad("'prompt' must not be empty", param="prompt")
-    if len(items) > MAX_PROMPTS:
-        raise bad(f"at most {MAX_PROMPTS} prompts are allowed in one request", param="prompt")
-    for p in items:
-        ok_ids = isinstance(p, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
-        )
-        if not (isinstance(p, str) or ok_ids) or (isinstance(p, list) and not p):
-            raise bad(
-                "'prompt' must be a string, an array of strings, or (arrays of) token ids in "
-                f"[0, {vocab_size})",
-                param="prompt",
-            )
-    return items
-
-
 def _encode_prompts(tokenizer, items: Sequence[str | list[int]], suffix: str | None) -> list:
     ids = [tokenizer.encode(p, add_special=True) if isinstance(p, str) else p for p in items]
     if suffix is None:
@@ -246,7 +221,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         kw["logprobs"] = body["logprobs"]
     await _check_constraint(state, kw, "structured_outputs")
     tok = ae.tokenizer
-    items = _prompt_list(body["prompt"], tok.vocab_size)
+    items = prompt_list(body["prompt"], tok.vocab_size)
     prompts = await state.off_loop(_encode_prompts, tok, items, body.get("suffix"))
     requested = body.get("max_tokens") or 16  # the legacy API's default
     limits = (engine.max_model_len, state.pool_tokens)

@@ -258,6 +258,35 @@ def _bounds(spec: Field) -> str:
     return f"outside the range [{num(spec.lo)}, {num(spec.hi)}]"
 
 
+def prompt_list(
+    value: Any, vocab_size: int, param: str = "prompt", limit: int = MAX_PROMPTS
+) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes (a string, strings, token ids, arrays of token ids) -> a list
+    of prompts, each a string or token ids (`prompt` of /v1/completions, `input` of
+    /v1/embeddings)."""
+    if isinstance(value, str):
+        items: list = [value]
+    elif value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        items = [value]
+    else:
+        items = list(value)
+    if not items:
+        raise bad(f"'{param}' must not be empty", param=param)
+    if len(items) > limit:
+        raise bad(f"at most {limit} prompts are allowed in '{param}'", param=param)
+    for p in items:
+        ok_ids = isinstance(p, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
+        )
+        if not (isinstance(p, str) or ok_ids) or (isinstance(p, list) and not p):
+            raise bad(
+                f"'{param}' must be a string, an array of strings, or (arrays of) token ids in "
+                f"[0, {vocab_size})",
+                param=param,
+            )
+    return items
+
+
 def check_model(body: Mapping[str, Any], names: tuple[str, ...], strict: bool = False) -> str:
     """The name to answer with: the one asked for when it is one of the served `names` (the first
     is the model's own, the others aliases), the model's own otherwise. Any name is served by the

@@ -57,6 +57,8 @@ class ServerSettings:
     # Milliseconds a stream waits after sending before it sends again (its tokens of that time go
     # as one event); None: auto (see ServerState.pace).
     stream_interval_ms: float | None = None
+    # A GGUF that answers /v1/embeddings in place of the served model (embeddings.OwnEmbedder).
+    embedding_model: Path | None = None
 
     @property
     def served_name(self) -> str:
@@ -88,6 +90,7 @@ class ServerState:
         self.error: str | None = None
         self.engine: EngineInfo | None = None
         self.ae: AsyncEngine | EngineProcess | None = None
+        self.embedder = None  # embeddings.OwnEmbedder of --embedding-model, once loaded
         self.engine_died = asyncio.Event()  # the engine process ended without being asked
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -105,6 +108,11 @@ class ServerState:
                 await self._load_process()
             else:
                 await self._load_thread()
+            if self.settings.embedding_model is not None:
+                from hetero.server.embeddings import OwnEmbedder
+
+                s = self.settings
+                self.embedder = await asyncio.to_thread(OwnEmbedder, s.embedding_model, s.runtime)
         except Exception as e:
             named = isinstance(e, EngineLoadError)  # its message names the error already
             self.status, self.error = "failed", str(e) if named else f"{type(e).__name__}: {e}"
@@ -135,7 +143,7 @@ class ServerState:
             try:
                 s = self.settings
                 engine = Engine(s.model_path, s.engine_config, s.runtime, progress=True)
-                engine.constraints.prepare()  # the grammars' vocabulary, off the engine thread
+                engine.constraints.warm()  # the grammars' vocabulary, off the engine thread
                 result: Any = engine
             except BaseException as e:  # reported to the loop, which fails the daemon
                 result = e
