@@ -41,8 +41,11 @@ from gpu_step_profile import to_decode  # noqa: E402
 
 from hetero.config import RuntimeConfig  # noqa: E402
 from hetero.engine import engine as engine_mod  # noqa: E402
+from hetero.engine import step_sampling  # noqa: E402
 from hetero.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
 from hetero.engine.engine import Engine  # noqa: E402
+from hetero.factory import LaunchConfig  # noqa: E402
+from hetero.launch import build_engine  # noqa: E402
 
 
 class PhaseTimer:
@@ -80,13 +83,14 @@ class PhaseTimer:
 
 
 def instrument(engine: Engine, timer: PhaseTimer) -> None:
-    runner, graphs = engine.runner, engine.runner.graphs
+    runner = engine.executor.runner
+    graphs = runner.graphs
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "update", "update")
-    timer.wrap(engine, "_sample", "sample_host")
+    timer.wrap(engine_mod, "sample_logits", "sample_host")
     timer.wrap(engine, "sampler", "sampler", device_time=True)  # (a call, not a method lookup)
-    timer.wrap(engine_mod, "make_batch", "make_batch")
-    timer.wrap(engine_mod, "sampled_lists", "tolist")
+    timer.wrap(step_sampling, "make_batch", "make_batch")
+    timer.wrap(step_sampling, "sampled_lists", "tolist")
     if graphs is None:
         timer.wrap(runner, "run", "eager_forward", device_time=True)
         return
@@ -138,7 +142,8 @@ def main() -> None:
     cfg = EngineConfig(
         kv_dtype=args.kv_dtype, scheduler=sched, enable_prefix_caching=False, speculative="off"
     )  # fmt: skip
-    engine = Engine(args.model, cfg, RuntimeConfig(device="cuda", weights="quant"))
+    rt = RuntimeConfig(device="cuda", weights="quant")
+    engine = build_engine(args.model, LaunchConfig(cfg, rt))
     timer = PhaseTimer()
     instrument(engine, timer)
     results = {}

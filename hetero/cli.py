@@ -118,13 +118,19 @@ def info(model):
 @click.option("--shape", required=True, help="llama3-8b, qwen2.5-7b, smollm2-135m, ...")
 @click.option("--quant", default="q4_k_m", show_default=True, help="q4_k_m, q5_k_m, q6_k, q8_0 ...")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, shape, quant, seed):
-    """Write a full-size llama-family GGUF with random finite weights (for benchmarks)."""
+@click.option(
+    "--chat",
+    default=None,
+    help="a real family's chat template and special tokens: qwen2.5, qwen3, llama3.1, "
+    "mistral-nemo (default: ChatML)",
+)
+def synth(out, shape, quant, seed, chat):
+    """Write a llama-family GGUF with random finite weights (benchmarks; --chat: chat tests)."""
     from hetero.synth import write_synthetic
 
     t0 = time.perf_counter()
     try:
-        path = write_synthetic(out, shape, quant, seed=seed, progress=True)
+        path = write_synthetic(out, shape, quant, seed=seed, progress=True, chat=chat)
     except (ValueError, KeyError, OSError) as e:
         _fail(e)
     size = path.stat().st_size / 2**30

@@ -85,7 +85,7 @@ def assemble(
     # before the pool is sized: a draft model's weights and KV come out of the same memory
     draft = _draft(cfg, model, tokenizer, max_len) if cfg.speculative == "draft" else None
     spec_tokens = 0 if cfg.speculative == "off" else cfg.num_speculative_tokens
-    executor = LocalExecutor(model, cfg, max_len, str(gguf.path), spec_tokens)
+    executor = LocalExecutor(model, cfg, max_len, str(gguf.path), spec_tokens, gguf=gguf)
     return Engine(cfg, executor, gguf.config, tokenizer, draft)
 
 

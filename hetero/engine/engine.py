@@ -26,7 +26,7 @@ from hetero.engine.executor import (
     Step,
     StepSampling,
 )
-from hetero.engine.json_mask import Constraints
+from hetero.engine.grammar_mask import Constraints
 from hetero.engine.microbatch import MicroBatchScheduler
 from hetero.engine.output import StepOutput, final_output, token_output
 from hetero.engine.request import Request, RequestStatus
@@ -121,13 +121,14 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens (room is needed for at least one output token)"
             )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        # ids past the tokenizer's vocabulary (padding rows of the logits) have no text
+        check_token_ids(
+            prompt_ids, params, min(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        )
+        self.constraints.add(request_id, params)  # a grammar that does not compile refuses here
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)
         self.params[request_id] = params
-        self.constraints.add(request_id, params)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
@@ -143,6 +144,12 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
+
+    def embed(self, prompts: list[list[int]]):
+        """[N, C] float32 embeddings of token-id prompts, pooled as the model's GGUF says; a
+        forward of the executor's own, which takes no KV blocks from generation (ValueError for
+        a prompt it cannot take, or an executor that does not serve them)."""
+        return self.executor.embed(prompts)
 
     def cached_prompt_tokens(self, request_id: str) -> int:
         req = self.scheduler.get(request_id)
@@ -204,7 +211,7 @@ class Engine:
             prompt, output = r.prompt_ids if rep else (), r.output_ids if pen else ()
             rows.append(SampleRow(p, prompt, output, len(r.output_ids)))
         allowed = self.constraints.masks([r.request_id for r in producing]) if rows else None
-        return StepSampling(rows, allowed)
+        return StepSampling(rows, allowed, tuple(self.tokenizer.eos_ids))
 
     def _complete_oldest(self, results: dict[str, StepOutput]) -> None:
         _, out, started = self._inflight.popleft()
@@ -240,7 +247,7 @@ class Engine:
         if res.logits is not None:
             sampled = sample_logits(
                 res.logits, producing, self.params, self.constraints, self.sampler, self.spec,
-                results,
+                self.tokenizer.eos_ids, results,
             )  # fmt: skip
         else:
             s, sampled = res.sampled, {}
@@ -310,3 +317,14 @@ class Engine:
             restarts=self.restarts,
             tiers=None if tiers is None else tiers.gauges(),
         )
+
+
+def check_token_ids(prompt_ids: list[int], params, vocab: int) -> None:
+    """ValueError unless the prompt's, logit_bias's and stop_token_ids' ids are in [0, vocab)."""
+    for name, ids in (
+        ("prompt token ids", prompt_ids),
+        ("logit_bias token ids", params.logit_bias or ()),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name} must be in [0, {vocab})")

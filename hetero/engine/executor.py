@@ -79,7 +79,8 @@ class StepSampling:
     """The sampling side of a step, for executors that sample (info.samples)."""
 
     rows: list[SampleRow] = field(default_factory=list)
-    allowed: torch.Tensor | None = None  # [rows, V] bool: constrained rows' masks (None: none)
+    allowed: torch.Tensor | None = None  # constrained rows' masks (None: no row has one)
+    eos_ids: tuple[int, ...] = ()  # masked in rows still short of their min_tokens
 
 
 @dataclass
@@ -116,6 +117,10 @@ class Executor(Protocol):
     def submit(self, step: Step) -> None: ...
 
     def collect(self) -> ModelOutput: ...
+
+    def embed(self, prompts: list[list[int]]):
+        """[N, C] float32 pooled last hidden states of token-id prompts (ValueError where the
+        executor does not serve embeddings)."""
 
     def restart(self) -> None:
         """After an ExecutorFailure: start again (fresh KV pools), or raise when it cannot."""

@@ -23,6 +23,7 @@ def sample_logits(
     constraints,
     sampler: Sampler,
     spec,
+    eos_ids,
     results: dict[str, StepOutput],
 ) -> dict[str, list[int]]:
     """Sample `logits` [N, V] and fill `results` with each request's StepOutput; returns request
@@ -38,6 +39,7 @@ def sample_logits(
         rows.steps,
         logits.device,
         constraints.masks(row_ids),  # constrained requests never guess: one row each
+        eos_ids,  # masked while a row is short of its min_tokens
     )
     ids, lps, tops = sampled_lists(sampler(logits, state))
     if spec is None:

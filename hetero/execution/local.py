@@ -9,6 +9,7 @@ step; `collect` hands its logits to the engine, which samples them.
 from __future__ import annotations
 
 from hetero.config import bind_device
+from hetero.embedding import Embedder
 from hetero.engine.config import EngineConfig
 from hetero.engine.executor import ExecutorFailure, ExecutorInfo, ModelOutput, Step
 from hetero.execution.cuda_graph import DecodeGraphs, capture_decode_graphs, graph_rows
@@ -27,11 +28,14 @@ class LocalExecutor:
         model_path: str | None = None,
         spec_tokens: int = 0,
         kv_fraction: float | None = None,
+        gguf=None,
     ):
         """`model_path`: names the disk tier's files (None: no lower KV tiers, as for a draft
         model); `spec_tokens`: the most guesses a request may carry (room in the graphs);
-        `kv_fraction`: of the free memory for the pool (default: the config's)."""
+        `kv_fraction`: of the free memory for the pool (default: the config's); `gguf`: the
+        model's file as loaded (its metadata says how embeddings are pooled)."""
         self.model, self.config, self.model_path = model, config, model_path
+        self.gguf, self._embedder = gguf, None
         device = model.runtime.device
         bind_device(device)
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, device)
@@ -110,6 +114,15 @@ class LocalExecutor:
         if out is None:
             raise RuntimeError("collect() without a submitted step")
         return out
+
+    def embed(self, prompts: list[list[int]]):
+        """The model's pooled embeddings of the prompts (hetero/embedding.py): a forward of its
+        own, on the step's thread between two steps, writing no KV."""
+        if self._embedder is None:
+            if self.gguf is None:
+                raise ValueError("this executor was built without its model file: no embeddings")
+            self._embedder = Embedder(self.gguf, self.model)
+        return self._embedder(prompts)
 
     def restart(self) -> None:
         raise ExecutorFailure("the local executor does not restart")  # it never fails softly

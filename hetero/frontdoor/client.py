@@ -32,6 +32,8 @@ from hetero.frontdoor.wire import (
     Abort,
     Add,
     Died,
+    Embed,
+    Embedded,
     EngineInfo,
     GaugesQuery,
     GaugesReply,
@@ -60,6 +62,7 @@ class EngineProcess:
         self._closing = False
         self._sinks: dict[str, asyncio.Queue] = {}
         self._gauges: dict[int, asyncio.Future] = {}
+        self._embeds: dict[int, asyncio.Future] = {}
         self._last_gauges: EngineGauges | None = None
         self._tokens = itertools.count()
         self._lock = threading.Lock()
@@ -139,6 +142,19 @@ class EngineProcess:
             self._gauges.pop(token, None)
         return self._last_gauges
 
+    async def embed(self, prompts: list[list[int]]):
+        """Engine.embed in the engine process (ValueError: its refusal; RuntimeError: it
+        failed)."""
+        if self.dead is not None or self._closing:
+            raise EngineDeadError(f"the engine is not running: {self.dead or 'shutting down'}")
+        token = next(self._tokens)
+        fut = self._embeds[token] = asyncio.get_running_loop().create_future()
+        self._send(Embed(token, prompts))
+        try:
+            return await fut
+        finally:
+            self._embeds.pop(token, None)
+
     def _send(self, msg) -> None:
         data = dumps(msg)
         try:
@@ -175,6 +191,14 @@ class EngineProcess:
             fut = self._gauges.get(msg.token)
             if fut is not None and not fut.done():
                 fut.set_result(msg.gauges)
+        elif isinstance(msg, Embedded):
+            fut = self._embeds.get(msg.token)
+            if fut is not None and not fut.done():
+                if msg.error is None:
+                    fut.set_result(msg.vectors)
+                else:
+                    refused, message = msg.error
+                    fut.set_exception((ValueError if refused else RuntimeError)(message))
         elif isinstance(msg, Ready):
             self._loaded = True
             self._ready.set_result(msg.info)
@@ -206,6 +230,9 @@ class EngineProcess:
         for fut in self._gauges.values():
             if not fut.done():
                 fut.set_result(None)
+        for fut in self._embeds.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
 
     # -- the end -------------------------------------------------------------------------------
 

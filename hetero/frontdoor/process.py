@@ -27,6 +27,8 @@ from hetero.frontdoor.wire import (
     Abort,
     Add,
     Died,
+    Embed,
+    Embedded,
     EngineInfo,
     GaugesQuery,
     GaugesReply,
@@ -50,7 +52,7 @@ def engine_main(cmd: Connection, out: Connection, model_path, launch, level: int
 
     try:
         engine = build_engine(model_path, launch, progress=True)
-        engine.constraints.prepare()  # JSON mode's token tries, before the first request
+        engine.constraints.warm()  # the grammars' vocabulary, before the first request
     except BaseException as e:
         out.send_bytes(dumps(LoadFailed(f"{type(e).__name__}: {e}")))
         return
@@ -117,10 +119,21 @@ class CoreLoop:
                 self.refused.append((msg.request_id, str(e)))
         elif isinstance(msg, Abort):
             self.engine.abort(msg.request_id)
+        elif isinstance(msg, Embed):
+            self._send(self._embedded(msg))
         elif isinstance(msg, GaugesQuery):
             self._send(GaugesReply(msg.token, self.engine.gauges()))
         else:  # Shutdown, or None: the server process is gone
             self.stopping = True
+
+    def _embedded(self, msg: Embed) -> Embedded:
+        try:
+            return Embedded(msg.token, self.engine.embed(msg.prompts))
+        except Exception as e:  # a refusal, or a failed forward: the request's, not the loop's
+            refused = isinstance(e, ValueError)
+            if not refused:
+                log.exception("embeddings failed")
+            return Embedded(msg.token, None, (refused, str(e)))
 
     def _stop(self) -> None:
         """Free what is left (the server tells its clients why) and keep the prefixes."""

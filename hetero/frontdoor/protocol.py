@@ -51,6 +51,9 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    async def embed(self, prompts: list[list[int]]):
+        """Engine.embed between two steps: [N, C] float32 (ValueError: a refusal)."""
+
     async def gauges(self) -> EngineGauges | None:
         """The engine's queues, pool and counters now (None when it cannot answer)."""
 

@@ -38,6 +38,12 @@ class _Add:
     done: concurrent.futures.Future
 
 
+@dataclass
+class _Embed:
+    prompts: list[list[int]]
+    done: concurrent.futures.Future
+
+
 class AsyncEngine:
     """An EngineClient (protocol.py) over an engine on a thread of this process."""
 
@@ -108,6 +114,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(Abort(request_id))
 
+    async def embed(self, prompts: list[list[int]]):
+        """Engine.embed, run by the engine thread between two steps."""
+        if self._dead is not None or self._stop.is_set():
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shutting down'}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Embed(prompts, done))
+        return await asyncio.wrap_future(done)
+
     # -- engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -147,6 +161,11 @@ class AsyncEngine:
         elif isinstance(cmd, Abort):
             self.engine.abort(cmd.request_id)
             self._sinks.pop(cmd.request_id, None)
+        elif isinstance(cmd, _Embed):
+            try:
+                cmd.done.set_result(self.engine.embed(cmd.prompts))
+            except Exception as e:  # a refusal or a failed forward: the caller's, not the loop's
+                cmd.done.set_exception(e)
 
     def _deliver(self, outs: list[StepOutput]) -> None:
         """Hand one step's outputs to their callers: one wake-up per event loop, not per output
@@ -173,7 +192,7 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, (_Add, _Embed)):
                 cmd.done.set_exception(EngineDeadError(reason))
 
 

@@ -3,10 +3,12 @@
 One pickled message per command or event, each a small typed class:
 
     server -> engine   Add(request_id, prompt_ids, params)   Abort(request_id)
-                       GaugesQuery(token)                     Shutdown()
+                       GaugesQuery(token)                     Embed(token, prompts)
+                       Shutdown()
     engine -> server   Ready(info) | LoadFailed(message)     once, after loading
                        StepDone(outputs, refused)            once per engine step that did something
-                       GaugesReply(token, gauges)            Died(message)
+                       GaugesReply(token, gauges)            Embedded(token, vectors, refusal)
+                       Died(message)
 
 A StepDone's outputs travel as plain tuples in StepOutput's field order (`pack_outputs`;
 `StepOutput(*t)` is the inverse), not as dataclasses: a tuple pickles in about a third of the
@@ -65,6 +67,14 @@ class GaugesQuery:
 
 
 @dataclass(slots=True)
+class Embed:
+    """Embeddings of token-id prompts, answered by token between two steps."""
+
+    token: int
+    prompts: list[list[int]]
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Abort the rest, save the KV prefixes, exit."""
 
@@ -92,6 +102,13 @@ class StepDone:
 class GaugesReply:
     token: int
     gauges: Any  # EngineGauges (engine/stats.py)
+
+
+@dataclass(slots=True)
+class Embedded:
+    token: int
+    vectors: Any  # [N, C] float32 array (None when refused or failed)
+    error: tuple[bool, str] | None = None  # (a refusal: the request's fault, the message)
 
 
 @dataclass(slots=True)

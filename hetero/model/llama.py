@@ -135,11 +135,7 @@ class LlamaModel(nn.Module):
         A later pipeline stage starts from the previous stage's `hidden` [T, C] instead of the
         tokens; a stage before the last returns its hidden states [T, C] for the next one.
         """
-        x = self.embed(tokens) if hidden is None else hidden  # [T, C]
-        cos, sin = self.rotary.cos_sin(batch.positions)  # [T, R] each
-        pending = None  # a block's output, added by the next block's fused add + norm
-        for block in self.blocks:
-            x, pending = block(x, pending, self.rotary, cos, sin, batch)
+        x, pending = self._blocks(tokens, batch, hidden)
         if not self.is_last:
             return x if pending is None else x + pending
         rows = batch.logits_indices
@@ -148,6 +144,22 @@ class LlamaModel(nn.Module):
         else:  # only the wanted rows are added and normed
             _, x = self.norm.add(x[rows], pending[rows])
         return self.lm_head(x).float()  # [N, V]
+
+    def _blocks(self, tokens, batch: ForwardBatch, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers: (x [T, C], the last block's output not yet added to x)."""
+        x = self.embed(tokens) if hidden is None else hidden  # [T, C]
+        cos, sin = self.rotary.cos_sin(batch.positions)  # [T, R] each
+        pending = None  # a block's output, added by the next block's fused add + norm
+        for block in self.blocks:
+            x, pending = block(x, pending, self.rotary, cos, sin, batch)
+        return x, pending
+
+    @torch.inference_mode()
+    def final_hidden(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """tokens [T] -> every token's last hidden state [T, C] (after the final norm, before the
+        head: what embeddings pool); a whole model only."""
+        x, pending = self._blocks(tokens, batch, None)
+        return self.norm(x) if pending is None else self.norm.add(x, pending)[1]
 
 
 def load_model(

@@ -96,6 +96,12 @@ class PipelineExecutor:
         log.error("%s", why)
         return ExecutorFailure(why)
 
+    def embed(self, prompts: list[list[int]]):
+        raise ValueError(
+            "embeddings are not served by a pipeline's stages yet; give the daemon an "
+            "--embedding-model"
+        )
+
     def restart(self) -> None:
         """Start the stages again after a failure, or raise once max_restarts are used."""
         self.pipeline.close(graceful=False)

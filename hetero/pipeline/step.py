@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from hetero.engine.block_manager import cdiv
-from hetero.engine.executor import SampleRow, Step
+from hetero.engine.executor import Step, StepSampling
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -32,14 +30,13 @@ class StepPlan:
     micro_batch: int
     seqs: list[SeqStep] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    rows: list[SampleRow] = field(default_factory=list)
-    allowed: torch.Tensor | None = None  # [rows, V] bool: JSON-mode masks (None: no row has one)
+    sampling: StepSampling = field(default_factory=StepSampling)  # for the last stage
 
     @classmethod
     def build(cls, step: Step, block_size: int) -> StepPlan:
         """The engine's step as plain data; its sampling rows go to the last stage."""
-        out, sampling = step.out, step.sampling
-        plan = cls(step.id, copies=list(out.copies), rows=sampling.rows, allowed=sampling.allowed)
+        out = step.out
+        plan = cls(step.id, copies=list(out.copies), sampling=step.sampling)
         for s in out.scheduled:
             r, end = s.req, s.start_pos + s.num_new_tokens
             table = r.block_table[: cdiv(end, block_size)]

@@ -172,16 +172,18 @@ class Stage:
         y, _ = self.runner.run(plan.scheduler_output(), hidden)
         if not self.last:
             return y
-        if not plan.rows:
+        sampling = plan.sampling
+        rows = sampling.rows
+        if not rows:
             return StepResult(plan.micro_batch, [])
-        rows = plan.rows
         state = make_batch(
             [r.params for r in rows],
             [r.prompt_ids for r in rows],
             [r.output_ids for r in rows],
             [r.step for r in rows],
             y.device,
-            plan.allowed,
+            sampling.allowed,
+            sampling.eos_ids,
         )
         ids, lps, tops = sampled_lists(self.sampler(y, state))
         return StepResult(plan.micro_batch, ids, lps, tops)

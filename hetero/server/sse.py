@@ -41,6 +41,10 @@ class EventStream:
     async def send(self, obj: Any) -> None:
         await self.response.write(f"data: {dumps(obj)}\n\n".encode())
 
+    async def send_named(self, event: str, obj: Any) -> None:
+        """An event with a name line (Anthropic's streams name every event)."""
+        await self.response.write(f"event: {event}\ndata: {dumps(obj)}\n\n".encode())
+
     async def send_error(self, message: str, status: int = 503) -> None:
         """An error event (the OpenAI clients raise it as an APIError with this message)."""
         kind = "server_error" if status >= 500 else "invalid_request_error"

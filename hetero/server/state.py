@@ -29,7 +29,7 @@ from hetero.frontdoor.thread import AsyncEngine
 from hetero.frontdoor.wire import EngineInfo
 from hetero.launch import build_engine
 from hetero.server.metrics import Metrics
-from hetero.server.protocol import ApiError, parse_json
+from hetero.server.protocol import ApiError, check_model, parse_json
 from hetero.tokenizer import Tokenizer
 
 log = logging.getLogger("hetero.server")
@@ -43,6 +43,10 @@ class ServerSettings:
     port: int = 8080
     api_key: str | None = None
     served_model_name: str | None = None
+    # More names the model answers to (listed in /v1/models); with strict_model_name, a request
+    # naming any other model is a 404 (by default any name is served by the one model loaded).
+    aliases: tuple[str, ...] = ()
+    strict_model_name: bool = False
     max_request_bytes: int = 8 * 2**20
     shutdown_grace: float = 30.0
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -54,10 +58,17 @@ class ServerSettings:
     # Milliseconds a stream waits after sending before it sends again (its tokens of that time go
     # as one event); None: auto (see ServerState.pace).
     stream_interval_ms: float | None = None
+    # A GGUF that answers /v1/embeddings in place of the served model (embeddings.OwnEmbedder).
+    embedding_model: Path | None = None
 
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model_path.stem
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The served name first, then the aliases (each once)."""
+        return tuple(dict.fromkeys((self.served_name, *self.aliases)))
 
 
 # --stream-interval-ms auto: every step's tokens go out at once while few requests stream; past
@@ -75,10 +86,12 @@ class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.served_name = settings.served_name
+        self.model_names = settings.model_names
         self.status = "loading"
         self.error: str | None = None
         self.engine: EngineInfo | None = None
         self.ae: EngineClient | None = None
+        self.embedder = None  # embeddings.OwnEmbedder of --embedding-model, once loaded
         self.engine_died = asyncio.Event()  # the engine process ended without being asked
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -96,6 +109,13 @@ class ServerState:
                 await self._load_process()
             else:
                 await self._load_thread()
+            if self.settings.embedding_model is not None:
+                from hetero.server.embeddings import OwnEmbedder
+
+                s = self.settings
+                self.embedder = await asyncio.to_thread(
+                    OwnEmbedder, s.embedding_model, s.launch.runtime
+                )
         except Exception as e:
             named = isinstance(e, EngineLoadError)  # its message names the error already
             self.status, self.error = "failed", str(e) if named else f"{type(e).__name__}: {e}"
@@ -124,7 +144,7 @@ class ServerState:
             try:
                 s = self.settings
                 engine = build_engine(s.model_path, s.launch, progress=True)
-                engine.constraints.prepare()  # JSON mode's token tries, off the engine thread
+                engine.constraints.warm()  # the grammars' vocabulary, off the engine thread
                 result: Any = engine
             except BaseException as e:  # reported to the loop, which fails the daemon
                 result = e
@@ -202,8 +222,33 @@ class ServerState:
             self.ae.close(timeout)
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
 
+    def model_for(self, body: dict[str, Any]) -> str:
+        """The name to answer `body` with (protocol.check_model: a 404 only under strict names)."""
+        return check_model(body, self.model_names, self.settings.strict_model_name)
+
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
+IGNORED_HEADER = "X-Hetero-Ignored-Fields"
+_logged_ignored: set[str] = set()
+
+
+def ignore_fields(request: web.Request, names: list[str]) -> None:
+    """Fields of the request that are accepted and not used: logged once per name for the life of
+    the server, and named in the answer's X-Hetero-Ignored-Fields header."""
+    if not names:
+        return
+    request["ignored_fields"] = names
+    new = [n for n in names if n not in _logged_ignored]
+    if new:
+        _logged_ignored.update(new)
+        log.info("ignoring request fields this server does not use: %s", ", ".join(new))
+
+
+async def add_ignored_header(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: streams send their headers before the handler returns."""
+    names = request.get("ignored_fields")
+    if names:
+        response.headers[IGNORED_HEADER] = ", ".join(names)
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:

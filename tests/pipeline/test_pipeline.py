@@ -10,6 +10,7 @@ wait, so a broken pipeline fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,10 +23,20 @@ from hetero.config import RuntimeConfig
 from hetero.llm import LLM
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
+from hetero.structured_outputs import StructuredOutputsParams
 from tests.engine.test_engine import _divergence_gap, check_outputs, prompts_mixed, ref_greedy
 
 EXACT = dict(kv_dtype="fp32", weights="dense", stage_timeout=120.0)
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
+N = {"type": "integer", "minimum": 0, "maximum": 99}
+SCHEMA = StructuredOutputsParams(
+    json={
+        "type": "object",
+        "properties": {"n": N},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -146,20 +157,27 @@ def test_smollm2_pipeline_equals_one_process(smollm2_path, smollm2_refs, devices
             assert gap < 1e-3, f"output differs at token {k} where the top-2 gap is {gap:.2e}"
 
 
-def test_logprobs_seeded_and_json_sampling_in_the_last_stage(tiny_llama):
+def test_logprobs_seeded_and_constrained_sampling_in_the_last_stage(tiny_llama):
     one = LLM(str(tiny_llama), **EXACT, num_kv_blocks=64)
+    eos = min(one.engine.tokenizer.eos_ids)
     p = [
         SamplingParams(temperature=0, max_tokens=4, logprobs=3),
         SamplingParams(temperature=0.8, seed=7, max_tokens=6, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=12, json_object=True),  # masks to the last stage
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=SCHEMA),  # masks shipped
+        # EOS all but forced by its bias, held back by min_tokens: the last stage knows the ids
+        SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias={eos: 100}),
     ]
-    prompts = synth_prompts(3, seed=3)
+    prompts = synth_prompts(4, seed=3)
     want = one.generate(prompts, p)
     got, _ = run_pipeline(tiny_llama, prompts, p, devices="cpu,cpu", num_kv_blocks=64)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for a, b in zip(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert got[2].outputs[0].finish_reason == "stop"  # the object closed
+    assert json.loads(got[2].outputs[0].text).keys() == {"n"}
+    ended = got[3].outputs[0]
+    assert ended.finish_reason == "stop" and len(ended.token_ids) == 4, ended
 
 
 def test_killed_stage_fails_requests_restarts_then_gives_up(tiny_llama):

@@ -13,12 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hetero.config import RuntimeConfig
+from hetero.config import PipelineConfig, RuntimeConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import SchedulerConfig
 from hetero.engine.microbatch import MicroBatchScheduler
 from hetero.engine.request import Request, RequestStatus
-from hetero.config import PipelineConfig
 from hetero.launch import require_present, resolve_stages
 from hetero.pipeline.stages import (
     StageSpec,
