@@ -13,7 +13,14 @@ from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.cuda_graph import capture_decode_graphs, graph_rows
 from hetero.engine.json_mask import Constraints
-from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
+from hetero.engine.kv_cache import (
+    KVPool,
+    PoolSize,
+    block_bytes,
+    cpu_pool_need,
+    resolve_kv_dtype,
+    size_pool,
+)
 from hetero.engine.kv_tiered import build_tiers
 from hetero.engine.request import Request
 from hetero.engine.runner import ModelRunner
@@ -137,6 +144,7 @@ class Engine:
 
     def _size_pool(self) -> PoolSize:
         cfg = self.config
+        need = cpu_pool_need(self.max_model_len, cfg.scheduler.max_num_seqs, cfg.block_size)
         return size_pool(
             self.model_config,
             len(self.model.layer_range),
@@ -145,6 +153,7 @@ class Engine:
             self.runtime.device,
             cfg.kv_memory_fraction,
             cfg.num_kv_blocks,
+            need,
         )
 
     def describe_kv(self) -> str:
