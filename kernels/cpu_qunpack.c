@@ -8,8 +8,11 @@
 #include <string.h>
 
 #include "cpu_qtypes.h"
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -57,50 +60,90 @@ static inline void halves(const uint8_t *src, float *dst) {
 #endif
 }
 
-/* 64 packed bytes -> low nibbles into chunk `lo`, high nibbles into chunk `hi` */
-static inline void nibbles(const uint8_t *s, uint8_t *codes, int lo, int hi) {
-    uint8_t *a = codes + 64 * lo, *b = codes + 64 * hi;
-    for (int i = 0; i < 64; i++) {
-        a[i] = s[i] & 15;
-        b[i] = s[i] >> 4;
-    }
+/* 64 bytes (16 rows x 4) as one vector: the compiler maps it to one AVX-512 register, two AVX2
+ * or four NEON ones (GCC vector extensions); loads and stores go through memcpy (unaligned). */
+typedef uint8_t v64 __attribute__((vector_size(64)));
+
+static inline v64 ld(const uint8_t *p) {
+    v64 v;
+    memcpy(&v, p, 64);
+    return v;
 }
 
-/* 2-bit fields at shift 2k of 64 packed bytes -> chunk c, or-ed in at bit `at` */
-static inline void crumbs(const uint8_t *s, int k, uint8_t *codes, int c, int at) {
-    uint8_t *a = codes + 64 * c;
-    for (int i = 0; i < 64; i++) a[i] |= ((s[i] >> (2 * k)) & 3) << at;
-}
+static inline void st(uint8_t *tile, int chunk, v64 v) { memcpy(tile + 64 * chunk, &v, 64); }
 
-/* bit s of each of 64 packed bytes -> chunk c, or-ed in at bit `at` */
-static inline void bits(const uint8_t *src, int s, uint8_t *codes, int c, int at) {
-    uint8_t *a = codes + 64 * c;
-    for (int i = 0; i < 64; i++) a[i] |= ((src[i] >> s) & 1) << at;
+static inline v64 nib(v64 v, int high) { return high ? v >> 4 : v & 15; }
+static inline v64 crumb(v64 v, int k) { return (v >> (2 * k)) & 3; }
+/* crumb k moved to bits 4-5 (Q6_K's high bits): one shift and one mask */
+static inline v64 crumb_at4(v64 v, int k) { return (k <= 2 ? v << (4 - 2 * k) : v >> 2) & 0x30; }
+/* bit s of each byte moved to bit `at`: one shift and one mask */
+static inline v64 bit_at(v64 v, int s, int at) {
+    return (at >= s ? v << (at - s) : v >> (s - at)) & (uint8_t)(1 << at);
 }
 
 /* ---- legacy: | d | (m) | (qh) | qs 256 |, 8 chunks ---------------------------------------- */
 
 static void legacy4(const uint8_t *qs, uint8_t *tile) {
-    for (int p = 0; p < 4; p++) nibbles(qs + 64 * p, tile, p, 4 + p);
+    for (int p = 0; p < 4; p++) {
+        const v64 v = ld(qs + 64 * p);
+        st(tile, p, nib(v, 0));
+        st(tile, 4 + p, nib(v, 1));
+    }
 }
 
-/* qh: one u32 a row (bit j: fifth bit of weight j) -> bit 4 of the codes. Chunk c takes bits
- * 4c .. 4c+3 of each row's word, and x * 0x00204081 & 0x01010101 moves bit i of x to bit 8i
- * (the four shifted copies never overlap), i.e. to byte i of the row's 4 codes: lane-wise u32
- * arithmetic that vectorizes. */
-static void legacy5(const uint8_t *qh, uint8_t *tile) {
-    uint32_t h[QR], t[8 * QR];
-    memcpy(h, qh, sizeof h);
-    memcpy(t, tile, sizeof t);
-    for (int c = 0; c < 8; c++)
-        for (int r = 0; r < QR; r++)
-            t[QR * c + r] |= ((((h[r] >> (4 * c)) & 15) * 0x00204081u) & 0x01010101u) << 4;
-    memcpy(tile, t, sizeof t);
+/* qh: one u32 a row, bit j the fifth bit of weight j. Chunk c needs, at byte (r, i), bit 4c + i
+ * of row r's word: bit 4(c % 2) + i of its byte c / 2. An in-lane byte shuffle (pshufb, tbl)
+ * copies that byte to the row's 4 positions, a mask with the position's bit and a carry turn
+ * it into 0 or 0x10. */
+#define R4(b, r) 4 * r + b, 4 * r + b, 4 * r + b, 4 * r + b
+#define ROWS16(M, x)                                                                            \
+    M(x, 0), M(x, 1), M(x, 2), M(x, 3), M(x, 4), M(x, 5), M(x, 6), M(x, 7), M(x, 8), M(x, 9),  \
+        M(x, 10), M(x, 11), M(x, 12), M(x, 13), M(x, 14), M(x, 15)
+#define B4(s, r) 1 << (s), 2 << (s), 4 << (s), 8 << (s)
+static const v64 QH_BYTE[4] = {{ROWS16(R4, 0)}, {ROWS16(R4, 1)}, {ROWS16(R4, 2)}, {ROWS16(R4, 3)}};
+static const v64 QH_BIT[2] = {{ROWS16(B4, 0)}, {ROWS16(B4, 4)}};
+
+/* out[i] = v[idx[i]] for indices inside i's own 16 bytes (pshufb, tbl) */
+static inline v64 lane_shuffle(v64 v, v64 idx) {
+    v64 out;
+#if defined(__AVX512BW__)
+    __m512i a, b;
+    memcpy(&a, &v, 64), memcpy(&b, &idx, 64);
+    a = _mm512_shuffle_epi8(a, _mm512_and_si512(b, _mm512_set1_epi8(15)));
+    memcpy(&out, &a, 64);
+#elif defined(__AVX2__)
+    for (int h = 0; h < 64; h += 32) {
+        __m256i a, b;
+        memcpy(&a, (const uint8_t *)&v + h, 32), memcpy(&b, (const uint8_t *)&idx + h, 32);
+        a = _mm256_shuffle_epi8(a, _mm256_and_si256(b, _mm256_set1_epi8(15)));
+        memcpy((uint8_t *)&out + h, &a, 32);
+    }
+#elif defined(__aarch64__)
+    for (int h = 0; h < 64; h += 16) {
+        uint8x16_t a, b;
+        memcpy(&a, (const uint8_t *)&v + h, 16), memcpy(&b, (const uint8_t *)&idx + h, 16);
+        a = vqtbl1q_u8(a, vandq_u8(b, vdupq_n_u8(15)));
+        memcpy((uint8_t *)&out + h, &a, 16);
+    }
+#else
+    for (int i = 0; i < 64; i++) out[i] = v[idx[i]];
+#endif
+    return out;
+}
+
+static void legacy5(const uint8_t *qs, const uint8_t *qh, uint8_t *tile) {
+    const v64 h = ld(qh);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        const v64 sel = lane_shuffle(h, QH_BYTE[c / 2]);
+        /* a byte holding 0 or one bit 2^p <= 128: + 127 sets bit 7 exactly when nonzero */
+        const v64 five = (((sel & QH_BIT[c % 2]) + 127) & 128) >> 3;
+        st(tile, c, nib(ld(qs + 64 * (c % 4)), c / 4) | five);
+    }
 }
 
 static void unpack_q4_0(const uint8_t *u, uint8_t *t) {
     halves(u, (float *)(t + LTILE_D));
-    memset(t + LTILE_M, 0, QR * 4);
     legacy4(u + 32, t);
 }
 
@@ -112,96 +155,111 @@ static void unpack_q4_1(const uint8_t *u, uint8_t *t) {
 
 static void unpack_q5_0(const uint8_t *u, uint8_t *t) {
     halves(u, (float *)(t + LTILE_D));
-    memset(t + LTILE_M, 0, QR * 4);
-    legacy4(u + 96, t);
-    legacy5(u + 32, t);
+    legacy5(u + 96, u + 32, t);
 }
 
 static void unpack_q5_1(const uint8_t *u, uint8_t *t) {
     halves(u, (float *)(t + LTILE_D));
     halves(u + 32, (float *)(t + LTILE_M));
-    legacy4(u + 128, t);
-    legacy5(u + 64, t);
+    legacy5(u + 128, u + 64, t);
 }
 
 static void unpack_q8_0(const uint8_t *u, uint8_t *t) {
-    float *d = (float *)(t + LTILE_D);
-    halves(u, d);
-    memset(t + LTILE_M, 0, QR * 4);
-#if Q8_OFFSET
-    for (int i = 0; i < 512; i++) t[i] = u[32 + i] ^ 0x80;
-#else
-    memcpy(t, u + 32, 512);
-#endif
+    halves(u, (float *)(t + LTILE_D));
+    for (int c = 0; c < 8; c++) st(t, c, ld(u + 32 + 64 * c) ^ (Q8_OFFSET ? 0x80 : 0));
 }
 
 /* ---- K-quants: 64 chunks, sc [nsub][16], mn [8][16][2], dk, dm ------------------------------ */
 
-/* 6-bit (sc, m) of Q4_K/Q5_K from 12 planes of 16 rows (quant/kquants.py draws the bytes) */
-static void k4_scales(const uint8_t *p, uint8_t *tile) {
-    int32_t *sc = (int32_t *)(tile + KTILE_SC);
-    int16_t *mn = (int16_t *)(tile + KTILE_MN);
-    for (int j = 0; j < 4; j++)
-        for (int r = 0; r < QR; r++) {
-            const int b = p[QR * j + r], m = p[QR * (4 + j) + r], x = p[QR * (8 + j) + r];
-            const int m_lo = m & 63, m_hi = (x >> 4) | ((m >> 6) << 4);
-            sc[QR * j + r] = b & 63;
-            sc[QR * (4 + j) + r] = (x & 15) | ((b >> 6) << 4);
-            mn[2 * (QR * j + r)] = mn[2 * (QR * j + r) + 1] = (int16_t)-m_lo;
-            mn[2 * (QR * (4 + j) + r)] = mn[2 * (QR * (4 + j) + r) + 1] = (int16_t)-m_hi;
-        }
+typedef uint8_t v16 __attribute__((vector_size(16))); /* one byte of each of 16 rows */
+
+static inline v16 plane(const uint8_t *p, int j) {
+    v16 v;
+    memcpy(&v, p + QR * j, QR);
+    return v;
 }
 
-/* per-16 scales s [16][16] with offset codes u - off: mn_j = -off * sc_j, dm = dk */
+/* scale bytes of 16 rows -> sc[s] int32 (int8 where `sign`), plus `bias`; plain loops, which
+ * the compiler turns into byte-to-int widening moves */
+static inline void put_sc(uint8_t *tile, int s, v16 v, int sign, int bias) {
+    uint8_t b[QR];
+    int32_t out[QR];
+    memcpy(b, &v, QR);
+    for (int r = 0; r < QR; r++) out[r] = (sign ? (int32_t)(int8_t)b[r] : (int32_t)b[r]) + bias;
+    memcpy(tile + KTILE_SC + 64 * s, out, sizeof out);
+}
+
+/* mn pair j: rows' (M_2j, M_2j+1) = -(a, b), two int16 in one (little-endian) u32 a row */
+static inline void put_mn(uint8_t *tile, int j, v16 a, v16 b) {
+    uint8_t x[QR], y[QR];
+    uint32_t out[QR];
+    memcpy(x, &a, QR), memcpy(y, &b, QR);
+    for (int r = 0; r < QR; r++)
+        out[r] = ((uint32_t)-(int32_t)x[r] & 0xFFFF) | ((uint32_t)-(int32_t)y[r] << 16);
+    memcpy(tile + KTILE_MN + 64 * j, out, sizeof out);
+}
+
+/* 6-bit (sc, m) of Q4_K/Q5_K from 12 planes of 16 rows (quant/kquants.py draws the bytes);
+ * u32 lanes of 16 rows, which vectorize */
+static void k4_scales(const uint8_t *restrict p, uint8_t *restrict tile) {
+    int32_t sc[8 * QR];
+    uint32_t mn[8 * QR];
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < QR; r++) {
+            const uint32_t b = p[QR * j + r], m = p[QR * (4 + j) + r], x = p[QR * (8 + j) + r];
+            const uint32_t m_lo = m & 63, m_hi = (x >> 4) | ((m >> 6) << 4);
+            sc[QR * j + r] = (int32_t)(b & 63);
+            sc[QR * (4 + j) + r] = (int32_t)((x & 15) | ((b >> 6) << 4));
+            mn[QR * j + r] = ((0u - m_lo) & 0xFFFF) * 0x10001u; /* the pair (-m, -m) */
+            mn[QR * (4 + j) + r] = ((0u - m_hi) & 0xFFFF) * 0x10001u;
+        }
+    memcpy(tile + KTILE_SC, sc, sizeof sc);
+    memcpy(tile + KTILE_MN, mn, sizeof mn);
+}
+
+/* per-16 scales sc [16][16] with codes u - off: M_j = -off * sc_j, dm = dk */
 static void k16_offsets(uint8_t *tile, int off) {
-    const int32_t *sc = (const int32_t *)(tile + KTILE_SC);
-    int16_t *mn = (int16_t *)(tile + KTILE_MN);
+    int32_t sc[16 * QR];
+    int16_t mn[16 * QR];
+    memcpy(sc, tile + KTILE_SC, sizeof sc);
     for (int j = 0; j < 8; j++)
         for (int r = 0; r < QR; r++)
             for (int h = 0; h < 2; h++) mn[2 * (QR * j + r) + h] = (int16_t)(-off * sc[QR * (2 * j + h) + r]);
+    memcpy(tile + KTILE_MN, mn, sizeof mn);
     memcpy(tile + KTILE_DM, tile + KTILE_DK, QR * 4);
 }
 
-/* codes of 128 bytes of 2-bit fields in vectors (h, q) -> element 128h + 32k + 4q + i */
-static void k_crumbs(const uint8_t *qs, uint8_t *tile) {
-    memset(tile, 0, KTILE_CODES);
-    for (int h = 0; h < 2; h++)
-        for (int q = 0; q < 8; q++)
-            for (int k = 0; k < 4; k++) crumbs(qs + 64 * (8 * h + q), k, tile, 32 * h + 8 * k + q, 0);
-}
-
 static void unpack_q2_k(const uint8_t *u, uint8_t *t) {
-    int32_t *sc = (int32_t *)(t + KTILE_SC);
-    int16_t *mn = (int16_t *)(t + KTILE_MN);
     halves(u, (float *)(t + KTILE_DK));
     halves(u + 32, (float *)(t + KTILE_DM));
-    for (int s = 0; s < 16; s++)
-        for (int r = 0; r < QR; r++) {
-            const int b = u[64 + QR * s + r];
-            sc[QR * s + r] = b & 15;
-            mn[2 * (QR * (s / 2) + r) + s % 2] = (int16_t)-(b >> 4);
-        }
-    k_crumbs(u + 320, t);
+    for (int s = 0; s < 16; s++) put_sc(t, s, plane(u + 64, s) & 15, 0, 0);
+    for (int j = 0; j < 8; j++) put_mn(t, j, plane(u + 64, 2 * j) >> 4, plane(u + 64, 2 * j + 1) >> 4);
+    for (int v = 0; v < 16; v++) { /* vector (h, q) = 8h + q: crumb k -> chunk 32h + 8k + q */
+        const v64 q = ld(u + 320 + 64 * v);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) st(t, 32 * (v / 8) + 8 * k + v % 8, crumb(q, k));
+    }
 }
 
 static void unpack_q3_k(const uint8_t *u, uint8_t *t) {
-    int32_t *sc = (int32_t *)(t + KTILE_SC);
     const uint8_t *p = u + 32;
     halves(u, (float *)(t + KTILE_DK));
-    for (int s = 0; s < 16; s++)
-        for (int r = 0; r < QR; r++) {
-            const int low = s < 8 ? p[QR * s + r] & 15 : p[QR * (s - 8) + r] >> 4;
-            const int high = (p[QR * (8 + s % 4) + r] >> (2 * (s / 4))) & 3;
-            sc[QR * s + r] = (low | (high << 4)) - 32;
-        }
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+        const v16 low = s < 8 ? plane(p, s) & 15 : plane(p, s - 8) >> 4;
+        const v16 high = (plane(p, 8 + s % 4) >> (2 * (s / 4))) & 3;
+        put_sc(t, s, low | (high << 4), 0, -32);
+    }
     k16_offsets(t, 4); /* u = low2 | hbit << 2 in 0..7: weight code u - 4 */
-    k_crumbs(u + 736, t);
-    for (int s = 0; s < 8; s++)
-        for (int q = 0; q < 8; q++) bits(u + 224 + 64 * q, s, t, 8 * s + q, 2);
-}
-
-static void k4_codes(const uint8_t *qs, uint8_t *tile) {
-    for (int p = 0; p < 32; p++) nibbles(qs + 64 * p, tile, 16 * (p / 8) + p % 8, 16 * (p / 8) + 8 + p % 8);
+#pragma GCC unroll 16
+    for (int v = 0; v < 16; v++) { /* chunk c = 32h + 8k + q: hmask bit c / 8 of vector q */
+        const v64 q = ld(u + 736 + 64 * v), hm = ld(u + 224 + 64 * (v % 8));
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int c = 32 * (v / 8) + 8 * k + v % 8;
+            st(t, c, crumb(q, k) | bit_at(hm, c / 8, 2));
+        }
+    }
 }
 
 static void k4_head(const uint8_t *u, uint8_t *t) { /* | d | dmin | scales | of Q4_K, Q5_K */
@@ -210,31 +268,45 @@ static void k4_head(const uint8_t *u, uint8_t *t) { /* | d | dmin | scales | of 
     k4_scales(u + 64, t);
 }
 
+/* qs vector p = 8j + q: low nibbles -> chunk 16j + q, high -> 16j + 8 + q; Q5_K's fifth bit of
+ * chunk c is bit c / 8 of qh vector c % 8 */
+static void k4_codes(const uint8_t *qs, const uint8_t *qh, uint8_t *tile) {
+#pragma GCC unroll 32
+    for (int p = 0; p < 32; p++) {
+        const v64 v = ld(qs + 64 * p);
+#pragma GCC unroll 2
+        for (int hi = 0; hi < 2; hi++) {
+            const int c = 16 * (p / 8) + 8 * hi + p % 8;
+            st(tile, c, qh ? nib(v, hi) | bit_at(ld(qh + 64 * (c % 8)), c / 8, 4) : nib(v, hi));
+        }
+    }
+}
+
 static void unpack_q4_k(const uint8_t *u, uint8_t *t) {
     k4_head(u, t);
-    k4_codes(u + 256, t);
+    k4_codes(u + 256, 0, t);
 }
 
 static void unpack_q5_k(const uint8_t *u, uint8_t *t) {
     k4_head(u, t);
-    k4_codes(u + 768, t);
-    for (int s = 0; s < 8; s++)
-        for (int q = 0; q < 8; q++) bits(u + 256 + 64 * q, s, t, 8 * s + q, 4);
+    k4_codes(u + 768, u + 256, t);
 }
 
+/* chunk c = 32h + 8k + q: low nibbles from ql vector 16h + 8(k % 2) + q (high nibble for
+ * k >= 2), high crumb k from qh vector 8h + q */
 static void unpack_q6_k(const uint8_t *u, uint8_t *t) {
-    int32_t *sc = (int32_t *)(t + KTILE_SC);
     halves(u, (float *)(t + KTILE_DK));
-    for (int s = 0; s < 16; s++)
-        for (int r = 0; r < QR; r++) sc[QR * s + r] = (int8_t)u[32 + QR * s + r];
+    for (int s = 0; s < 16; s++) put_sc(t, s, plane(u + 32, s), 1, 0); /* int8 scales */
     k16_offsets(t, 32);
-    for (int p = 0; p < 32; p++) {
-        const int base = 32 * (p / 16) + 8 * ((p / 8) % 2) + p % 8;
-        nibbles(u + 288 + 64 * p, t, base, base + 16);
-    }
     for (int h = 0; h < 2; h++)
-        for (int q = 0; q < 8; q++)
-            for (int k = 0; k < 4; k++) crumbs(u + 2336 + 64 * (8 * h + q), k, t, 32 * h + 8 * k + q, 4);
+        for (int q = 0; q < 8; q++) {
+            const v64 hq = ld(u + 2336 + 64 * (8 * h + q));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const v64 lo = ld(u + 288 + 64 * (16 * h + 8 * (k % 2) + q));
+                st(t, 32 * h + 8 * k + q, nib(lo, k / 2) | crumb_at4(hq, k));
+            }
+        }
 }
 
 /* ---- the table ------------------------------------------------------------------------------ */

@@ -39,7 +39,7 @@ HEADERS = tuple(  # included by the sources: in the cache key
     Path(__file__).with_name(n)
     for n in ("cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h")
 )
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-Wno-psabi")
 VARIANT_FLAGS = {
     "avx512": (
         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",

@@ -165,7 +165,12 @@ class Engine:
         )
         tiers = "" if self.kv_tiers is None else f"; {self.kv_tiers.plan.describe()}"
         name = self._kv_dtype_name()
-        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}"
+        cpu = ""
+        if self.runtime.device == "cpu":  # the thread count chosen, and the kernels' ISA
+            from hetero.kernels import cpu_threads
+
+            cpu = f"; {cpu_threads.describe()}"
+        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}{cpu}"
 
     def _kv_dtype_name(self) -> str:
         if self.config.kv_dtype != "auto":
