@@ -52,7 +52,10 @@ def runtime_options(f):
         "int8 activations in native code; fp16/int4/int8/bf16: CPU repacks",
     )(f)
     threads = click.option(
-        "--threads", type=click.IntRange(0), default=0, help="CPU threads (0: torch's default)"
+        "--threads",
+        type=click.IntRange(0),
+        default=0,
+        help="CPU threads (0: the physical cores, one left to the server from 4 cores on)",
     )
     f = threads(f)
     return f

@@ -4,6 +4,8 @@ what it must hold rather than from free RAM."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -26,15 +28,33 @@ def test_the_default_leaves_a_core_to_the_server_from_four_cores(monkeypatch):
         assert cpu_threads.default_threads(stages=2) == two_stages
 
 
-def test_configure_sets_the_kernels_and_torchs_count():
+def test_configure_sets_the_kernels_and_torchs_count(monkeypatch):
+    import hetero
+
     before = torch.get_num_threads()
     try:
         assert cpu_threads.configure(1) == 1 and cpu_threads.get() == torch.get_num_threads() == 1
         assert cpu_threads.configure(0) == cpu_threads.default_threads() == cpu_threads.get()
         line = cpu_threads.describe()
         assert line.startswith(f"CPU: {cpu_threads.get()} threads of ") and "qdot kernels" in line
+        monkeypatch.setattr(hetero, "TORCH_OMP_PASSIVE", False)  # torch's team would spin
+        assert cpu_threads.configure(2) == 2 == cpu_threads.get() and torch.get_num_threads() == 1
     finally:
+        monkeypatch.setattr(cpu_threads, "_threads", None)
         torch.set_num_threads(before)
+
+
+def test_hetero_asks_torchs_openmp_team_not_to_spin():
+    """In a fresh interpreter that imports hetero before torch (as the CLI and the server do)."""
+    code = (
+        "import os, hetero, torch; print(os.environ['OMP_WAIT_POLICY'], hetero.TORCH_OMP_PASSIVE)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["PASSIVE", "True"], out.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's choice stands
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["ACTIVE", "False"], out.stderr
 
 
 def test_a_cpu_pool_holds_its_contexts_not_a_share_of_ram():
