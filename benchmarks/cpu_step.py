@@ -29,9 +29,9 @@ from hetero.cli_options import engine_options
 @engine_options
 def main(ctx, model, concurrency, input_len, steps, **options) -> None:
     from hetero.bench import make_prompts
-    from hetero.engine.engine import Engine
+    from hetero.factory import LaunchConfig
     from hetero.kernels import cpu_qdot, native
-    from hetero.llm import build_configs
+    from hetero.launch import build_engine
     from hetero.models import resolve_model
     from hetero.sampling import SamplingParams
 
@@ -61,8 +61,7 @@ def main(ctx, model, concurrency, input_len, steps, **options) -> None:
         lib.native_paged_attention = timed_attention
     if ctx.get_parameter_source("speculative") != ParameterSource.COMMANDLINE:
         options["speculative"] = "off"  # a plain decode step (n-gram guesses change its rows)
-    config, runtime = build_configs(**options)
-    engine = Engine(str(resolve_model(model)), config, runtime, progress=False)
+    engine = build_engine(str(resolve_model(model)), LaunchConfig.from_options(**options))
     prompts = make_prompts(engine, "random", concurrency, input_len, 0)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i, p in enumerate(prompts):

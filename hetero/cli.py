@@ -13,7 +13,9 @@ from hetero.cli_options import (
     FloatRange,
     cuda_graph_max_tokens_option,
     engine_options,
+    kv_dtype_option,
     runtime_options,
+    weights_option,
 )
 from hetero.models import resolve_model
 
@@ -197,12 +199,11 @@ def bench(
 ):  # fmt: skip
     """Offline throughput and latency: N requests, C at a time."""
     from hetero.bench import run_bench
-    from hetero.engine.engine import Engine
-    from hetero.llm import build_configs
+    from hetero.factory import LaunchConfig
+    from hetero.launch import build_engine
 
     try:
-        engine_cfg, runtime = build_configs(**options)
-        engine = Engine(model, engine_cfg, runtime, progress=True)
+        engine = build_engine(model, LaunchConfig.from_options(**options), progress=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: a failed stage
         _fail(e)
     click.echo(engine.describe_kv(), err=True)
@@ -246,7 +247,7 @@ def _spec_ab(engine, workloads, concurrencies, input_len, output_len, seed, orac
 @click.option("--json", "as_json", is_flag=True, help="print the profiles as JSON")
 def profile(refresh, shares, as_json):
     """Measure this machine's devices (cached per machine; --refresh measures again)."""
-    from hetero.planner.commands import run_profile
+    from hetero.cli_plan import run_profile
 
     try:
         run_profile(refresh, shares, as_json)
@@ -266,14 +267,8 @@ def profile(refresh, shares, as_json):
 @click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--prompt-len", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
-@click.option(
-    "--kv-dtype", type=click.Choice(["auto", "fp8", "fp16", "bf16", "fp32"]), default="auto"
-)
-@click.option(
-    "--weights",
-    type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot"]),
-    default="auto",
-)
+@kv_dtype_option
+@weights_option
 @click.option("--use-all-devices", is_flag=True, help="give every device at least one layer")
 @click.option(
     "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
@@ -285,7 +280,7 @@ def profile(refresh, shares, as_json):
 def plan(model, devices, refresh, as_json, output, **config):
     """Plan MODEL over devices without loading it: layers, KV and kernels per device, and the
     predicted speed. MODEL: a GGUF path, or synth:SHAPE[:QUANT] for a `hetero synth` model."""
-    from hetero.planner.commands import run_plan
+    from hetero.cli_plan import run_plan
 
     try:
         run_plan(model, devices, refresh, as_json, output, **config)
@@ -299,10 +294,10 @@ def plan(model, devices, refresh, as_json, output, **config):
 @engine_options
 def stage(model, rank, **options):
     """Serve one pipeline stage of an engine on another host (README: pipelines)."""
-    from hetero.dist.remote import run_stage
+    from hetero.launch import run_remote_stage
 
     try:
-        run_stage(model, rank, options)
+        run_remote_stage(model, rank, options)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
 

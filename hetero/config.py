@@ -6,6 +6,7 @@ the Plan. A ModelConfig is read from GGUF metadata once and then only read.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # Architectures of the llama family that one model file (model/llama.py) serves through flags.
@@ -65,6 +66,60 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """devices: "cuda:0,cpu" (the planner splits, or an even split without it);
+    split: "cuda:0=0-19,cpu=20-31" (inclusive layer ranges); plan: a saved plan's JSON path.
+    micro_batches: batches in flight at once (0: one per stage, so every stage has work).
+    stage_timeout: seconds a step (or the start of the stages) may take before the pipeline is
+        declared stuck: a dead stage is seen at once, this bounds a hung one.
+    max_restarts: how often a failed pipeline is restarted before the engine gives up.
+    dist_init: the rendezvous of the stages' process group, tcp://HOST:PORT on this machine
+        (None: a free loopback port; give a reachable address when stages run on other hosts).
+    remote_stages: "1,2": stage ranks this engine does not start, started on other hosts with
+        `hetero stage MODEL --rank R --dist-init tcp://HOST:PORT` and the same split options.
+    """
+
+    devices: str | None = None
+    split: str | None = None
+    plan: str | None = None
+    micro_batches: int = 0
+    stage_timeout: float = 600.0
+    max_restarts: int = 3
+    dist_init: str | None = None
+    remote_stages: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 0:
+            raise ValueError(
+                f"micro_batches must be >= 0 (0: one per stage), got {self.micro_batches}"
+            )
+        if self.stage_timeout <= 0:
+            raise ValueError(f"stage_timeout must be > 0 seconds, got {self.stage_timeout}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+
+    def remote_ranks(self) -> set[int]:
+        text = self.remote_stages or ""
+        try:
+            ranks = {int(r) for r in text.split(",") if r.strip()}
+        except ValueError as e:
+            raise ValueError(f"--remote-stages {text!r}: expected stage ranks like 1,2") from e
+        if 0 in ranks:
+            raise ValueError("--remote-stages: stage 0 runs beside the engine; it cannot be remote")
+        return ranks
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.devices or self.split or self.plan)
+
+
+# How a device holds the weights (RuntimeConfig.weights): "auto" picks per device; "dense" and
+# "quant" run anywhere; the others are the CPU's repacks (kernels/cpu_linear.py).
+WEIGHTS_MODES = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
+GPU_WEIGHTS_MODES = ("quant", "dense")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Where and how the model runs.
 
@@ -85,9 +140,10 @@ class RuntimeConfig:
     fuse_linears: bool = True
 
     def weights_mode(self) -> str:
-        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
-        if self.weights not in modes:
-            raise ValueError(f"weights mode {self.weights!r} is not one of {', '.join(modes)}")
+        if self.weights not in WEIGHTS_MODES:
+            raise ValueError(
+                f"weights mode {self.weights!r} is not one of {', '.join(WEIGHTS_MODES)}"
+            )
         on_cpu = self.device.startswith("cpu")
         if self.weights == "auto":
             if not on_cpu:
@@ -95,7 +151,7 @@ class RuntimeConfig:
             from hetero.kernels import cpu_qdot
 
             return "qdot" if cpu_qdot.available() else "fp16"
-        if self.weights not in ("dense", "quant") and not on_cpu:
+        if self.weights not in GPU_WEIGHTS_MODES and not on_cpu:
             raise ValueError(f"weights mode {self.weights!r} is for the CPU; use dense or quant")
         return self.weights
 
@@ -115,6 +171,23 @@ class RuntimeConfig:
         if self.dtype not in table:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(table)}")
         return table[self.dtype]
+
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def check_device(device: str, what: str) -> str:
+    if not _DEVICE.match(device):
+        raise ValueError(f"{what} {device!r} is not cpu, cuda or cuda:N")
+    return device
+
+
+def device_key(device: str) -> str:
+    """One name per physical device: "cuda" and "cuda:0" are the same GPU."""
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        return f"cuda:{index or 0}"
+    return device
 
 
 def bind_device(device: str) -> None:

@@ -5,7 +5,7 @@ A decode step on the CPU calls rms_norm / add_rms_norm ~60 times and silu_mul 30
 [T, 576]-sized tensors; torch's rms_norm costs ~40 us a call there (a reduction's setup), the C
 loop a few us through ctypes (kernels/cpu_small_ops.c). Float32 rows only; anything else (other
 dtypes, odd strides) takes the torch path of the same op. Tested against the references in
-tests/test_cpu_native.py.
+tests/kernels/test_cpu_native.py.
 
 Paged attention (kernels/cpu_attention.c) reads each context's K and V rows where they lie in the
 cache instead of gathering a padded float32 copy for scaled_dot_product_attention: the host lists

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.config import ModelConfig
+from hetero.gguf_loader import load_gguf
+from hetero.kernels.cpu_qdot import cpu_scheme, qdot_blocks
+from hetero.synth import tensor_specs
+from hetero.synth_shapes import get_shape
 
 # Bytes per weight of the CPU repacks (kernels/cpu_linear.py): int4 keeps a bf16 (scale, zero)
 # pair per 32 weights; int8 a bf16 scale per row (ignored: < 0.1%).
@@ -56,7 +60,6 @@ def packed_mode(weights: str, ggml_type: str) -> str:
     (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
     if weights != "qdot":
         return weights
-    from hetero.kernels.cpu_qdot import cpu_scheme
 
     return cpu_scheme(ggml_type)
 
@@ -68,7 +71,6 @@ def rate_key(weights: str, ggml_type: str) -> tuple[str, str]:
     mode = packed_mode(weights, ggml_type)
     if mode != "qdot":
         return mode, ggml_type
-    from hetero.kernels.cpu_qdot import qdot_blocks
 
     return mode, qdot_blocks(ggml_type)
 
@@ -100,7 +102,6 @@ class ModelDesc:
 
 def from_gguf(path: str) -> ModelDesc:
     """Describe the GGUF file at `path` from its header."""
-    from hetero.gguf_loader import load_gguf
 
     gm = load_gguf(path)
     infos = {
@@ -112,8 +113,6 @@ def from_gguf(path: str) -> ModelDesc:
 
 def from_shape(shape: str, quant: str = "q4_k_m") -> ModelDesc:
     """Describe the model `hetero synth --shape SHAPE --quant QUANT` would write."""
-    from hetero.synth import tensor_specs
-    from hetero.synth_shapes import get_shape
 
     s = get_shape(shape)
     infos = {

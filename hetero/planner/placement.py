@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from hetero.config import GPU_WEIGHTS_MODES
+from hetero.engine.config import kv_dtype_rule
+from hetero.execution.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
+from hetero.execution.paged_meta import ROW_TILE
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
 from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
 from hetero.planner.device import DeviceProfile
@@ -22,27 +26,24 @@ from hetero.planner.plan import (
     StagePlan,
     base_device,
 )
+from hetero.planner.refusal import explain
 from hetero.planner.search import Split, search
+from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
 
-GPU_MODES = ("quant", "dense")
 # exact or nearly so (fp16: logits within 0.03); qdot where its kernel builds; int4/int8 opt-in
 CPU_MODES = ("fp16", "dense")
 
 
 def kv_dtype_for(dev: DeviceProfile, asked: str) -> str:
-    """As the engine resolves "auto" (engine/kv_cache.py): fp8 where the device has e4m3
-    hardware, else fp16. fp8 asked of a GPU without it falls back to fp16; a CPU stores fp8 in
-    software when asked (slower, half the memory)."""
-    if asked == "auto" or (asked == "fp8" and not dev.is_cpu):
-        return "fp8" if dev.fp8_kv else "fp16"
-    return asked
+    """The KV dtype `dev` stores for the asked one: the engine's own rule (kv_dtype_rule)."""
+    return kv_dtype_rule(asked, dev.is_cpu, dev.fp8_kv)
 
 
 def _modes(dev: DeviceProfile, asked: str) -> tuple[str, ...]:
     if asked != "auto":
-        return (asked,) if dev.is_cpu or asked in GPU_MODES else ("dense",)
+        return (asked,) if dev.is_cpu or asked in GPU_WEIGHTS_MODES else ("dense",)
     if not dev.is_cpu:
-        return GPU_MODES
+        return GPU_WEIGHTS_MODES
     return (("qdot",) if "qdot" in dev.matmul else ()) + CPU_MODES  # measured by the profile
 
 
@@ -62,15 +63,19 @@ class _Setup:
         return self.config.prompt_len + self.config.output_len / 2
 
     def kv_need(self, i: int, n_layers: int) -> float:
-        bs, c = self.config.block_size, self.config
+        bs, c = self.config.engine.block_size, self.config
         tokens = -(-self.context // bs) * bs * c.concurrency
         per = kv_token_bytes(self.desc, self.costs[i].kv_dtype) * n_layers
-        return tokens * per / c.kv_memory_fraction
+        return tokens * per / c.engine.kv_memory_fraction
 
     def base_bytes(self, i: int, a: int, b: int) -> float:
         """Weights and activations of layers [a, b) on device i."""
         last, c = b == self.desc.n_layers, self.costs[i]
-        act = c.activation_bytes(self.config.max_num_batched_tokens, self.config.max_num_seqs, last)
+        act = c.activation_bytes(
+            self.config.engine.scheduler.max_num_batched_tokens,
+            self.config.engine.scheduler.max_num_seqs,
+            last,
+        )
         return c.weights_bytes(a, b, a == 0, last) + act
 
     def fits(self, i: int, a: int, b: int) -> bool:
@@ -96,7 +101,6 @@ class _Setup:
         alone-priced 5.08 ms, part of which was the law's overrating of that share.) 1 for a
         whole device. (Not base_device: "#2" devices, a device listed twice, had their rates
         divided already; two cards of one spec share nothing.)"""
-        from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
 
         bases = [parse_share(d).base if is_share(d) else d for d in (c.dev.id for c in self.costs)]
         fractions = [c.dev.bw_fraction or bandwidth_fraction(c.dev.sm_share) for c in self.costs]
@@ -108,7 +112,7 @@ class _Setup:
         the other stages run at the same time, so shares of one GPU contend (`contention`)."""
         c, n = self.costs[i], self.desc.n_layers
         # Pipeline stages replay decode CUDA graphs of their layers as the one-process engine
-        # does (hetero/dist/worker.py), unless --enforce-eager (DeviceCost.graphs).
+        # does (its stage worker), unless --enforce-eager (DeviceCost.graphs).
         prefix = self._decode_prefix(i, m, True)
         work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
         if overlap is None:
@@ -123,18 +127,17 @@ class _Setup:
     def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
         """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
         replays a CUDA graph on device i (cuda_graph.DecodeGraphs.fits)."""
-        from hetero.engine.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
-        from hetero.engine.paged_meta import ROW_TILE
-
         c = self.costs[i]
-        if not c.graphs or c.dev.is_cpu or n > self.config.cuda_graph_max_tokens:
+        if not c.graphs or c.dev.is_cpu or n > self.config.engine.cuda_graph_max_tokens:
             return False
-        tile = ROW_TILE if n > self.config.max_num_seqs else 1  # a bucket past the decode rows
+        tile = (
+            ROW_TILE if n > self.config.engine.scheduler.max_num_seqs else 1
+        )  # a bucket past the decode rows
         return seqs * chunk_row_context(n / seqs, cached, tile) <= PROMPT_ROW_CONTEXT
 
     def prefill_s(self, i: int, a: int, b: int, tokens: int) -> float:
         """Stage i's time for one prompt of `tokens` tokens, in budget-sized chunks."""
-        chunks = prompt_chunks(1, tokens, self.config.max_num_batched_tokens)
+        chunks = prompt_chunks(1, tokens, self.config.engine.scheduler.max_num_batched_tokens)
         return sum(self.chunk_s(i, a, b, n, cached, 1) for n, cached, _, _ in chunks)
 
     def chunk_s(
@@ -167,7 +170,12 @@ class _Setup:
             return self.chunk_s(i, a, b, n, cached, rows, overlap=micro > 1)
 
         firsts = burst_first_tokens(
-            len(used), micro, cfg.concurrency, cfg.prompt_len, cfg.max_num_batched_tokens, chunk
+            len(used),
+            micro,
+            cfg.concurrency,
+            cfg.prompt_len,
+            cfg.engine.scheduler.max_num_batched_tokens,
+            chunk,
         )
         return sum(firsts) / len(firsts)
 
@@ -178,9 +186,10 @@ def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
 
 
 def _pick_mode(desc: ModelDesc, dev: DeviceProfile, cfg: PlanConfig, kv: str, compact: bool):
-    graphs = not cfg.enforce_eager
+    graphs = not cfg.engine.enforce_eager
     costs = [
-        DeviceCost(desc, dev, m, kv, graphs, cfg.max_num_seqs) for m in _modes(dev, cfg.weights)
+        DeviceCost(desc, dev, m, kv, graphs, cfg.engine.scheduler.max_num_seqs)
+        for m in _modes(dev, cfg.weights)
     ]
     if compact:
         return min(costs, key=lambda c: c.weights_bytes(0, desc.n_layers, True, True))
@@ -194,7 +203,8 @@ def _attempts(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig, co
     for group in groups:
         for compact in (False, True):
             costs = [
-                _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.kv_dtype), compact) for d in group
+                _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.engine.kv_dtype), compact)
+                for d in group
             ]
             yield _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in group])
 
@@ -226,7 +236,6 @@ def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Pla
         split = search(n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices)
         if split is not None:
             return _build(*_without_idle_shares(setup, split), devices)
-    from hetero.planner.refusal import explain
 
     raise PlanError(explain(last))
 
@@ -258,12 +267,12 @@ def place_split(
     context = _context(desc, cfg)
     costs = []
     for i, d in enumerate(devices):
-        kv = kv_dtype_for(d, cfg.kv_dtype)
+        kv = kv_dtype_for(d, cfg.engine.kv_dtype)
         if weights is None or weights[i] == "auto":
             costs.append(_pick_mode(desc, d, cfg, kv, False))
         else:
-            costs.append(DeviceCost(desc, d, weights[i], kv, not cfg.enforce_eager,
-                                    cfg.max_num_seqs))  # fmt: skip
+            costs.append(DeviceCost(desc, d, weights[i], kv, not cfg.engine.enforce_eager,
+                                    cfg.engine.scheduler.max_num_seqs))  # fmt: skip
     setup = _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in devices])
     micro = min(cfg.concurrency, len(ranges))
     m = -(-cfg.concurrency // micro)
@@ -275,9 +284,9 @@ def place_split(
 def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
     c, cfg = setup.costs[i], setup.config
     dev, last = c.dev, b == setup.desc.n_layers
-    per_block = kv_token_bytes(setup.desc, c.kv_dtype) * (b - a) * cfg.block_size
+    per_block = kv_token_bytes(setup.desc, c.kv_dtype) * (b - a) * cfg.engine.block_size
     left = setup.budgets[i] - setup.base_bytes(i, a, b)
-    room = int(max(left, 0) * cfg.kv_memory_fraction // per_block)
+    room = int(max(left, 0) * cfg.engine.kv_memory_fraction // per_block)
     dominant = max(
         (t for layer in setup.desc.layers[a:b] for t in layer if t.is_matrix),
         key=lambda t: t.nbytes,
@@ -300,7 +309,9 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
         has_head=last,
         weight_bytes=int(c.weights_bytes(a, b, a == 0, last)),
         activation_bytes=int(
-            c.activation_bytes(cfg.max_num_batched_tokens, cfg.max_num_seqs, last)
+            c.activation_bytes(
+                cfg.engine.scheduler.max_num_batched_tokens, cfg.engine.scheduler.max_num_seqs, last
+            )
         ),
         memory_budget=int(setup.budgets[i]),
         kv_room_blocks=room,
@@ -318,7 +329,7 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
     stages = [_stage(setup, i, a, b, split.m) for i, a, b in used]
     blocks = min(s.kv_room_blocks for s in stages)
     stages = [_with_blocks(s, blocks, desc, cfg) for s in stages]
-    per_seq = -(-setup.context // cfg.block_size)
+    per_seq = -(-setup.context // cfg.engine.block_size)
     used_ids = {s.device for s in stages}
     return Plan(
         model=desc.name,
@@ -328,13 +339,15 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         context=setup.context,
         prompt_len=cfg.prompt_len,
         output_len=cfg.output_len,
-        block_size=cfg.block_size,
+        block_size=cfg.engine.block_size,
         microbatches=split.micro,
         single_stream_tok_s=1.0 / sum(s.single_step_s for s in stages),
         aggregate_tok_s=cfg.concurrency / split.cycle_s,
         ttft_s=sum(s.prefill_s for s in stages),
         ttft_burst_s=setup.burst_ttft_s(used, split.micro),
-        max_context=min(desc.config.context_length, blocks // cfg.concurrency * cfg.block_size),
+        max_context=min(
+            desc.config.context_length, blocks // cfg.concurrency * cfg.engine.block_size
+        ),
         max_concurrency=blocks // per_seq,
         model_path=desc.source,
         unused_devices=tuple(d.id for d in devices if d.id not in used_ids),
@@ -343,7 +356,7 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
 
 
 def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) -> StagePlan:
-    per_block = kv_token_bytes(desc, s.kv_dtype) * s.n_layers * cfg.block_size
+    per_block = kv_token_bytes(desc, s.kv_dtype) * s.n_layers * cfg.engine.block_size
     return replace(s, num_kv_blocks=blocks, kv_bytes=blocks * per_block)
 
 
@@ -367,6 +380,6 @@ def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfi
             "it (a pipeline only adds hand-offs); a higher --concurrency may use them"
         )
     asked = {s.kv_dtype for s in stages}
-    if cfg.kv_dtype in ("auto", "fp8") and "fp16" in asked:
+    if cfg.engine.kv_dtype in ("auto", "fp8") and "fp16" in asked:
         notes.append("fp16 KV where the device has no FP8 hardware (CPU, CUDA below 8.9)")
     return tuple(notes)

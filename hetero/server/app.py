@@ -129,10 +129,10 @@ def serve_cli(ctx: click.Context, config_path: str | None, **values) -> None:
 
 def _serve(model_path, server: dict, engine_options: dict) -> int:
     # torch and the engine load here, once the command line is known to be good.
-    from hetero.llm import build_configs
+    from hetero.factory import LaunchConfig
     from hetero.server.daemon import serve
     from hetero.server.state import ServerSettings
 
-    engine_config, runtime = build_configs(**engine_options)
-    settings = ServerSettings(model_path, **server, engine_config=engine_config, runtime=runtime)
+    launch = LaunchConfig.from_options(**engine_options)
+    settings = ServerSettings(model_path, **server, launch=launch)
     return asyncio.run(serve(settings))

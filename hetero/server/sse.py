@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hetero.engine.async_engine import EngineDeadError
+from hetero.frontdoor.thread import EngineDeadError
 from hetero.server.generation import Event
 from hetero.server.protocol import ApiError, bad, error_body
 

@@ -1,9 +1,9 @@
 """What the daemon holds while it runs: settings, the engine (once loaded), metrics, counters.
 
-The engine runs either in its own process (core_client.EngineProcess: the engine's loop and the
-event loop each have an interpreter) or on a thread of this one (AsyncEngine). Both answer the
-same calls; handlers see `EngineInfo` (context length, pool size) and the tokenizer, which lives
-here in both cases: text stays at the edge.
+The engine runs either in its own process (frontdoor.client.EngineProcess: the engine's loop and
+the event loop each have an interpreter) or on a thread of this one (frontdoor.thread.AsyncEngine).
+Both are an EngineClient (frontdoor/protocol.py); handlers see `EngineInfo` (context length, pool
+size) and the tokenizer, which lives here in both cases: text stays at the edge.
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from hetero.config import RuntimeConfig
-from hetero.engine.async_engine import AsyncEngine
-from hetero.engine.config import EngineConfig
-from hetero.engine.core_client import EngineLoadError, EngineProcess
-from hetero.engine.core_wire import EngineInfo
-from hetero.engine.engine import Engine
+from hetero.engine.stats import EngineGauges
+from hetero.factory import LaunchConfig
+from hetero.frontdoor.client import EngineProcess
+from hetero.frontdoor.protocol import EngineClient, EngineLoadError
+from hetero.frontdoor.thread import AsyncEngine
+from hetero.frontdoor.wire import EngineInfo
+from hetero.launch import build_engine
 from hetero.server.metrics import Metrics
 from hetero.server.protocol import ApiError, parse_json
+from hetero.tokenizer import Tokenizer
 
 log = logging.getLogger("hetero.server")
 T = TypeVar("T")
@@ -43,9 +45,8 @@ class ServerSettings:
     served_model_name: str | None = None
     max_request_bytes: int = 8 * 2**20
     shutdown_grace: float = 30.0
-    engine_config: EngineConfig = field(default_factory=EngineConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    # The engine in its own process (core_client.py) or on a thread of this one (AsyncEngine).
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    # The engine in its own process (frontdoor/client.py) or on a thread of this one.
     # The process is the default on every device: on the GPU it is what lets HTTP keep up with the
     # engine (the engine's step and the per-token HTTP work stop sharing one GIL); on a 2-core CPU
     # it measured as fast as the thread or a little faster, at the same CPU time per token.
@@ -77,7 +78,7 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.engine: EngineInfo | None = None
-        self.ae: AsyncEngine | EngineProcess | None = None
+        self.ae: EngineClient | None = None
         self.engine_died = asyncio.Event()  # the engine process ended without being asked
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -105,11 +106,9 @@ class ServerState:
     async def _load_process(self) -> None:
         """The engine loads in its process; the tokenizer meanwhile here (it reads the GGUF's
         metadata only)."""
-        from hetero.tokenizer import Tokenizer
-
         s = self.settings
         tokenizer = await asyncio.to_thread(Tokenizer.from_gguf, s.model_path)
-        self.ae = EngineProcess(s.model_path, s.engine_config, s.runtime, tokenizer, self._died)
+        self.ae = EngineProcess(s.model_path, s.launch, tokenizer, self._died)
         await self.ae.start()
 
     def _died(self, reason: str) -> None:
@@ -124,7 +123,7 @@ class ServerState:
         def work() -> None:
             try:
                 s = self.settings
-                engine = Engine(s.model_path, s.engine_config, s.runtime, progress=True)
+                engine = build_engine(s.model_path, s.launch, progress=True)
                 engine.constraints.prepare()  # JSON mode's token tries, off the engine thread
                 result: Any = engine
             except BaseException as e:  # reported to the loop, which fails the daemon
@@ -139,7 +138,7 @@ class ServerState:
 
     # -- serving -----------------------------------------------------------------------------
 
-    def require_ready(self) -> tuple[EngineInfo, AsyncEngine | EngineProcess]:
+    def require_ready(self) -> tuple[EngineInfo, EngineClient]:
         if self.status == "ready" and self.engine is not None and self.ae is not None:
             return self.engine, self.ae
         if self.status == "failed" and self.engine is not None:  # it was up: the engine died
@@ -159,18 +158,18 @@ class ServerState:
         """Tokens of KV one request can hold at most: the whole pool."""
         return self.engine.pool_tokens
 
-    async def engine_gauges(self) -> list[str] | None:
-        """The engine's /metrics lines (None before it is loaded or after it died)."""
+    async def engine_gauges(self) -> EngineGauges | None:
+        """The engine's gauges (None before it is loaded or after it died)."""
         if self.engine is None or self.ae is None:
             return None
-        return await self.ae.gauge_lines()
+        return await self.ae.gauges()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (chat templates, encoding) on the tokenizer threads."""
         return await asyncio.get_running_loop().run_in_executor(self.tok_pool, fn, *args)
 
     def pace(self) -> float:
-        """Seconds a stream waits after one event before it takes the next (async_engine.paced)."""
+        """Seconds a stream waits after one event before it takes the next (stream.paced)."""
         ms = self.settings.stream_interval_ms
         if ms is not None:
             return ms / 1e3

@@ -1,0 +1,151 @@
+"""From options to an engine: where the layers go, then the factory.
+
+    --split cuda:0=0-19,cpu=20-31   the stages as given
+    --plan plan.json                a saved plan's stages (`hetero plan -o`)
+    --devices cuda:0,cpu            the planner's split over this machine's devices (profiled
+                                    once, cached), or an even split when a device repeats
+    none of them                    the whole model on --device, one process
+
+Stages that will run here must name devices present now: a plan made on another machine, or
+before a GPU went away, is refused in one line before any stage starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from hetero.config import PipelineConfig, device_key
+from hetero.engine.engine import Engine
+from hetero.factory import LaunchConfig, assemble
+from hetero.gguf_loader import load_gguf
+from hetero.models import resolve_model
+from hetero.pipeline.stages import (
+    StageSpec,
+    even_split,
+    parse_devices,
+    parse_split,
+    stages_from_plan,
+)
+from hetero.pipeline.worker import StageArgs, stage_main
+from hetero.planner.model_desc import describe
+from hetero.planner.plan import Plan, PlanConfig, check_present, plan
+from hetero.planner.resolve import resolve_devices
+from hetero.profiler.machine import ThisMachine, live_devices
+
+log = logging.getLogger("hetero.pipeline")
+
+
+def build_engine(
+    model: str | Path | None = None,
+    launch: LaunchConfig | None = None,
+    progress: bool = False,
+    loaded=None,
+) -> Engine:
+    """The engine for `model` (None: the default model) as `launch` places it. `loaded`: a model
+    already in memory (load_model's pair), shared instead of loaded again (one device only)."""
+    launch = launch or LaunchConfig()
+    # a model already loaded names its own file (no default model needed beside it)
+    path = loaded[0].path if loaded is not None and not model else resolve_model(model)
+    stages = None
+    if launch.pipeline.enabled:
+        n_layers = load_gguf(path).config.n_layers
+        stages = resolve_stages(path, n_layers, launch.pipeline, plan_config(launch))
+        local = set(range(len(stages))) - launch.pipeline.remote_ranks()
+        require_present([stages[r] for r in sorted(local)])
+    return assemble(path, launch, stages, progress, loaded)
+
+
+def plan_config(launch: LaunchConfig) -> PlanConfig:
+    """What the planner must plan for: this launch's KV, weights and batch limits."""
+    return PlanConfig(engine=launch.engine, weights=launch.runtime.weights)
+
+
+def resolve_stages(
+    model_path: str | Path, n_layers: int, pc: PipelineConfig, config: PlanConfig | None = None
+) -> list[StageSpec] | None:
+    """The stages the options ask for; None when none of them is given (one process)."""
+    asked = (("--devices", pc.devices), ("--split", pc.split), ("--plan", pc.plan))
+    given = [name for name, value in asked if value]
+    if len(given) > 1 and given != ["--devices", "--split"]:
+        raise ValueError(f"give only one of {' and '.join(given)}")
+    if pc.split:
+        stages = parse_split(pc.split, n_layers)
+        if pc.devices and [s.device for s in stages] != parse_devices(pc.devices):
+            raise ValueError(
+                f"--devices {pc.devices} disagrees with the devices of --split {pc.split}"
+            )
+        return stages
+    if pc.plan:
+        return load_plan(pc.plan, n_layers)
+    if pc.devices:
+        return planned_split(model_path, parse_devices(pc.devices), n_layers, config)
+    return None
+
+
+def load_plan(path: str | Path, n_layers: int) -> list[StageSpec]:
+    """Stages of a saved plan: a `hetero plan -o` file through the planner's own reader (which
+    checks it), or a hand-written {"stages": [{"device", "layer_start", "layer_end"}, ...]}."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--plan {path}: cannot read it as a JSON plan ({e})") from e
+    if isinstance(data, dict) and "version" in data:
+        return stages_from_plan(Plan.load(path), n_layers)
+    if not isinstance(data, dict) or "stages" not in data:
+        raise ValueError(f"--plan {path}: expected a JSON object with a 'stages' list")
+    return stages_from_plan(data, n_layers)
+
+
+def planned_split(
+    model_path: str | Path, devices: list[str], n_layers: int, config: PlanConfig | None = None
+) -> list[StageSpec]:
+    """--devices without --split: the planner's split (profiling the devices, cached), or an
+    even split when a device repeats (cpu,cpu: the planner plans one stage per device)."""
+    if len(set(map(device_key, devices))) < len(devices):
+        log.info(
+            "pipeline: %s repeats a device; %d layers split evenly", ",".join(devices), n_layers
+        )
+        return even_split(devices, n_layers)
+    profiles = resolve_devices(devices, ThisMachine())
+    result = plan(describe(str(model_path)), profiles, config or PlanConfig())
+    log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
+    return stages_from_plan(result, n_layers)
+
+
+def require_present(stages: list[StageSpec]) -> None:
+    """The stages to start on this host must name its devices."""
+    check_present([device_key(s.device) for s in stages], [d.id for d in live_devices()])
+
+
+# -- `hetero stage`: one pipeline stage started by hand on another host -----------------------
+
+
+def remote_stage_args(model: str | None, rank: int, options: dict) -> StageArgs:
+    """A stage listed in the engine's --remote-stages, started here instead: the same model
+    file, the same split (--split or --plan: both sides must agree on every stage's layers) and
+    KV options, joining the engine's process group at --dist-init. It serves until the engine
+    stops the pipeline, then exits 0; it exits 1 when a peer dies, so a supervisor (systemd
+    Restart=always) brings it back for the engine's restart."""
+    launch = LaunchConfig.from_options(**options)
+    pc = launch.pipeline
+    if not pc.dist_init:
+        raise ValueError("--dist-init tcp://HOST:PORT (the engine host's) is required")
+    if not (pc.split or pc.plan):
+        raise ValueError("give the engine's --split or --plan, so both sides agree on the layers")
+    path = resolve_model(model)
+    stages = resolve_stages(path, load_gguf(path).config.n_layers, pc)
+    if not 0 < rank < len(stages):
+        raise ValueError(
+            f"--rank {rank}: the pipeline has stages 0-{len(stages) - 1}, and 0 runs beside the "
+            "engine"
+        )
+    return StageArgs(
+        rank, tuple(stages), pc.dist_init, str(path), launch.runtime, launch.engine, pc, True
+    )
+
+
+def run_remote_stage(model: str | None, rank: int, options: dict) -> None:
+    """Serve as stage `rank` until the pipeline stops (exits the process)."""
+    stage_main(remote_stage_args(model, rank, options))
