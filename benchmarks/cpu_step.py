@@ -38,10 +38,10 @@ def main(ctx, model, concurrency, input_len, steps, **options) -> None:
     spent: dict = collections.defaultdict(lambda: [0.0, 0])
     qdot = cpu_qdot.linear_ptrs
 
-    def timed_linear(x, is_q4, n, k, *args, **kw):
+    def timed_linear(x, *args, **kw):  # the model calls it with keywords (layers.py)
         t = time.perf_counter()
-        y = qdot(x, is_q4, n, k, *args, **kw)
-        entry = spent[("linear", n, k, x.shape[0])]
+        y = qdot(x, *args, **kw)
+        entry = spent[("linear", kw["n"], kw["k"], x.shape[0])]
         entry[0] += time.perf_counter() - t
         entry[1] += 1
         return y

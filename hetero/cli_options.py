@@ -52,7 +52,7 @@ def runtime_options(f):
         "--threads",
         type=click.IntRange(0),
         default=rt.threads,
-        help="CPU threads (0: torch's default)",
+        help="CPU threads (0: the physical cores, one left to the server from 4 cores on)",
     )
     f = threads(f)
     return f

@@ -134,7 +134,7 @@ class RuntimeConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     weights: str = "auto"
-    threads: int = 0  # 0: leave torch's default
+    threads: int = 0  # 0: on a CPU the physical cores, one left to the server from 4 (cpu_threads)
     # Adjacent linears that share an input and a GGUF type run as one matmul (q|k|v, gate|up);
     # off: one matmul per tensor (the unfused form the fused one is tested against)
     fuse_linears: bool = True

@@ -57,6 +57,18 @@ def free_memory(device: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
+# A CPU pool holds this many full contexts (or max_num_seqs, if fewer), not a share of free RAM:
+# RAM is the weights' and the OS's too, and a CPU serves few long sequences at once.
+CPU_POOL_CONTEXTS = 4
+
+
+def cpu_pool_need(max_model_len: int, max_num_seqs: int, block_size: int) -> tuple[int, str]:
+    """(blocks, why) a CPU pool is sized to: CPU_POOL_CONTEXTS contexts of max_model_len."""
+    seqs = max(1, min(max_num_seqs, CPU_POOL_CONTEXTS))
+    blocks = -(-max_model_len // block_size) * seqs
+    return blocks, f"sized for {seqs} sequence(s) of {max_model_len} tokens"
+
+
 @dataclass(frozen=True)
 class PoolSize:
     num_blocks: int
@@ -64,13 +76,14 @@ class PoolSize:
     free_bytes: int
     fraction: float
     capped: bool = False  # num_blocks set by the user's upper bound, not by memory
+    sized_for: str = ""  # num_blocks set by what the pool must hold (a CPU's), not by memory
 
     def describe(self, kv_dtype: str) -> str:
         total = self.num_blocks * self.block_bytes / 2**20
         why = (
             "capped by num_kv_blocks"
             if self.capped
-            else f"{self.fraction:.0%} of {self.free_bytes / 2**20:.0f} MiB free"
+            else self.sized_for or f"{self.fraction:.0%} of {self.free_bytes / 2**20:.0f} MiB free"
         )
         return (
             f"KV cache: {self.num_blocks} blocks of {self.block_bytes / 1024:.1f} KiB "
@@ -86,22 +99,27 @@ def size_pool(
     device: str,
     fraction: float,
     max_blocks: int | None = None,
+    need: tuple[int, str] | None = None,
 ) -> PoolSize:
-    """Blocks that fit in `fraction` of the free memory (capped at max_blocks when given)."""
+    """Blocks that fit in `fraction` of the free memory (capped at max_blocks when given); on a
+    CPU at most `need` = (blocks, why) from cpu_pool_need, what the pool must hold."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv memory fraction must be in (0, 1], got {fraction}")
     per_block = block_bytes(cfg, n_layers, block_size, kv_dtype)
     free = free_memory(device)
     n = int(free * fraction) // per_block
     capped = max_blocks is not None and max_blocks < n
+    sized_for = ""
     if capped:
         n = max_blocks
+    elif need is not None and torch.device(device).type == "cpu" and need[0] < n:
+        n, sized_for = need
     if n < 1:
         raise ValueError(
             f"no room for a KV block on {device}: {free / 2**20:.0f} MiB free, one block of "
             f"{block_size} tokens needs {per_block / 2**20:.2f} MiB"
         )
-    return PoolSize(n, per_block, free, fraction, capped)
+    return PoolSize(n, per_block, free, fraction, capped, sized_for)
 
 
 class KVPool:

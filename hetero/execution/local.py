@@ -13,7 +13,13 @@ from hetero.embedding import Embedder
 from hetero.engine.config import EngineConfig
 from hetero.engine.executor import ExecutorFailure, ExecutorInfo, ModelOutput, Step
 from hetero.execution.cuda_graph import DecodeGraphs, capture_decode_graphs, graph_rows
-from hetero.execution.kv_pool import KVPool, block_bytes, resolve_kv_dtype, size_pool
+from hetero.execution.kv_pool import (
+    KVPool,
+    block_bytes,
+    cpu_pool_need,
+    resolve_kv_dtype,
+    size_pool,
+)
 from hetero.execution.runner import ModelRunner
 from hetero.kv_tiers.tiering import TieredKV, build_tiers
 from hetero.model.llama import LlamaModel
@@ -48,6 +54,7 @@ class LocalExecutor:
             device,
             kv_fraction or config.kv_memory_fraction,
             config.num_kv_blocks,
+            cpu_pool_need(max_model_len, config.scheduler.max_num_seqs, config.block_size),
         )
         self.pool = KVPool(
             model.config,
@@ -102,7 +109,12 @@ class LocalExecutor:
         name = self.kv_dtype
         if self.config.kv_dtype == "auto":
             name = f"{self.kv_dtype}, auto for {self.model.runtime.device}"
-        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}"
+        cpu = ""
+        if self.model.runtime.device == "cpu":  # the thread count chosen, and the kernels' ISA
+            from hetero.kernels import cpu_threads
+
+            cpu = f"; {cpu_threads.describe()}"
+        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}{cpu}"
 
     def submit(self, step: Step) -> None:
         bind_device(self.model.runtime.device)  # steps may run on another thread than the load

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from hetero.config import ModelConfig, RuntimeConfig, bind_device
 from hetero.gguf_loader import GGUFModel
-from hetero.kernels import select
+from hetero.kernels import cpu_threads, select
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.layers import QuantEmbedding, QuantLinear, RMSNorm, Rotary
 
@@ -168,7 +168,9 @@ def load_model(
     from hetero.gguf_loader import load_gguf
 
     rt = rt or RuntimeConfig()
-    if rt.threads:
+    if rt.device == "cpu":  # the kernels' pool and torch's team: --threads or the default rule
+        cpu_threads.configure(rt.threads)
+    elif rt.threads:
         torch.set_num_threads(rt.threads)
     gm = load_gguf(path)
     return gm, LlamaModel(gm, rt, progress=progress)

@@ -26,9 +26,10 @@ from hetero.config import PipelineConfig, RuntimeConfig, device_key
 from hetero.engine.config import EngineConfig
 from hetero.engine.output import sampled_lists
 from hetero.execution.cuda_graph import DecodeGraphs, capture_decode_graphs
-from hetero.execution.kv_pool import KVPool, resolve_kv_dtype, size_pool
+from hetero.execution.kv_pool import KVPool, cpu_pool_need, resolve_kv_dtype, size_pool
 from hetero.execution.runner import ModelRunner
 from hetero.gguf_loader import load_gguf
+from hetero.kernels import cpu_threads
 from hetero.kernels.registry import forcing
 from hetero.model.llama import LlamaModel
 from hetero.pipeline.links import Links
@@ -67,7 +68,7 @@ def stage_runtime(args: StageArgs) -> RuntimeConfig:
     threads = rt.threads
     n_cpu = sum(1 for s in args.stages if s.device == "cpu")
     if spec.device == "cpu" and threads == 0:
-        threads = max(1, (os.cpu_count() or 1) // n_cpu)
+        threads = cpu_threads.default_threads(stages=n_cpu)
     elif threads == 0:
         # A GPU stage only launches kernels (and repacks weights at load): beside CPU stages it
         # leaves them the cores; beside other GPU stages it takes its share, as every stage
@@ -84,7 +85,9 @@ class Stage:
         self.first, self.last = args.rank == 0, args.rank == len(args.stages) - 1
         rt = stage_runtime(args)
         self.dtype = rt.torch_dtype()
-        if rt.threads:
+        if spec.device == "cpu":
+            cpu_threads.configure(rt.threads)
+        elif rt.threads:
             torch.set_num_threads(rt.threads)
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
@@ -163,6 +166,11 @@ class Stage:
             spec.device,
             ecfg.kv_memory_fraction / sharing,
             cap,
+            cpu_pool_need(
+                ecfg.scheduler.max_model_len or self.model.config.context_length,
+                ecfg.scheduler.max_num_seqs,
+                ecfg.block_size,
+            ),
         )
         return size.num_blocks
 

@@ -143,11 +143,11 @@ def cpu_stream_bytes(least: int) -> int:
 
 def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
     """qdot (where it builds), fp16 (fbgemm repack) and dense fp32: the modes a CPU stage runs.
-    qdot is timed on Q4_1 blocks, the default model's type, as "qdot", and on Q8_0 blocks, the
-    layout of the types it requantizes too (kernels/cpu_qdot.REQUANT_TYPES; the cost model asks
-    for that rate: model_desc.rate_key), as "qdot:Q8_0". Weights rotate through copies larger
-    than the last-level cache."""
-    import numpy as np
+    qdot reads each GGUF type's own blocks, whose unpacking costs differ: it is timed on Q4_1
+    (the default model's) as "qdot", and as "qdot:<type>" on Q8_0, Q4_K and Q6_K (a Q4_K_M
+    file's); the cost model asks for a tensor's own type first (model_desc.rate_key,
+    DeviceProfile.matmul_rate). Weights rotate through copies larger than the last-level
+    cache."""
     from gguf import GGMLQuantizationType
 
     cpu, f32 = torch.device("cpu"), int(GGMLQuantizationType.F32)
@@ -155,13 +155,14 @@ def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) ->
     w = torch.randn(shape) * 0.02
 
     def blocks(name: str) -> tuple[torch.Tensor, int]:
-        raw = random_blocks(name, w.numel() // 32, np.random.default_rng(0))
+        size = get_quant(name).block_size
+        raw = random_blocks(name, w.numel() // size, np.random.default_rng(0))
         return torch.from_numpy(raw).reshape(shape[0], -1), int(GGMLQuantizationType[name])
 
     rates = {}
     modes = (
         ("qdot", "qdot", "cpu-qdot", blocks("Q4_1")),
-        ("qdot:Q8_0", "qdot", "cpu-qdot", blocks("Q8_0")),
+        *((f"qdot:{t}", "qdot", "cpu-qdot", blocks(t)) for t in ("Q8_0", "Q4_K", "Q6_K")),
         ("fp16", "fp16", "fbgemm-fp16", (w, f32)),
         ("dense", "fp32", "torch", (w, f32)),
     )

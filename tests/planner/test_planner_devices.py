@@ -181,13 +181,13 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     assert cpu.eager_step_overhead_s + 2 * cpu.eager_layer_overhead_s > 0
     assert [t for t, _ in cpu.matmul["fp16"].curve] == list(CPU_CURVE_T)
     assert cpu.kernels["qlinear"] == "torch"
-    if "qdot" in cpu.matmul:  # Q4 blocks, and the Q8 blocks the K-quants requantize to
-        q8 = cpu.matmul["qdot:Q8_0"]
-        assert q8.decode_gbs > 0 and q8.prefill_tflops > 0
-        # the cost model prices a requantized Q4_K as Q8 blocks, a Q6_K as fp16 (cpu_scheme)
-        assert cpu.matmul_rate(*rate_key("qdot", "Q4_K")) is q8
-        assert cpu.matmul_rate(*rate_key("qdot", "Q6_K")) is cpu.matmul["fp16"]
+    if "qdot" in cpu.matmul:  # each type on its own blocks: Q4_1, Q8_0, Q4_K, Q6_K timed
+        for t in ("Q8_0", "Q4_K", "Q6_K"):
+            rate = cpu.matmul[f"qdot:{t}"]
+            assert rate.decode_gbs > 0 and rate.prefill_tflops > 0
+            assert cpu.matmul_rate(*rate_key("qdot", t)) is rate
         assert cpu.matmul_rate(*rate_key("qdot", "Q4_1")) is cpu.matmul["qdot"]
+        assert cpu.matmul_rate(*rate_key("qdot", "Q5_0")) is cpu.matmul["qdot"]  # not timed
     files = list((cache_home / "hetero" / "profiles").glob("*.json"))
     assert len(files) == 1
     mtime = files[0].stat().st_mtime_ns
