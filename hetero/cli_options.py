@@ -36,10 +36,43 @@ cuda_graph_max_tokens_option = click.option(
 )
 
 
+class WeightsType(click.ParamType):
+    """A weights mode for every device, or DEVICE=MODE pairs (cuda:0=quant,cpu=qdot)."""
+
+    name = "MODE|DEVICE=MODE,..."
+    choices = WEIGHTS_MODES
+
+    def convert(self, value, param, ctx) -> str:
+        try:
+            RuntimeConfig(weights=value)  # the config's own check, one rule
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
 def runtime_options(f):
     rt = RuntimeConfig
     f = click.option(
-        "--device", default=rt.device, show_default=True, help="cpu, cuda, cuda:1 ..."
+        "--device",
+        default=rt.device,
+        show_default=True,
+        help="auto (the first GPU where there is one, else the CPU), cpu, cuda, cuda:1 ...",
+    )(f)
+    f = click.option(
+        "--n-gpu-layers",
+        "-ngl",
+        type=click.IntRange(0),
+        default=rt.n_gpu_layers,
+        help="with a GPU device: its first N layers there, the rest on the CPU, in one process "
+        "(default: all there, or the planner's split when the model does not fit the card)",
+    )(f)
+    f = click.option(
+        "--offload-min-tokens",
+        type=click.IntRange(0),
+        default=rt.offload_min_tokens,
+        show_default=True,
+        help="with layers on the CPU beside a GPU: steps of at least this many tokens run those "
+        "layers' matmuls on the GPU, their weights streamed over PCIe (0: never)",
     )(f)
     f = click.option(
         "--dtype",
@@ -60,12 +93,13 @@ def runtime_options(f):
 
 weights_option = click.option(
     "--weights",
-    type=click.Choice(WEIGHTS_MODES),
+    type=WeightsType(),
     default=RuntimeConfig.weights,
     show_default=True,
-    help="auto: qdot on CPU (fp16 where it cannot be built), dense on GPU; dense: exact "
-    "dequantized weights; quant: keep GGUF blocks (reference path); qdot: GGUF blocks times "
-    "int8 activations in native code; fp16/int4/int8/bf16: CPU repacks",
+    help=f"one of {', '.join(WEIGHTS_MODES)}, or per device (cuda:0=quant,cpu=qdot). auto: "
+    "quant on a GPU (GGUF blocks resident, Triton kernels), qdot on a CPU (GGUF blocks times "
+    "int8 activations, native code; fp16 where it cannot be built); dense: exact dequantized "
+    "weights; fp16/int4/int8/bf16: CPU packings; quant on a CPU is the test reference (refused)",
 )
 
 kv_dtype_option = click.option(

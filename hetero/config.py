@@ -7,7 +7,7 @@ the Plan. A ModelConfig is read from GGUF metadata once and then only read.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Architectures of the llama family that one model file (model/llama.py) serves through flags.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -114,7 +114,7 @@ class PipelineConfig:
 
 
 # How a device holds the weights (RuntimeConfig.weights): "auto" picks per device; "dense" and
-# "quant" run anywhere; the others are the CPU's repacks (kernels/cpu_linear.py).
+# "quant" run anywhere; the others are the CPU's packings (kernels/cpu_linear.py).
 WEIGHTS_MODES = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
 GPU_WEIGHTS_MODES = ("quant", "dense")
 
@@ -123,43 +123,105 @@ GPU_WEIGHTS_MODES = ("quant", "dense")
 class RuntimeConfig:
     """Where and how the model runs.
 
-    weights: "quant" keeps weights in their GGUF blocks and dequantizes them in the layer that uses
-    them (the reference path); "dense" dequantizes once at load into `dtype` (exact);
-    "qdot" / "fp16" / "int4" / "int8" / "bf16" repack for the CPU's kernels
-    (kernels/cpu_linear.py); "auto" is qdot on a CPU (GGUF blocks times int8 activations in native
-    code, built at first use: BENCHMARKS.md) or fp16 where no C compiler builds it, and dense on a
-    GPU.
+    device: "auto" (the first CUDA GPU where there is one, else the CPU), "cpu" or "cuda[:N]".
+    weights: one mode for every device, or one per device ("cuda:0=quant,cpu=qdot"; a device it
+        does not name takes "auto"). "quant" keeps the GGUF blocks resident and dequantizes them
+        inside the matmul: the Triton kernels on a GPU; on a CPU only the torch reference does
+        that (per call, the path the kernels are tested against), so it is refused there unless
+        `allow_reference`. "dense" dequantizes once at load into `dtype` (exact; 2-4x the
+        bytes). "qdot" / "fp16" / "int4" / "int8" / "bf16" are the CPU's packings
+        (kernels/cpu_linear.py). "auto": quant on a GPU (the weights take their GGUF bytes
+        there; a plan may choose dense where it fits beside the KV and is faster) and qdot on a
+        CPU (GGUF blocks times int8 activations in native code, built at first use; fp16 where
+        no C compiler builds it).
+    n_gpu_layers: with a GPU device, layers 0 .. N-1 run there and the rest on the CPU, in this
+        process (llama.cpp's -ngl); None: every layer there, unless the planner splits a model
+        too big for the card.
+    offload_min_tokens: with layers on the CPU beside a GPU, steps of at least this many tokens
+        run those layers' matmuls on the GPU, their weights streamed over PCIe (0: never).
+    allow_reference: let a device run a weights mode through the torch reference (tests).
     """
 
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     weights: str = "auto"
     threads: int = 0  # 0: on a CPU the physical cores, one left to the server from 4 (cpu_threads)
     # Adjacent linears that share an input and a GGUF type run as one matmul (q|k|v, gate|up);
     # off: one matmul per tensor (the unfused form the fused one is tested against)
     fuse_linears: bool = True
+    n_gpu_layers: int | None = None
+    offload_min_tokens: int = 32
+    allow_reference: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device != "auto":
+            check_device(self.device, "device")
+        self._weights_table()  # refuses a malformed per-device form
+        if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
+            raise ValueError(f"n_gpu_layers must be >= 0, got {self.n_gpu_layers}")
+        if self.offload_min_tokens < 0:
+            raise ValueError(f"offload_min_tokens must be >= 0, got {self.offload_min_tokens}")
+
+    def _weights_table(self) -> dict[str, str]:
+        """ "cuda:0=quant,cpu=qdot" -> {"cuda:0": "quant", "cpu": "qdot"}; one mode -> {"": it}."""
+        if "=" not in self.weights:
+            entries = {"": self.weights.strip()}
+        else:
+            entries = {}
+            for part in self.weights.split(","):
+                dev, eq, mode = part.strip().partition("=")
+                if not eq:
+                    raise ValueError(f"weights {self.weights!r}: {part!r} is not DEVICE=MODE")
+                entries[device_key(check_device(dev.strip(), "weights: device"))] = mode.strip()
+        for mode in entries.values():
+            if mode not in WEIGHTS_MODES:
+                raise ValueError(f"weights mode {mode!r} is not one of {', '.join(WEIGHTS_MODES)}")
+        return entries
+
+    def weights_for(self, device: str) -> str:
+        """The weights mode asked of `device` (before "auto" is resolved)."""
+        table = self._weights_table()
+        return table.get("", table.get(device_key(device), "auto"))
+
+    def resolved(self, device: str | None = None) -> RuntimeConfig:
+        """This config on `device` (default: its own, "auto" resolved), with one weights mode:
+        the one asked of that device."""
+        dev = device or self.device
+        if dev == "auto":
+            import torch
+
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return replace(self, device=dev, weights=self.weights_for(dev))
 
     def weights_mode(self) -> str:
-        if self.weights not in WEIGHTS_MODES:
-            raise ValueError(
-                f"weights mode {self.weights!r} is not one of {', '.join(WEIGHTS_MODES)}"
-            )
+        """The mode this (resolved) device runs: "auto" resolved, a mode it cannot run refused."""
         on_cpu = self.device.startswith("cpu")
-        if self.weights == "auto":
+        mode = self.weights_for(self.device)
+        if mode == "auto":
             if not on_cpu:
-                return "dense"
-            from hetero.kernels import cpu_qdot
+                return "quant"
+            from hetero.kernels import cpu_qdot  # config is imported first: kernels load later
 
             return "qdot" if cpu_qdot.available() else "fp16"
-        if self.weights not in GPU_WEIGHTS_MODES and not on_cpu:
-            raise ValueError(f"weights mode {self.weights!r} is for the CPU; use dense or quant")
-        return self.weights
+        if mode not in GPU_WEIGHTS_MODES and not on_cpu:
+            raise ValueError(f"weights mode {mode!r} is for the CPU; use dense or quant")
+        if mode == "quant" and on_cpu and not self.allow_reference:
+            from hetero.kernels import select
+
+            if select("qlinear", "cpu").is_reference:
+                raise ValueError(
+                    "weights mode 'quant' on a CPU runs the torch reference, which dequantizes "
+                    "every weight on every call (a test path, many times slower): use qdot (the "
+                    "CPU's GGUF-block kernels, the default) or fp16"
+                )
+        return mode
 
     def torch_dtype(self):
         import torch
 
         if self.dtype == "auto":
-            return torch.float32 if self.device.startswith("cpu") else torch.bfloat16
+            device = self.resolved().device
+            return torch.float32 if device.startswith("cpu") else torch.bfloat16
         table = {
             "float32": torch.float32,
             "fp32": torch.float32,

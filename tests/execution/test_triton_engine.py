@@ -48,7 +48,9 @@ def tied_file(tmp_path_factory):
 
 
 def _generate(path, kv_dtype: str):
-    loaded = load_model(path, RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32"))
+    loaded = load_model(
+        path, RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32", allow_reference=True)
+    )
     llm = LLM(loaded=loaded, kv_dtype=kv_dtype, num_kv_blocks=16, block_size=8,
               max_model_len=64, enforce_eager=True, device=str(DEVICE))  # fmt: skip
     outs = llm.generate(PROMPTS, GREEDY)
@@ -94,7 +96,8 @@ def test_verify_step_through_decode_buffers_with_triton_attention(model_file, mo
 
     monkeypatch.setattr(triton_paged, "decode_splits", lambda *a: splits)
     loaded = load_model(
-        model_file, RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32")
+        model_file,
+        RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32", allow_reference=True),
     )
     logits = []
     for kernels in ({"kv_write": "torch", "paged_attention": "torch"}, TRITON):

@@ -36,7 +36,13 @@ def model_file(tmp_path_factory):
 def _logits(path, fuse: bool, kernels: str) -> tuple[object, torch.Tensor]:
     """Logits [T, V] of TOKENS (one prefill step) with the given qlinear implementation."""
     with forcing({"qlinear": kernels}):
-        rt = RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32", fuse_linears=fuse)
+        rt = RuntimeConfig(
+            device=str(DEVICE),
+            weights="quant",
+            dtype="fp32",
+            fuse_linears=fuse,
+            allow_reference=True,
+        )
         _, model = load_model(path, rt)
         kv = ContiguousKV(model.config, len(TOKENS), torch.float32, str(DEVICE))
         kv.begin(len(TOKENS))
