@@ -79,14 +79,43 @@ def assemble(
             str(model_path), stages, launch.runtime, cfg, launch.pipeline, progress
         )
         return Engine(cfg, executor, gguf.config, Tokenizer.from_gguf(gguf.reader))
-    gguf, model = loaded or load_model(model_path, launch.runtime, progress=progress)
+    rt = launch.runtime.resolved()
+    if loaded is None and _splits(rt):
+        gguf = load_gguf(model_path)
+        models = _segments(gguf, launch.runtime, rt.device, progress)
+    else:
+        gguf, model = loaded or load_model(model_path, rt, progress=progress)
+        models = [model]
     tokenizer = Tokenizer.from_gguf(gguf.reader)
     max_len = cfg.scheduler.max_model_len or gguf.config.context_length
     # before the pool is sized: a draft model's weights and KV come out of the same memory
-    draft = _draft(cfg, model, tokenizer, max_len) if cfg.speculative == "draft" else None
+    draft = _draft(cfg, models[0], tokenizer, max_len) if cfg.speculative == "draft" else None
     spec_tokens = 0 if cfg.speculative == "off" else cfg.num_speculative_tokens
-    executor = LocalExecutor(model, cfg, max_len, str(gguf.path), spec_tokens, gguf=gguf)
+    executor = LocalExecutor(
+        models, cfg, max_len, str(gguf.path), spec_tokens, gguf=gguf,
+        offload_min_tokens=rt.offload_min_tokens,
+        offload_device=rt.device if rt.device.startswith("cuda") else None,
+    )  # fmt: skip
     return Engine(cfg, executor, gguf.config, tokenizer, draft)
+
+
+def _splits(rt: RuntimeConfig) -> bool:
+    """Whether the runtime asks for layers on the CPU beside its GPU (-ngl below all)."""
+    return rt.device.startswith("cuda") and rt.n_gpu_layers is not None
+
+
+def _segments(gguf: GGUFModel, rt: RuntimeConfig, gpu: str, progress: bool) -> list[LlamaModel]:
+    """Layers 0 .. n_gpu_layers - 1 on the GPU, the rest on the CPU (each device with its own
+    weights mode and activation dtype), as llama.cpp's -ngl places them."""
+    n, cut = gguf.config.n_layers, rt.n_gpu_layers
+    if cut > n:
+        raise ValueError(f"n_gpu_layers {cut}: the model has {n} layers (give at most {n})")
+    parts = [(gpu, range(0, cut)), ("cpu", range(cut, n))]
+    return [
+        LlamaModel(gguf, rt.resolved(device), layers, progress=progress)
+        for device, layers in parts
+        if len(layers)
+    ]
 
 
 def _draft(cfg: EngineConfig, target: LlamaModel, tokenizer, max_len: int) -> LocalExecutor:

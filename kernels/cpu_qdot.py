@@ -132,15 +132,18 @@ def pack(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> QdotWeight:
     return QdotWeight(t, n, k, torch.cat(parts, dim=2).contiguous())
 
 
-def gguf_bytes(w: QdotWeight) -> torch.Tensor:
-    """The GGUF blocks [n, k / block, type_size] the packed weight holds (bit for bit)."""
+def gguf_bytes(w: QdotWeight, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """The GGUF blocks [n, k / block, type_size] the packed weight holds (bit for bit).
+    `packed`: the same bytes elsewhere (a copy on a GPU): undone there, on its device."""
+    packed = w.packed if packed is None else packed
     qt = get_quant(w.ggml_type)
     out = torch.empty(
-        w.packed.shape[0] * GROUP, w.k // qt.block_size, qt.type_size, dtype=torch.uint8
-    )
+        packed.shape[0] * GROUP, w.k // qt.block_size, qt.type_size, dtype=torch.uint8,
+        device=packed.device,
+    )  # fmt: skip
     at = 0
     for o, s, e in FIELDS[w.ggml_type]:
-        out[:, :, o : o + s] = _from_rows16(w.packed[:, :, at : at + s * GROUP], s, e)
+        out[:, :, o : o + s] = _from_rows16(packed[:, :, at : at + s * GROUP], s, e)
         at += s * GROUP
     return out[: w.n]
 

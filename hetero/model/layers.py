@@ -169,9 +169,14 @@ class QuantLinear(nn.Module):
             self._qlinear = impl.fn
         return self
 
+    # a big step's matmul on another device (execution/offload.py sets it on a CPU segment)
+    offload = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.mode == "dense":
             y = x @ self.weight.t()
+        elif self.offload is not None and self.offload.runs(x):
+            y = self.offload(self, x)
         elif self.mode != "quant":
             if len(self._calls) == 1:
                 y = self._calls[0](x).to(x.dtype)

@@ -104,7 +104,7 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         cfg = self.config = gm.config
-        self.runtime = rt
+        self.runtime = rt = rt.resolved()  # one device, one weights mode
         bind_device(rt.device)  # load-time repacks launch kernels on the current device
         self.layer_range = layers if layers is not None else range(cfg.n_layers)
         # A pipeline stage holds only its layers: the embedding on the first stage, the final
