@@ -277,19 +277,33 @@ def profile(refresh, shares, as_json):
 @weights_option
 @click.option("--use-all-devices", is_flag=True, help="give every device at least one layer")
 @click.option(
+    "--pipeline",
+    is_flag=True,
+    help="plan stage processes (a pipeline) even where one process would run them: one GPU "
+    "and the CPU run in one process unless this is given (several GPUs always are stages)",
+)
+@click.option(
+    "--offload-min-tokens",
+    type=click.IntRange(0),
+    default=32,
+    show_default=True,
+    help="in one process: prompt steps of at least this many tokens run the CPU's matmuls on "
+    "the GPU (0: never), as the engine's option of that name",
+)
+@click.option(
     "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
 )
 @cuda_graph_max_tokens_option
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")
-def plan(model, devices, refresh, as_json, output, **config):
+def plan(model, devices, refresh, as_json, output, pipeline, **config):
     """Plan MODEL over devices without loading it: layers, KV and kernels per device, and the
     predicted speed. MODEL: a GGUF path, or synth:SHAPE[:QUANT] for a `hetero synth` model."""
     from hetero.cli_plan import run_plan
 
     try:
-        run_plan(model, devices, refresh, as_json, output, **config)
+        run_plan(model, devices, refresh, as_json, output, pipeline, **config)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(e)
 

@@ -68,10 +68,23 @@ def plan_config(**opts) -> PlanConfig:
     """Flat options (as on the command line) -> a PlanConfig: its own fields, and the rest read
     as the engine reads them (LaunchConfig.from_options) into its engine config and weights."""
     opts = {k: v for k, v in opts.items() if v is not None}
-    own = {f.name for f in fields(PlanConfig)} - {"engine", "weights"}
+    own = {f.name for f in fields(PlanConfig)} - {"engine", "weights", "offload_min_tokens"}
     plan_opts = {k: opts.pop(k) for k in list(opts) if k in own}
     launch = LaunchConfig.from_options(**opts)
-    return PlanConfig(**plan_opts, engine=launch.engine, weights=launch.runtime.weights)
+    rt = launch.runtime
+    return PlanConfig(
+        **plan_opts,
+        engine=launch.engine,
+        weights=rt.weights,
+        offload_min_tokens=rt.offload_min_tokens,
+    )
+
+
+def in_one_process(profiles) -> bool:
+    """Whether the engine runs these devices in one process (the local executor's segments: one
+    GPU, then the CPU) rather than as pipeline stages (several GPUs, or a device listed twice)."""
+    gpus = [p for p in profiles if not p.is_cpu]
+    return len(gpus) <= 1 and len({p.id.split("#")[0] for p in profiles}) == len(profiles)
 
 
 def run_plan(
@@ -80,14 +93,15 @@ def run_plan(
     refresh: bool,
     as_json: bool,
     output: str | None,
+    pipeline: bool = False,
     **config_opts,
 ) -> Plan:
-    config = plan_config(**config_opts)
     target = model if model and model.startswith("synth:") else str(resolve_model(model))
     desc = describe(target)
     names = [n for n in devices.split(",")] if devices else None
     profiles = resolve_devices(names, ThisMachine(refresh, progress=not as_json))
-    result = plan(desc, profiles, config)
+    in_process = not pipeline and in_one_process(profiles)
+    result = plan(desc, profiles, plan_config(**config_opts, in_process=in_process))
     if output:
         Path(output).write_text(result.to_json() + "\n")
     click.echo(result.to_json() if as_json else format_plan(result))

@@ -1,10 +1,14 @@
 """From options to an engine: where the layers go, then the factory.
 
-    --split cuda:0=0-19,cpu=20-31   the stages as given
-    --plan plan.json                a saved plan's stages (`hetero plan -o`)
-    --devices cuda:0,cpu            the planner's split over this machine's devices (profiled
-                                    once, cached), or an even split when a device repeats
-    none of them                    the whole model on --device, one process
+    --split cuda:0=0-19,cpu=20-31   pipeline stages as given (one process each)
+    --devices cuda:0,cpu            the planner's split over these devices as pipeline stages
+                                    (profiled once, cached), or an even split when one repeats
+    --plan plan.json                a saved plan (`hetero plan -o`): in one process when it was
+                                    planned so (a GPU and the CPU), else as pipeline stages
+    --n-gpu-layers N                a GPU's first N layers, the rest on the CPU, one process
+    none of them                    on a CPU: the whole model there; with a GPU: the planner's
+                                    placement over it and the CPU, in one process (all on the
+                                    GPU when it holds the model and its KV)
 
 Stages that will run here must name devices present now: a plan made on another machine, or
 before a GPU went away, is refused in one line before any stage starts.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from hetero.config import PipelineConfig, device_key
@@ -30,7 +35,8 @@ from hetero.pipeline.stages import (
 )
 from hetero.pipeline.worker import StageArgs, stage_main
 from hetero.planner.model_desc import describe
-from hetero.planner.plan import Plan, PlanConfig, check_present, plan
+from hetero.planner.plan import Plan, PlanConfig, check_present
+from hetero.planner.plan import plan as make_plan
 from hetero.planner.resolve import resolve_devices
 from hetero.profiler.machine import ThisMachine, live_devices
 
@@ -48,6 +54,8 @@ def build_engine(
     launch = launch or LaunchConfig()
     # a model already loaded names its own file (no default model needed beside it)
     path = loaded[0].path if loaded is not None and not model else resolve_model(model)
+    if loaded is None:
+        launch = placed(path, launch)
     stages = None
     if launch.pipeline.enabled:
         n_layers = load_gguf(path).config.n_layers
@@ -57,9 +65,62 @@ def build_engine(
     return assemble(path, launch, stages, progress, loaded)
 
 
-def plan_config(launch: LaunchConfig) -> PlanConfig:
+def plan_config(launch: LaunchConfig, in_process: bool = False) -> PlanConfig:
     """What the planner must plan for: this launch's KV, weights and batch limits."""
-    return PlanConfig(engine=launch.engine, weights=launch.runtime.weights)
+    rt = launch.runtime
+    return PlanConfig(
+        engine=launch.engine,
+        weights=rt.weights,
+        in_process=in_process,
+        offload_min_tokens=rt.offload_min_tokens,
+    )
+
+
+def placed(path: str | Path, launch: LaunchConfig) -> LaunchConfig:
+    """The launch with its placement settled: a plan file that runs in one process becomes the
+    runtime's -ngl; with nothing asked (no --split, --plan, --devices, --n-gpu-layers) and a
+    GPU present, the planner places the model over it and the CPU, as llama.cpp's automatic
+    fit does: all on the GPU when it holds the model beside its KV, else its first layers there
+    and the rest on the CPU, each device in the weights mode the plan chose."""
+    pc, rt = launch.pipeline, launch.runtime
+    if pc.plan and not (pc.devices or pc.split):
+        plan = _plan_file(pc.plan)
+        if plan is not None and plan.in_process:
+            return _running(launch, plan, reason=f"the plan {pc.plan}")
+        return launch
+    device = rt.resolved().device
+    if pc.enabled or rt.n_gpu_layers is not None or not device.startswith("cuda"):
+        return launch
+    profiles = resolve_devices([device_key(device), "cpu"], ThisMachine())
+    plan = make_plan(describe(str(path)), profiles, plan_config(launch, in_process=True))
+    return _running(launch, plan, reason="the planner's split for the devices here")
+
+
+def _plan_file(path: str) -> Plan | None:
+    """A `hetero plan -o` file (None for a hand-written stage list)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--plan {path}: cannot read it as a JSON plan ({e})") from e
+    return Plan.load(path) if isinstance(data, dict) and "version" in data else None
+
+
+def _running(launch: LaunchConfig, plan: Plan, reason: str) -> LaunchConfig:
+    """The launch running `plan` in this process: its GPU stage's layers on the GPU (-ngl), the
+    CPU stage's on the CPU, each device in the plan's weights mode."""
+    gpu = [s for s in plan.stages if not s.base_device.startswith("cpu")]
+    cpu = [s for s in plan.stages if s.base_device.startswith("cpu")]
+    if len(gpu) > 1 or len(cpu) > 1:
+        raise ValueError("an in-process plan holds one GPU stage and one CPU stage at most")
+    weights = ",".join(f"{device_key(s.base_device)}={s.weights}" for s in plan.stages)
+    device = gpu[0].base_device if gpu else "cpu"
+    n_gpu = gpu[0].n_layers if gpu and cpu else None
+    where = ", ".join(f"{s.base_device} layers {s.layer_start}-{s.layer_end - 1} ({s.weights})"
+                      for s in plan.stages)  # fmt: skip
+    log.info("placement: %s; %s (%.1f tok/s, TTFT %.2f s predicted)", where, reason,
+             plan.single_stream_tok_s, plan.ttft_s)  # fmt: skip
+    rt = replace(launch.runtime, device=device, n_gpu_layers=n_gpu, weights=weights)
+    return replace(launch, runtime=rt, pipeline=replace(launch.pipeline, plan=None))
 
 
 def resolve_stages(
@@ -109,7 +170,7 @@ def planned_split(
         )
         return even_split(devices, n_layers)
     profiles = resolve_devices(devices, ThisMachine())
-    result = plan(describe(str(model_path)), profiles, config or PlanConfig())
+    result = make_plan(describe(str(model_path)), profiles, config or PlanConfig())
     log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
     return stages_from_plan(result, n_layers)
 

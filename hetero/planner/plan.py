@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetero.config import WEIGHTS_MODES, RuntimeConfig
+from hetero.config import RuntimeConfig
 from hetero.engine.config import EngineConfig
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
@@ -40,7 +40,11 @@ class PlanConfig:
         limits, and CUDA graphs (enforce_eager: decode steps pay the host's launch time;
         cuda_graph_max_tokens: prompt chunks of up to that many tokens replay graphs).
     weights: "auto" (per device the fastest mode that fits, CPUs choosing among exact modes),
-        or a RuntimeConfig weights mode to force everywhere it applies.
+        or a RuntimeConfig weights mode to force everywhere it applies (or per device).
+    in_process: the stages run in one process, one after the other (a GPU's layers, then the
+        CPU's: the local executor's segments, llama.cpp's -ngl): no hand-offs between stage
+        processes and no micro-batches in flight; prompt steps of at least
+        `offload_min_tokens` tokens run the CPU's matmuls on the GPU, weights streamed.
     use_all_devices: give every device at least one layer (to test a split where one device
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
@@ -53,6 +57,8 @@ class PlanConfig:
     output_len: int = 128
     engine: EngineConfig = field(default_factory=EngineConfig)
     weights: str = RuntimeConfig.weights
+    in_process: bool = False
+    offload_min_tokens: int = RuntimeConfig.offload_min_tokens
     use_all_devices: bool = False
     margin: float = 0.05
     gpu_margin_bytes: int = 768 << 20
@@ -64,8 +70,7 @@ class PlanConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.context is not None and self.context < 2:
             raise ValueError(f"context must be >= 2, got {self.context}")
-        if self.weights not in WEIGHTS_MODES:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}: {self.weights!r}")
+        RuntimeConfig(weights=self.weights)  # one mode, or DEVICE=MODE pairs: its own check
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
@@ -92,6 +97,7 @@ class StagePlan:
     activation_bytes: int = 0
     memory_budget: int = 0  # usable bytes after the safety margin
     kv_room_blocks: int = 0  # blocks this device alone could hold (the pool is the stages' min)
+    weights_reason: str = ""  # why this weights mode: asked, fastest that fits, or most compact
     single_step_s: float = 0.0  # one decode step of one sequence
     prefill_s: float = 0.0  # this stage's share of one prompt's prefill
     # A share of a GPU ("cuda:0@70%:32GB"): the torch device to run on, the SM percentage its
@@ -125,6 +131,7 @@ class Plan:
     model_path: str = ""  # the GGUF file planned (or "synth:SHAPE:QUANT" for a dry run)
     unused_devices: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    in_process: bool = False  # the stages run one after the other in one process (segments)
     version: int = PLAN_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
