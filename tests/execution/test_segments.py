@@ -111,3 +111,32 @@ def test_prompt_steps_stream_the_cpu_matmuls_and_decode_steps_do_not(tiny):
     while streamed.has_unfinished():
         streamed.step()
     assert off.calls == 4 * 4  # a 3-token prompt and its decode steps stay on the CPU kernels
+
+
+@pytest.mark.gpu
+def test_a_gpu_and_the_cpu_serve_what_one_device_serves(tiny):
+    """-ngl on a real GPU: its first layers there (float32, exact weights, so the comparison is
+    tight), the rest on the CPU; and prompt steps streaming the CPU's matmuls to the GPU (bf16
+    activations there: within bf16's rounding of the CPU-only answer)."""
+    from hetero.factory import LaunchConfig
+    from hetero.launch import build_engine
+
+    cfg = EngineConfig(kv_dtype="fp32", num_kv_blocks=64, block_size=8, speculative="off")
+
+    def make(**rt) -> Engine:
+        return build_engine(str(tiny.path), LaunchConfig(cfg, RuntimeConfig(**rt)))
+
+    cpu = make(device="cpu", dtype="fp32", weights="dense")
+    split = make(device="cuda", dtype="fp32", weights="dense", n_gpu_layers=2, offload_min_tokens=0)
+    assert [s.device.type for s in split.executor.segments] == ["cuda", "cpu"]
+    want, got = run(cpu), run(split)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(want, got):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+    prompt = list(range(5, 45))
+    streamed = make(device="cuda", weights="cuda=quant,cpu=qdot", n_gpu_layers=2,
+                    offload_min_tokens=16)  # fmt: skip
+    exact = prefill_logits(cpu, prompt)
+    got = prefill_logits(streamed, prompt)
+    assert streamed.executor.offload.calls == 2 * 4  # the CPU's two layers, four matmuls each
+    assert torch.allclose(got, exact, atol=0.15)  # bf16 activations on the GPU
