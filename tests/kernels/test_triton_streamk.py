@@ -12,20 +12,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_triton_qmatmul import assert_close, make_weight
-from triton_interp import (  # noqa: F401  (kernels_runnable: an autouse fixture)
-    CUDA,
-    DEVICE,
-    INTERPRETED,
-    kernels_runnable,
-    rerun_test,
-)
 
 from hetero.kernels import gemv_tuning, implementations, streamk
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.repack import SPECS, dequantize_packed, repack
 from hetero.kernels.xquant import XLayout, dot_elements, xquant, xquant_ref
 from hetero.quant import dequantize, get_quant
+from tests.kernels.test_triton_qmatmul import assert_close, make_weight
+from tests.support.triton_interp import (  # noqa: F401  (kernels_runnable: an autouse fixture)
+    CUDA,
+    DEVICE,
+    INTERPRETED,
+    kernels_runnable,
+    rerun_test,
+)
 
 triton = pytest.importorskip("triton")
 TYPES = [t.name for t in SPECS]
