@@ -60,7 +60,7 @@ if has suite; then
 fi
 
 if has tests; then
-  stage tests 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_triton_streamk.py
+  stage tests 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_streamk.py
   tail -3 "$OUT/tests.log"
 fi
 

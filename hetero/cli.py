@@ -116,7 +116,9 @@ def info(model):
 @main.command()
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--shape", required=True, help="llama3-8b, qwen2.5-7b, smollm2-135m, ...")
-@click.option("--quant", default="q4_k_m", show_default=True, help="q4_k_m, q5_k_m, q6_k, q8_0 ...")
+@click.option(
+    "--quant", default="q4_k_m", show_default=True, help="q4_k_m, q5_k_m, q6_k, q8_0, iq4_xs ..."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--chat",
@@ -140,7 +142,7 @@ def synth(out, shape, quant, seed, chat):
 @main.command()
 @click.argument("src", type=click.Path(dir_okay=False))
 @click.argument("dst", type=click.Path(dir_okay=False))
-@click.option("--type", "qtype", required=True, help="q8_0, q6_k, q5_k_m, q4_k_m, ...")
+@click.option("--type", "qtype", required=True, help="q8_0, q6_k, q5_k_m, q4_k_m, iq4_xs ...")
 def quantize(src, dst, qtype):
     """Re-quantize the GGUF model SRC into DST."""
     from hetero.requantize import requantize

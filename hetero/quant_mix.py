@@ -9,10 +9,16 @@ dense llama-family models, so `hetero synth` and `hetero quantize` agree with `l
 - attn_v and ffn_down get more bits on the "use_more_bits" layers (first and last eighth, and
   every third layer between) in Q4_K_M / Q5_K_M, on the first layers in Q4_K_S, and so on;
 - a row (ne0, the input features) that does not divide the chosen type's block falls back per
-  tensor: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, and to F16 when even
-  the fallback's 32-wide block does not divide (llama.cpp aborts for a few types there).
+  tensor: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, IQ4_XS -> IQ4_NL, and to
+  F16 when even the fallback's 32-wide block does not divide (llama.cpp aborts for a few types);
+- IQ4_NL / IQ4_XS (without an importance matrix): attn_v takes Q5_K when n_gqa >= 4, ffn_down
+  Q5_K on the first eighth of the layers;
+- MXFP4_MOE: expert tensors (3-D) MXFP4, every other weight Q8_0;
+- "pure-TYPE" (e.g. pure-iq2_xxs, pure-mxfp4): every weight TYPE, falling back per tensor as
+  above (IQ types of 256-element blocks to IQ4_NL), as `llama-quantize --pure` writes.
 
-Left out: the MoE and 70B-specific bumps, the IQ mixes and the importance-matrix variants.
+Left out: the MoE and 70B-specific bumps, the IQ1/IQ2/IQ3 mixes and the importance-matrix
+variants.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class QuantMix:
     name: str
     file_type: LlamaFileType  # general.file_type
     default: GGMLQuantizationType  # type of every 2D weight no rule changes
+    pure: bool = False  # no per-tensor rules: every weight `default` (or its fallback)
 
 
 QUANT_MIXES: dict[str, QuantMix] = {
@@ -50,6 +57,9 @@ QUANT_MIXES: dict[str, QuantMix] = {
         QuantMix("q5_k_s", LlamaFileType.MOSTLY_Q5_K_S, T.Q5_K),
         QuantMix("q5_k_m", LlamaFileType.MOSTLY_Q5_K_M, T.Q5_K),
         QuantMix("q6_k", LlamaFileType.MOSTLY_Q6_K, T.Q6_K),
+        QuantMix("iq4_nl", LlamaFileType.MOSTLY_IQ4_NL, T.IQ4_NL),
+        QuantMix("iq4_xs", LlamaFileType.MOSTLY_IQ4_XS, T.IQ4_XS),
+        QuantMix("mxfp4_moe", LlamaFileType.MOSTLY_MXFP4_MOE, T.MXFP4),
     )
 }
 
@@ -62,16 +72,34 @@ FALLBACK: dict[GGMLQuantizationType, GGMLQuantizationType] = {
     T.Q4_K: T.Q5_0,
     T.Q5_K: T.Q5_1,
     T.Q6_K: T.Q8_0,
+    T.IQ4_XS: T.IQ4_NL,
+    **dict.fromkeys((T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S), T.IQ4_NL),
 }
+PURE_PREFIX = "pure-"
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
 def get_mix(mix: str) -> QuantMix:
     key = mix.lower()
+    if key.startswith(PURE_PREFIX):
+        return _pure_mix(key)
     if key not in QUANT_MIXES:
-        raise ValueError(f"unknown quantization type {mix!r}; known: {', '.join(QUANT_MIXES)}")
+        raise ValueError(
+            f"unknown quantization type {mix!r}; known: {', '.join(QUANT_MIXES)}, "
+            f"and {PURE_PREFIX}TYPE for any supported GGUF type (e.g. {PURE_PREFIX}iq2_xxs)"
+        )
     return QUANT_MIXES[key]
+
+
+def _pure_mix(key: str) -> QuantMix:
+    from hetero.quant import get_quant
+
+    qtype = get_quant(key.removeprefix(PURE_PREFIX)).ggml_type  # refuses unknown types by name
+    file_types = (f"MOSTLY_{qtype.name}", f"MOSTLY_{qtype.name}_M", f"MOSTLY_{qtype.name}_MOE")
+    names = ("ALL_F32",) if qtype == T.F32 else file_types
+    known = [LlamaFileType[n] for n in names if n in LlamaFileType.__members__]
+    return QuantMix(key, known[0] if known else LlamaFileType.GUESSED, qtype, pure=True)
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
@@ -118,18 +146,22 @@ def tensor_type_for(
         return T.F32
     if m.default in FLOAT_TYPES:
         return m.default
+    if m.pure:
+        return fallback_type(m.default, n_cols)
     if layer is None and (match := _LAYER.match(name)):
         layer = int(match.group(1))
     is_output = name == "output.weight" or (tied_embeddings and name == "token_embd.weight")
     if is_output:
         qtype = _output_type(m, n_cols)
+    elif m.name == "mxfp4_moe":
+        qtype = T.MXFP4 if n_dims == 3 else T.Q8_0
     else:
         qtype = _layer_type(m, name, layer, n_layers, n_gqa)
     return fallback_type(qtype, n_cols)
 
 
 def _output_type(m: QuantMix, n_cols: int) -> GGMLQuantizationType:
-    if n_cols % block_size(m.default) != 0 or m.default == T.Q8_0:
+    if n_cols % block_size(m.default) != 0 or m.default in (T.Q8_0, T.MXFP4):
         return T.Q8_0
     return T.Q6_K
 
@@ -158,6 +190,8 @@ def _attn_v_type(m: QuantMix, layer: int, n_layers: int, n_gqa: int) -> GGMLQuan
         return T.Q6_K
     if m.name == "q4_k_s" and layer < 4:
         return T.Q5_K
+    if m.name in ("iq4_nl", "iq4_xs") and n_gqa >= 4:
+        return T.Q5_K
     return m.default
 
 
@@ -168,6 +202,6 @@ def _ffn_down_type(m: QuantMix, layer: int, n_layers: int) -> GGMLQuantizationTy
         return T.Q5_K if layer < n_layers // 16 else T.Q4_K
     if m.name in ("q4_k_m", "q5_k_m") and use_more_bits(layer, n_layers):
         return T.Q6_K
-    if m.name == "q4_k_s" and layer < n_layers // 8:
+    if m.name in ("q4_k_s", "iq4_nl", "iq4_xs") and layer < n_layers // 8:
         return T.Q5_K
     return m.default

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, ReaderTensor
 from tqdm import tqdm
 
-from hetero.quant import dequantize, quantize, row_bytes
+from hetero.quant import dequantize, get_quant, quantize, row_bytes, supported_types
 from hetero.quant_mix import QuantMix, get_mix, is_quantizable, tensor_type_for
 
 T = GGMLQuantizationType
@@ -69,6 +69,7 @@ def requantize(
         raise ValueError(f"{src} is not a readable GGUF file: {err}") from err
     arch = _field(reader, "general.architecture")
     jobs = _plan(reader, mix, arch)
+    _check_writable(jobs)
 
     partial = dst.with_name(dst.name + ".partial")
     writer = GGUFWriter(partial, arch)
@@ -124,6 +125,20 @@ def _plan(reader: GGUFReader, mix: QuantMix, arch: str) -> list[_Job]:
             target = t.tensor_type  # a quantized tensor llama.cpp would not touch: copy it
         jobs.append(_Job(t, shape, target))
     return jobs
+
+
+def _check_writable(jobs: list[_Job]) -> None:
+    """Refuse, before anything is written, a target type with no quantizer (the grid IQ types)."""
+    missing = {
+        job.target.name
+        for job in jobs
+        if job.target != job.tensor.tensor_type and get_quant(job.target).quantize is None
+    }
+    if missing:
+        writable = ", ".join(q.name for q in supported_types() if q.quantize is not None)
+        raise ValueError(
+            f"hetero cannot quantize to {', '.join(sorted(missing))}; it writes {writable}"
+        )
 
 
 def _copy_metadata(reader: GGUFReader, writer: GGUFWriter, mix: QuantMix) -> None:

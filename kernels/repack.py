@@ -35,6 +35,13 @@ Every type then dequantizes with one formula, the references' float32 operations
 A * (q + OFF) is exact in float32 for every type (at most 11 + 7 + 6 significant bits), so fused
 or unfused, the one rounding left is that of the - B, exactly as in the references: the values
 are bit-identical to `hetero.quant.dequantize` (checked by `dequantize_packed` in the tests).
+
+The codebook types (CB > 0) keep 4-bit codes that index a 16-entry int8 table instead:
+
+    w = A * TABLE[q]       CB = 1: IQ4_NL's values (IQ4_NL: A = d; IQ4_XS: A = d * (ls - 32),
+                                   the 6-bit group scale stored as int8 ls - 32, like Q3_K's)
+                           CB = 2: MXFP4's doubled E2M1 values; A = 2^(e - 128) from the E8M0
+                                   byte e, kept as it is in `scale` (uint8) and decoded in-kernel
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from gguf import GGMLQuantizationType
 
 from hetero.quant import get_quant
 from hetero.quant.bits import bit_planes, crumbs, le_bits, low_high_nibbles
+from hetero.quant.codebooks import E2M1_DOUBLED, IQ4NL_VALUES, codebook, e8m0_half, iq4_xs_scales
 from hetero.quant.kquants import k4_scale_min, q3_k_scales
 
 _T = GGMLQuantizationType
@@ -64,6 +72,7 @@ class QSpec:
     kquant: bool  # A = d * sc with d per 256-element super-block
     has_min: bool  # a B term
     packed_min: bool = False  # Q2_K: scale byte = mn << 4 | sc
+    codebook: int = 0  # CB: 0 linear codes; 1 IQ4_NL values; 2 MXFP4 (E2M1 values, E8M0 scale)
 
     @property
     def high_dtype(self) -> torch.dtype:
@@ -82,7 +91,11 @@ SPECS: dict[GGMLQuantizationType, QSpec] = {
     _T.Q4_K: QSpec(4, 0, 32, 0, kquant=True, has_min=True),
     _T.Q5_K: QSpec(4, 1, 32, 0, kquant=True, has_min=True),
     _T.Q6_K: QSpec(4, 2, 16, -32, kquant=True, has_min=False),
+    _T.IQ4_NL: QSpec(4, 0, 32, 0, kquant=False, has_min=False, codebook=1),
+    _T.IQ4_XS: QSpec(4, 0, 32, 0, kquant=True, has_min=False, codebook=1),
+    _T.MXFP4: QSpec(4, 0, 32, 0, kquant=False, has_min=False, codebook=2),
 }
+CODEBOOKS = {1: IQ4NL_VALUES, 2: E2M1_DOUBLED}  # CB -> the table its codes index
 
 
 def spec_of(ggml_type: GGMLQuantizationType | int | str) -> QSpec:
@@ -211,8 +224,8 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 def _codes(t: GGMLQuantizationType, b: torch.Tensor) -> torch.Tensor:
     """(n, type_size) blocks -> (n, block_size) uint8 unsigned codes q in element order."""
     n = b.shape[0]
-    if t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1):
-        lo = {_T.Q4_0: 2, _T.Q4_1: 4, _T.Q5_0: 6, _T.Q5_1: 8}[t]
+    if t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.IQ4_NL, _T.MXFP4):
+        lo = {_T.Q4_0: 2, _T.Q4_1: 4, _T.Q5_0: 6, _T.Q5_1: 8, _T.IQ4_NL: 2, _T.MXFP4: 1}[t]
         q = low_high_nibbles(b[:, lo : lo + 16].unsqueeze(1)).reshape(n, 32)
         if t in (_T.Q5_0, _T.Q5_1):
             q = q | (le_bits(b[:, lo - 4 : lo]) << 4)
@@ -226,6 +239,8 @@ def _codes(t: GGMLQuantizationType, b: torch.Tensor) -> torch.Tensor:
         return low | (bit_planes(b[:, 0:32]).reshape(n, QK_K) << 2)
     if t == _T.Q4_K:
         return low_high_nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, QK_K)
+    if t == _T.IQ4_XS:  # 8 groups laid out as Q4_0's
+        return low_high_nibbles(b[:, 8:136].reshape(n, 8, 16)).reshape(n, QK_K)
     if t == _T.Q5_K:
         low = low_high_nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, QK_K)
         return low | (bit_planes(b[:, 16:48]).reshape(n, QK_K) << 4)
@@ -238,8 +253,12 @@ def _codes(t: GGMLQuantizationType, b: torch.Tensor) -> torch.Tensor:
 
 def _scales(t: GGMLQuantizationType, b: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-block scale fields, each (n_blocks, groups per block) or (n_blocks,)."""
-    if t in (_T.Q4_0, _T.Q5_0, _T.Q8_0):
+    if t in (_T.Q4_0, _T.Q5_0, _T.Q8_0, _T.IQ4_NL):
         return {"scale": _f16(b, 0)}
+    if t == _T.MXFP4:
+        return {"scale": b[:, 0]}
+    if t == _T.IQ4_XS:
+        return {"scale": iq4_xs_scales(b).to(torch.int8), "d": _f16(b, 0)}
     if t in (_T.Q4_1, _T.Q5_1):
         return {"scale": _f16(b, 0), "minv": _f16(b, 2)}
     if t == _T.Q2_K:
@@ -316,7 +335,12 @@ def dequantize_packed(pw: PackedWeight) -> torch.Tensor:
         q = q | (_unpack_high_bytes(pw.high, spec.low_bits, spec.high_bits) << spec.low_bits)
     elif pw.high is not None:
         q = q | (_unpack_fields(pw.high, spec.low_bits, spec.high_bits) << spec.low_bits)
-    q = (q + spec.offset).to(torch.float32).reshape(n, -1, spec.group)
+    if spec.codebook:
+        q = codebook(CODEBOOKS[spec.codebook], q.device)[q.long()].reshape(n, -1, spec.group)
+    else:
+        q = (q + spec.offset).to(torch.float32).reshape(n, -1, spec.group)
+    if spec.codebook == 2:
+        return (q * e8m0_half(pw.scale).unsqueeze(-1)).reshape(n, k)
     if spec.kquant:
         assert pw.d is not None
         per_super = QK_K // spec.group

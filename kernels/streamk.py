@@ -25,9 +25,14 @@ waiting with 1.2 eligible warps a scheduler. Here:
   kernel drains.
 
 The packed weight must hold its high plane in the "bytes" arrangement for `int_dot`
-(`prepare_streamk` repacks so; the float decode reads either). T > 1 goes to `qlinear`'s
-default paths, which read either arrangement. Registered as qlinear's "triton_streamk", picked
-over "triton" on architectures with a measured table (kernels/gemv_tuning_<arch>.json).
+(`prepare_streamk` repacks so; the float decode reads either). T > 1 goes to `qlinear`'s default
+paths, which read either arrangement. Registered as qlinear's "triton_streamk", picked over
+"triton" on architectures with a measured table (kernels/gemv_tuning_<arch>.json).
+
+The codebook types (IQ4_NL, IQ4_XS, MXFP4: a code indexes a table of values) run the float
+decode only: dp4a multiplies the code bytes themselves. `config_ok` refuses them an integer
+config, and `choose` never picks one for them, so their bf16 / fp16 tokens go to qlinear's own
+decode kernel.
 """
 
 from __future__ import annotations
@@ -82,8 +87,11 @@ def schedule(n: int, n_chunks: int, chunks_a_step: int, programs: int, bn: int) 
 
 def config_ok(cfg: StreamKConfig, pw: PackedWeight) -> bool:
     """Whether cfg can run pw's type (a step the layout and super-blocks allow, tile sizes
-    that Triton takes)."""
+    that Triton takes; integer dot products only on linear codes: a codebook type's values are
+    table entries, not the code bytes dp4a multiplies)."""
     e = chunk_codes(pw.spec.low_bits)
+    if pw.spec.codebook and cfg.int_dot:
+        return False
     if cfg.step % e or (pw.spec.kquant and (cfg.step > 256 or 256 % cfg.step)):
         return False
     if cfg.rows and (not cfg.int_dot or cfg.bn != 32 * cfg.warps or cfg.step // e > 16):
@@ -159,8 +167,10 @@ def prepare_streamk(qweight: Any, ggml_type: int, shape: tuple[int, int]) -> Any
 
 
 def choose(pw: PackedWeight, x: torch.Tensor) -> StreamKConfig | None:
-    """The tuning table's config for this weight on x's device (None: qlinear's own decode
-    kernel won there). float32 x takes the float decode: the integer one rounds x to 16 bits."""
+    """The tuning table's config for this weight on x's device, or one that pw's type can run
+    (None: qlinear's own decode kernel, where it won or where no Stream-K mode of that kind runs
+    the type: bf16 / fp16 x of a codebook type). float32 x takes the float decode: the integer
+    one rounds x to 16 bits."""
     from hetero.kernels.gemv_tuning import lookup
 
     cfg = lookup(x.device, pw.ggml_type.name, *pw.shape)
@@ -168,7 +178,9 @@ def choose(pw: PackedWeight, x: torch.Tensor) -> StreamKConfig | None:
         return None
     if x.dtype == torch.float32 and cfg.int_dot:
         cfg = StreamKConfig(bn=32, step=cfg.step, ctas_per_sm=cfg.ctas_per_sm, int_dot=False)
-    return cfg if config_ok(cfg, pw) else StreamKConfig(int_dot=cfg.int_dot, step=256)
+    if not config_ok(cfg, pw):
+        cfg = StreamKConfig(int_dot=cfg.int_dot, step=256)
+    return cfg if config_ok(cfg, pw) else None
 
 
 def streamk_supported(device: torch.device | str) -> bool:

@@ -19,6 +19,13 @@ The high-bit plane (Q5_*, Q6_K, Q3_K) is shifted into place next to the low fiel
 in the "bytes" arrangement (repack.high_bit_places) comes as int32 words; `_load_step` hands
 each lane c its chunk's word c * NHW // 4 as uint32, which tells `_field` where the bits are.
 
+The codebook types (CB > 0: IQ4_NL, IQ4_XS, MXFP4) look their 4-bit code up instead: the 16
+int8 values sit in four int32 constants (4 bytes each, little-endian), code bit 3 and bit 2 pick
+the word (three selects), and a shift left then an arithmetic shift right extract the byte
+sign-extended: no memory access, and exact.
+
+    TABLE[q] = (word[q >> 2] << (24 - 8 (q & 3))) >> 24
+
     _load_step       a step's code words and high plane
     _field           one field of the words as q + OFF (float32)
     _group_scales    a group's A and B from the scale planes
@@ -32,6 +39,18 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from hetero.quant.codebooks import E2M1_DOUBLED, IQ4NL_VALUES
+
+
+def _table_word(values: tuple[int, ...], w: int) -> tl.constexpr:
+    """Values 4w .. 4w+3 of a 16-entry int8 table as one int32 (little-endian bytes)."""
+    word = int.from_bytes(bytes(v & 0xFF for v in values[4 * w : 4 * w + 4]), "little")
+    return tl.constexpr(word - (1 << 32) if word >= 1 << 31 else word)
+
+
+_NL0, _NL1, _NL2, _NL3 = (_table_word(IQ4NL_VALUES, w) for w in range(4))  # CB = 1
+_FP0, _FP1, _FP2, _FP3 = (_table_word(E2M1_DOUBLED, w) for w in range(4))  # CB = 2
 
 
 @triton.jit
@@ -68,14 +87,17 @@ def _load_step(
 @triton.jit
 def _field(
     words, words_hi, high, zero,
-    f: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr,
+    f: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
-    """float32 q + OFF of field f of every word, exact (see the module docstring).
+    """float32 q + OFF of field f of every word, exact (see the module docstring); for a
+    codebook type (CB > 0) the table value of the 4-bit code q.
 
     `zero` is a run-time 0: with the exponent bits in a register, the compiler emits one LOP3
     (a & mask | c) per code instead of an AND and an OR with two immediates.
     """
     s: tl.constexpr = LB * f
+    if CB > 0:
+        return _codebook((words >> s) & 15, CB)
     if s + LB + HB <= 23:
         p: tl.constexpr = s
         src = words
@@ -129,10 +151,31 @@ def _bytes_high(
 
 
 @triton.jit
+def _codebook(q, CB: tl.constexpr):
+    """float32 TABLE[q] of int32 codes q in 0..15 (the module docstring)."""
+    if CB == 1:
+        lo = tl.where((q & 4) != 0, _NL1, _NL0)
+        hi = tl.where((q & 4) != 0, _NL3, _NL2)
+    else:
+        lo = tl.where((q & 4) != 0, _FP1, _FP0)
+        hi = tl.where((q & 4) != 0, _FP3, _FP2)
+    word = tl.where((q & 8) != 0, hi, lo)
+    return ((word << (24 - 8 * (q & 3))) >> 24).to(tl.float32)
+
+
+@triton.jit
+def e8m0_half(e):
+    """float32 2^(e - 128) of uint8 exponents e, bit for bit as `hetero.quant.codebooks`."""
+    e = e.to(tl.int32)
+    bits = tl.where(e < 2, 0x00200000 * (e + 1), (e - 1) << 23)  # e < 2: the subnormals
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _group_scales(
     scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask, grp_stride, sb_stride,
     f: tl.constexpr, LB: tl.constexpr, G: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     """(A, B) float32 [BN, S, 1] of the group holding field f of chunks ch [S] (B: only with
     mins). A chunk holds E / G groups (E >= G), or is part of one (Q8_0: E = 16, G = 32).
@@ -163,7 +206,11 @@ def _group_scales(
             dmin = tl.load(dmin_ptr + sb, mask=rmask, other=0).to(tl.float32)[:, None]
             b = dmin * mn.to(tl.float32)
     else:
-        a = tl.load(scale_ptr + gidx, mask=m, other=0).to(tl.float32)
+        a = tl.load(scale_ptr + gidx, mask=m, other=0)
+        if CB == 2:  # MXFP4: the E8M0 byte
+            a = e8m0_half(a)
+        else:
+            a = a.to(tl.float32)
         if HAS_MIN:
             b = -tl.load(min_ptr + gidx, mask=m, other=0).to(tl.float32)
     return a[:, :, None], b[:, :, None]
@@ -174,12 +221,13 @@ def _float_chunks(
     acc, words, high, zero, x_row, rows, rmask, c0, c_end,
     scale_ptr, min_ptr, d_ptr, dmin_ptr, grp_stride, sb_stride,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, S, 4] plus chunks c0 .. c0+S (below c_end) of W [rows] times x_row: per group
-    sum_k (q_k + OFF) x_k, then times A, minus B * sum_k x_k (the products A (q + OFF) are
-    exact, so this is the reference's sum of x * w in another order, skipping the one float32
-    rounding of w = A (q + OFF) - B: three instructions a weight instead of four)."""
+    sum_k (q_k + OFF) x_k (TABLE[q_k] for a codebook type, CB > 0), then times A, minus
+    B * sum_k x_k (the products A (q + OFF) are exact, so this is the reference's sum of x * w
+    in another order, skipping the one float32 rounding of w = A (q + OFF) - B: three
+    instructions a weight instead of four)."""
     F: tl.constexpr = 32 // LB
     E: tl.constexpr = 4 * F
     BN: tl.constexpr = words.shape[0]
@@ -191,12 +239,12 @@ def _float_chunks(
         if (4 * f) % G == 0:  # the first field of a group: its scales, fresh sums
             a, b = _group_scales(
                 scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask,
-                grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN,
+                grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB,
             )  # fmt: skip
             qx = tl.zeros([BN, S, 4], dtype=tl.float32)
             xs = tl.zeros([S, 4], dtype=tl.float32)
         xv = tl.load(x_row + c0 * E + 4 * f + xc, mask=cmask[:, None], other=0).to(tl.float32)
-        qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF) * xv[None, :, :]
+        qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * xv[None, :, :]
         if HAS_MIN:
             xs += xv
         if (4 * (f + 1)) % G == 0 or f == F - 1:  # the group's last field in this chunk
@@ -210,8 +258,9 @@ def _float_chunks(
 def _leaf(
     words, high, zero, a, b, f: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, OFF: tl.constexpr, HAS_MIN: tl.constexpr,
+    CB: tl.constexpr,
 ):  # fmt: skip
-    w = _field(words, words >> 16, high, zero, f, LB, HB, OFF) * a
+    w = _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * a
     if HAS_MIN:
         w = w - b
     return w
@@ -226,10 +275,10 @@ def _leaf(
 def _pair(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
-    lo = _leaf(words, high, zero, a, b, f0, LB, HB, OFF, HAS_MIN)
-    hi = _leaf(words, high, zero, a, b, f0 + 1, LB, HB, OFF, HAS_MIN)
+    lo = _leaf(words, high, zero, a, b, f0, LB, HB, OFF, HAS_MIN, CB)
+    hi = _leaf(words, high, zero, a, b, f0 + 1, LB, HB, OFF, HAS_MIN, CB)
     return tl.join(lo, hi)
 
 
@@ -237,12 +286,14 @@ def _pair(
 def _quad(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     if G == 16:
-        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
-    lo = _pair(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
-    hi = _pair(words, high, zero, a, b, sargs, f0 + 2, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    lo = _pair(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    hi = _pair(
+        words, high, zero, a, b, sargs, f0 + 2, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+    )
     return tl.join(lo, hi)
 
 
@@ -250,12 +301,14 @@ def _quad(
 def _oct(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     if G == 32:
-        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
-    lo = _quad(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
-    hi = _quad(words, high, zero, a, b, sargs, f0 + 4, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        a, b = _group_scales(*sargs, f0, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    lo = _quad(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    hi = _quad(
+        words, high, zero, a, b, sargs, f0 + 4, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+    )
     return tl.join(lo, hi)
 
 
@@ -263,10 +316,12 @@ def _oct(
 def _hex(
     words, high, zero, a, b, sargs, f0: tl.constexpr,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
-    lo = _oct(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
-    hi = _oct(words, high, zero, a, b, sargs, f0 + 8, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    lo = _oct(words, high, zero, a, b, sargs, f0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
+    hi = _oct(
+        words, high, zero, a, b, sargs, f0 + 8, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+    )
     return tl.join(lo, hi)
 
 
@@ -274,7 +329,7 @@ def _hex(
 def _decode_tile(
     words, high, zero, sargs,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     """float32 [BN, S*E]: the step's weights in element order. The joins and the permute only
     rename registers: every thread holds all fields of its words."""
@@ -284,13 +339,15 @@ def _decode_tile(
     a = tl.zeros([1, 1, 1], dtype=tl.float32)  # placeholders: the node of a group loads them
     b = a
     if F == 4:  # Q8_0: a chunk is half a group
-        a, b = _group_scales(*sargs, 0, LB, G, KQUANT, HAS_MIN, PACKED_MIN)
-        w = _quad(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        a, b = _group_scales(*sargs, 0, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB)
+        w = _quad(
+            words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB
+        )
         w = tl.permute(w, (0, 1, 4, 3, 2))
     elif F == 8:
-        w = _oct(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _oct(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
         w = tl.permute(w, (0, 1, 5, 4, 3, 2))
     else:
-        w = _hex(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _hex(words, high, zero, a, b, sargs, 0, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
         w = tl.permute(w, (0, 1, 6, 5, 4, 3, 2))
     return tl.reshape(w, [BN, S * 4 * F])

@@ -61,7 +61,7 @@ def _qgemv_tokens_kernel(
     T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr, TT: tl.constexpr,
 ):  # fmt: skip
     """y[ts, rows] for the TT tokens ts of program_id(0) and the BN rows of program_id(1);
@@ -97,12 +97,12 @@ def _qgemv_tokens_kernel(
             if (4 * f) % G == 0:  # the first field of a group: its scales, fresh sums
                 a, b = _group_scales(
                     scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask,
-                    grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN,
+                    grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB,
                 )  # fmt: skip
                 qx = tl.zeros([TT, BN, S], dtype=tl.float32)
                 xs = tl.zeros([TT, S], dtype=tl.float32)
             xv = tl.load(x_tile + c0 * E + 4 * f, mask=xm, other=0).to(tl.float32)
-            q = _field(words, words >> 16, high, zero, f, LB, HB, OFF)  # [BN, S, 4]
+            q = _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB)  # [BN, S, 4]
             qx = _fma_words(qx, q, xv)
             if HAS_MIN:
                 xs += tl.sum(xv, axis=2)

@@ -57,7 +57,7 @@ def _qgemv_kernel(
     T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     """y[t, rows] for t = program_id(0) (adjacent programs share a weight tile: one DRAM read);
@@ -89,7 +89,7 @@ def _qgemv_kernel(
         )
         acc = _float_chunks(
             acc, words, high, zero, x_row, rows, rmask, c0, c_end, scale_ptr, min_ptr, d_ptr,
-            dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN,
+            dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
         )  # fmt: skip
     part = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     _split_k_store(
@@ -105,7 +105,7 @@ def _qmm_kernel(
     T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, BT] = W[rows] @ x[ts]^T, S chunks of K a step: the decoded tile is operand A.
@@ -147,7 +147,7 @@ def _qmm_kernel(
             grp_stride,
             sb_stride,
         )
-        w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
         # Rounded to x's dtype exactly as the reference rounds its dequantized matrix.
         k = c0 * E + kk
         xm = (k < c_end * E)[:, None] & tmask[None, :]
@@ -167,7 +167,7 @@ def _dequant_kernel(
     N, n_chunks, out_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     """out[rows, chunks] = W in out's dtype (float32: the reference's bits; bf16/fp16: those
@@ -181,7 +181,7 @@ def _dequant_kernel(
     cmask = ch < n_chunks
     words, high = _load_step(codes_ptr, high_ptr, rows, rmask, c0, n_chunks, code_stride, S, LB, HB)
     sargs = (scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask, grp_stride, sb_stride)
-    w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+    w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
     k = c0 * E + tl.arange(0, S * E)
     optr = out_ptr + rows.to(tl.int64)[:, None] * out_stride + k[None, :]
     tl.store(

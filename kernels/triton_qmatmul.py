@@ -23,7 +23,8 @@ dense 90.5 (lines cross near T = 150). Measured before qgemv factored its scales
 Needs: a CUDA device of compute capability >= 8.0 (bf16 tensor cores, which tl.dot on bf16
 requires) and triton. Weights are repacked at load time by the registry's prepare hook
 (`repack`); raw GGUF bytes are accepted too and repacked per call (correct, but slow).
-GGUF types without a packed layout (F16, BF16, F32, IQ*) go to the torch reference.
+GGUF types without a packed layout (F16, BF16, F32, the IQ types with grids) go to the torch
+reference.
 
 The split-K fix-up keeps one int32 counter per (token, row tile) per device, zero between launches.
 Two launches that overlap on different streams must not share them: the engine runs its forward
@@ -84,7 +85,7 @@ def _plane_args(pw: PackedWeight, rows: slice = slice(None)) -> tuple[list, dict
     strides = [pw.codes.stride(0), pw.scale.stride(0), 0 if pw.d is None else pw.d.stride(0)]
     meta = dict(
         LB=s.low_bits, HB=s.high_bits, G=s.group, OFF=s.offset,
-        KQUANT=s.kquant, HAS_MIN=s.has_min, PACKED_MIN=s.packed_min,
+        KQUANT=s.kquant, HAS_MIN=s.has_min, PACKED_MIN=s.packed_min, CB=s.codebook,
     )  # fmt: skip
     return ptrs + strides + [0], meta
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetero.kernels.triton_qdecode import _decode_tile, _field, _load_step
+from hetero.kernels.triton_qdecode import _decode_tile, _field, _load_step, e8m0_half
 from hetero.kernels.triton_qkernels import NO_SPECIALIZE, _split_k_store
 
 
@@ -88,7 +88,7 @@ def _pick(v, g: tl.constexpr, NG: tl.constexpr):
 @triton.jit
 def _scales_of(
     sc, mn, d, dmin, g: tl.constexpr, NG: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     """(A, B) float32 [BN, S, 1] of group g of each chunk, as `_group_scales` forms them."""
     s = _pick(sc, g, NG)
@@ -104,7 +104,10 @@ def _scales_of(
                 m = _pick(mn, g, NG)
             b = dmin[:, None] * m.to(tl.float32)
     else:
-        a = s.to(tl.float32)
+        if CB == 2:  # MXFP4: the E8M0 byte
+            a = e8m0_half(s)
+        else:
+            a = s.to(tl.float32)
         if HAS_MIN:
             b = -_pick(mn, g, NG).to(tl.float32)
     return a[:, :, None], b[:, :, None]
@@ -117,7 +120,7 @@ def _qgemv_pipe_kernel(
     T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     """`_qgemv_kernel` (same grid, arguments and sums) with the scales prefetched too."""
@@ -155,12 +158,14 @@ def _qgemv_pipe_kernel(
                 # Group (4f) // G of the chunk (0 where a group spans chunks: Q8_0), passed
                 # inline: a constexpr name bound twice in the unrolled loop (Q6_K has two
                 # groups a chunk) does not compile
-                a, b = _scales_of(sc, mn, d, dmin, (4 * f) // G, NG, KQUANT, HAS_MIN, PACKED_MIN)
+                a, b = _scales_of(
+                    sc, mn, d, dmin, (4 * f) // G, NG, KQUANT, HAS_MIN, PACKED_MIN, CB
+                )
                 qx = tl.zeros([BN, S, 4], dtype=tl.float32)
                 xs = tl.zeros([S, 4], dtype=tl.float32)
             xv = tl.load(x_row + c0 * E + 4 * f + xc, mask=cmask[:, None], other=0)
             xv = xv.to(tl.float32)
-            qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF) * xv[None, :, :]
+            qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * xv[None, :, :]
             if HAS_MIN:
                 xs += xv
             if (4 * (f + 1)) % G == 0 or f == F - 1:  # the group's last field in this chunk
@@ -181,7 +186,7 @@ def _qmm_pipe_kernel(
     T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """`_qmm_kernel` (same grid, arguments and values) with the code words prefetched a step."""
@@ -214,7 +219,7 @@ def _qmm_pipe_kernel(
             scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask,
             grp_stride, sb_stride,
         )  # fmt: skip
-        w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN)
+        w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
         k = c0 * E + kk
         xm = (k < c_end * E)[:, None] & tmask[None, :]
         xt = tl.load(x_ptr + ts[None, :] * x_stride + k[:, None], mask=xm, other=0)  # [S*E, BT]

@@ -239,13 +239,14 @@ def _float_step(
     words, high, zero, x_ptr, rows, rmask, c0, n_chunks,
     scale_ptr, min_ptr, d_ptr, dmin_ptr, grp_stride, sb_stride,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
-    """[BN, S] float: each chunk's share of W x by the float decode (`_qgemv_kernel`'s)."""
+    """[BN, S] float: each chunk's share of W x by the float decode (`_qgemv_kernel`'s, the
+    codebook types' table lookup included)."""
     acc = tl.zeros(words.shape, dtype=tl.float32)
     acc = _float_chunks(
         acc, words, high, zero, x_ptr, rows, rmask, c0, n_chunks, scale_ptr, min_ptr, d_ptr,
-        dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN,
+        dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
     )  # fmt: skip
     return tl.sum(acc, axis=2)
 
@@ -314,7 +315,7 @@ def qgemv_streamk_kernel(
     N, n_chunks, KS, U, P, MAXC,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr, INT_DOT: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -323,7 +324,9 @@ def qgemv_streamk_kernel(
     of tiles shared by programs (`_split_k_store`, contributor index pid - first).
 
     With PDL (programmatic dependent launch), the first unit's weights load before the wait
-    for the previous kernel: only x, y and the fix-up buffers depend on it."""
+    for the previous kernel: only x, y and the fix-up buffers depend on it. The codebook types
+    (CB > 0) take the float decode only: dp4a sums linear codes (`streamk.config_ok`)."""
+    tl.static_assert(CB == 0 or not INT_DOT, "integer dot products need linear codes")
     u0, u1, tile, ks = _run(U, P, KS, PDL)
     nxt_w, nxt_h = _load_unit(
         codes_ptr, high_ptr, tile, ks, u0 < u1, N, n_chunks, code_stride, BN, S, LB, HB
@@ -348,7 +351,7 @@ def qgemv_streamk_kernel(
         else:
             acc += _float_step(
                 words, high, zero, x_ptr, rows, rmask, ks * S, n_chunks, *planes,
-                LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN,
+                LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
             )  # fmt: skip
         end = wrap | (u + 1 == u1)
         if end:

@@ -271,12 +271,13 @@ def qgemv_streamk_rows_kernel(
     N, n_chunks, KS, U, P, MAXC,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     FULL: tl.constexpr,
 ):  # fmt: skip
-    """`qgemv_streamk_kernel`'s grid, schedule and fix-up (integer dot products only) with a
-    row a thread: BN = 32 x num_warps."""
+    """`qgemv_streamk_kernel`'s grid, schedule and fix-up (integer dot products only, so linear
+    codes only: CB = 0) with a row a thread: BN = 32 x num_warps."""
+    tl.static_assert(CB == 0, "integer dot products need linear codes")
     u0, u1, tile, ks = _run(U, P, KS, PDL)
     planes = (codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr)
     strides = (code_stride, grp_stride, sb_stride)

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import floats, kquantize, kquants, legacy
+from . import codebooks, floats, iq4_quantize, iquants, kquantize, kquants, legacy
 
 _T = GGMLQuantizationType
 
 
 class UnsupportedTensorType(ValueError):
-    """A GGUF element type with no dequantizer here (IQ*, TQ*, MXFP4, integer types ...)."""
+    """A GGUF element type with no dequantizer here (TQ*, NVFP4, integer types ...)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,16 @@ register(_T.Q3_K, kquants.dequant_q3_k, kquantize.quantize_q3_k, (108,))
 register(_T.Q4_K, kquants.dequant_q4_k, kquantize.quantize_q4_k, (0, 2))
 register(_T.Q5_K, kquants.dequant_q5_k, kquantize.quantize_q5_k, (0, 2))
 register(_T.Q6_K, kquants.dequant_q6_k, kquantize.quantize_q6_k, (208,))
+register(_T.IQ4_NL, codebooks.dequant_iq4_nl, iq4_quantize.quantize_iq4_nl, (0,))
+register(_T.IQ4_XS, codebooks.dequant_iq4_xs, iq4_quantize.quantize_iq4_xs, (0,))
+register(_T.MXFP4, codebooks.dequant_mxfp4, legacy.gguf_quantizer(_T.MXFP4))
+register(_T.IQ2_XXS, iquants.dequant_iq2_xxs, None, (0,))
+register(_T.IQ2_XS, iquants.dequant_iq2_xs, None, (0,))
+register(_T.IQ2_S, iquants.dequant_iq2_s, None, (0,))
+register(_T.IQ3_XXS, iquants.dequant_iq3_xxs, None, (0,))
+register(_T.IQ3_S, iquants.dequant_iq3_s, None, (0,))
+register(_T.IQ1_S, iquants.dequant_iq1_s, None, (0,))
+register(_T.IQ1_M, iquants.dequant_iq1_m, None)  # its fp16 d is split into nibbles (iquants)
 
 
 def supported_types() -> list[QuantType]:

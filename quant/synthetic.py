@@ -25,6 +25,9 @@ class _Scales:
     d: float  # centre of the super-scale; each block draws d * U(0.5, 1.5)
     min_offset: int | None = None
     min_ratio: float = 0.0  # min field = d * min_ratio * U(0.8, 1.2) (sign included)
+    # how d is stored: "f16" at d_offset; "e8m0": MXFP4's exponent byte (d = 2^(e - 128));
+    # "iq1m": IQ1_M's fp16 scattered over the top nibbles of its four scale words
+    encoding: str = "f16"
 
 
 # d is set from the spread of the codes times sub-block scales, so that d * typical product
@@ -40,6 +43,17 @@ _SCALES: dict[GGMLQuantizationType, _Scales] = {
     _T.Q4_K: _Scales(0, 8e-5, 2, 7.5),
     _T.Q5_K: _Scales(0, 4e-5, 2, 15.5),
     _T.Q6_K: _Scales(208, 1.5e-5),
+    _T.IQ4_NL: _Scales(0, 3e-4),  # d * value, values -127 .. 113
+    _T.IQ4_XS: _Scales(0, 1.5e-5),  # d * (ls - 32) * value
+    _T.MXFP4: _Scales(0, 2**-8, encoding="e8m0"),  # d * doubled E2M1 (0 .. 12)
+    # grid i-quants: d * (group scale) * (grid value) * sign
+    _T.IQ2_XXS: _Scales(0, 3.6e-4),
+    _T.IQ2_XS: _Scales(0, 3.6e-4),
+    _T.IQ2_S: _Scales(0, 3.6e-4),
+    _T.IQ3_XXS: _Scales(0, 1.7e-4),
+    _T.IQ3_S: _Scales(0, 1.5e-4),
+    _T.IQ1_S: _Scales(0, 3e-3),
+    _T.IQ1_M: _Scales(48, 3e-3, encoding="iq1m"),
 }
 
 
@@ -51,6 +65,20 @@ def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
 
 def _put_f16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
     blocks[:, offset : offset + 2] = values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _put_scale(blocks: np.ndarray, spec: _Scales, d: np.ndarray) -> None:
+    if spec.encoding == "e8m0":  # the nearest power of two: e = round(log2 d) + 128
+        blocks[:, spec.d_offset] = (np.rint(np.log2(d)) + 128).astype(np.uint8)
+    elif spec.encoding == "iq1m":  # fp16 bits 4k .. 4k+3 in the top nibble of scale word k
+        bits = d.astype(np.float16).view(np.uint16).astype(np.uint16)
+        words = blocks[:, spec.d_offset : spec.d_offset + 8].copy().view(np.uint16)
+        for k in range(4):
+            nibble = (bits >> np.uint16(4 * k)) & np.uint16(0xF)
+            words[:, k] = (words[:, k] & np.uint16(0x0FFF)) | (nibble << np.uint16(12))
+        blocks[:, spec.d_offset : spec.d_offset + 8] = words.view(np.uint8)
+    else:
+        _put_f16(blocks, spec.d_offset, d)
 
 
 def random_blocks(
@@ -69,7 +97,7 @@ def random_blocks(
         raise ValueError(f"no random block recipe for {qt.name}")
     blocks = _random_bytes(n_blocks * qt.type_size, rng).reshape(n_blocks, qt.type_size)
     d = rng.uniform(0.5, 1.5, n_blocks).astype(np.float32) * np.float32(spec.d)
-    _put_f16(blocks, spec.d_offset, d)
+    _put_scale(blocks, spec, d)
     if spec.min_offset is not None:
         ratio = rng.uniform(0.8, 1.2, n_blocks).astype(np.float32) * np.float32(spec.min_ratio)
         _put_f16(blocks, spec.min_offset, d * ratio)

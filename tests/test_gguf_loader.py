@@ -91,10 +91,10 @@ def test_missing_metadata(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    # IQ4_NL: 32 values in 18 bytes; valid layout, not a type hetero computes yet.
-    raw = np.zeros((10, 18), np.uint8)
+    # TQ2_0: 256 ternary values in 66 bytes; valid layout, not a type hetero computes yet.
+    raw = np.zeros((10, 66), np.uint8)
     p = _write(
-        tmp_path / "iq.gguf", tensors={"token_embd.weight": (raw, GGMLQuantizationType.IQ4_NL)}
+        tmp_path / "tq.gguf", tensors={"token_embd.weight": (raw, GGMLQuantizationType.TQ2_0)}
     )
-    with pytest.raises(GGUFError, match=r"token_embd.weight.*IQ4_NL"):
+    with pytest.raises(GGUFError, match=r"token_embd.weight.*TQ2_0.*not supported.*MXFP4"):
         load_gguf(p)

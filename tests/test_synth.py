@@ -90,6 +90,59 @@ def test_llama3_8b_q4_k_m_matches_llama_quantize() -> None:
     assert sum(spec.nbytes for spec in specs) / 1e9 == pytest.approx(4.91, abs=0.01)
 
 
+def test_iq4_and_mxfp4_moe_rules_and_fallbacks() -> None:
+    def ty(name: str, cols: int, mix: str = "iq4_xs", **kw: object) -> T:
+        return tensor_type_for(name, cols, mix, None, 32, **kw)  # type: ignore[arg-type]
+
+    assert ty("blk.7.attn_q.weight", 4096) == T.IQ4_XS
+    assert ty("blk.7.attn_q.weight", 576) == T.IQ4_NL  # IQ4_XS falls back to IQ4_NL
+    assert ty("blk.7.attn_v.weight", 4096, n_gqa=4) == T.Q5_K
+    assert ty("blk.7.attn_v.weight", 4096, n_gqa=2) == T.IQ4_XS
+    assert ty("blk.3.ffn_down.weight", 14336) == T.Q5_K  # the first eighth of the layers
+    assert ty("blk.4.ffn_down.weight", 14336) == T.IQ4_XS
+    assert ty("blk.3.ffn_down.weight", 1408) == T.Q5_1  # Q5_K's fallback
+    assert ty("output.weight", 4096) == T.Q6_K
+    assert ty("output.weight", 576) == T.Q8_0
+    assert ty("token_embd.weight", 4096) == T.IQ4_XS
+    assert ty("blk.7.attn_q.weight", 576, "iq4_nl") == T.IQ4_NL
+    assert ty("output.weight", 576, "iq4_nl") == T.Q8_0  # Q6_K's fallback
+    assert ty("blk.0.ffn_up_exps.weight", 2880, "mxfp4_moe", n_dims=3) == T.MXFP4
+    assert ty("blk.0.attn_q.weight", 2880, "mxfp4_moe") == T.Q8_0
+    assert ty("token_embd.weight", 2880, "mxfp4_moe") == T.Q8_0
+    assert ty("output.weight", 2880, "mxfp4_moe") == T.Q8_0
+
+
+def test_pure_mixes_give_every_weight_one_type() -> None:
+    """llama-quantize --pure: no per-tensor rules, the per-tensor fallback only (tiny-qwen2's
+    640-wide ffn_down cannot hold 256-blocks)."""
+    for spec in tensor_specs("tiny-qwen2", "pure-iq3_s"):
+        if len(spec.shape) == 1:
+            assert spec.qtype == T.F32, spec.name
+        else:
+            expected = T.IQ4_NL if spec.name.endswith("ffn_down.weight") else T.IQ3_S
+            assert spec.qtype == expected, spec.name
+    assert {s.qtype for s in tensor_specs("tiny-qwen2", "pure-MXFP4") if len(s.shape) == 2} == {
+        T.MXFP4
+    }
+    with pytest.raises(ValueError, match="TQ2_0 is not supported"):
+        tensor_specs("tiny-qwen2", "pure-tq2_0")
+
+
+def test_iq4_xs_types_match_llama_quantize() -> None:
+    """llama.cpp's llama_model_quantize (llama-cpp-python 0.3.36) made this IQ4_XS mix of an F16
+    file of this shape: n_gqa 4 (attn_v Q5_K), ffn_down 1408 wide (IQ4_XS falls back to IQ4_NL,
+    the first two layers' Q5_K to Q5_1)."""
+    shape = ModelShape(
+        arch="llama", n_layers=16, d_model=512, n_heads=8, n_kv_heads=2, head_dim=64,
+        d_ff=1408, vocab_size=4096, context_length=2048, rope_theta=10000.0, norm_eps=1e-5,
+        tied_embeddings=False,
+    )  # fmt: skip
+    counts: dict[str, int] = {}
+    for spec in tensor_specs(shape, "iq4_xs"):
+        counts[spec.qtype.name] = counts.get(spec.qtype.name, 0) + 1
+    assert counts == {"IQ4_XS": 81, "F32": 33, "Q5_K": 16, "Q5_1": 2, "IQ4_NL": 14, "Q6_K": 1}
+
+
 def test_unknown_mix_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match="q4_k_m") as err:
         tensor_type_for("output.weight", 4096, "q4_k_xl", None, 32)

@@ -179,8 +179,8 @@ def test_bad_input_raises_value_error():
     raw = make_weight("Q4_1", 16, 64)
     with pytest.raises(ValueError, match="unknown scheme"):
         pack_linear(raw, "Q4_1", (16, 64), "int3")
-    with pytest.raises(ValueError, match="IQ2_XXS|not supported|unknown"):
-        pack_linear(raw, "IQ2_XXS", (16, 64), "int4")
+    with pytest.raises(ValueError, match="TQ1_0|not supported|unknown"):
+        pack_linear(raw, "TQ1_0", (16, 64), "int4")
     with pytest.raises(ValueError, match="bytes"):
         pack_linear(raw[:8], "Q4_1", (16, 64), "int4")
     with pytest.raises(ValueError, match="2-D"):

@@ -2,7 +2,8 @@
 
 The interpreter tests run the kernels' Python and never meet the compiler's front end, which
 refuses constructs Python accepts (tests/support/triton_compile_check.py): this compiles the
-launches of a Q4_K_M file's types (Q4_K, Q6_K) and Q8_0 in a process without the interpreter.
+launches of a Q4_K_M file's types (Q4_K, Q6_K), Q8_0 and the codebook types (IQ4_XS with K-quant
+scales, MXFP4 with E8M0 ones) in a process without the interpreter.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ if importlib.util.find_spec("triton") is None:  # not imported here: the interpr
 
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "tests.support.triton_compile_check", "--types", "Q4_K,Q6_K,Q8_0"]
+    types = "Q4_K,Q6_K,Q8_0,IQ4_XS,MXFP4"
+    cmd = [sys.executable, "-m", "tests.support.triton_compile_check", "--types", types]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "0 failed" in done.stdout

@@ -17,8 +17,9 @@ from tests.support.triton_interp import DEVICE, kernels_runnable, rerun_test  # 
 test_in_a_fresh_interpreter_process = rerun_test(__file__)
 
 # Q4_K / Q5_K (mins, a high plane), Q6_K (two groups a chunk), Q8_0 (a group spans chunks),
+# IQ4_XS (a codebook, K-quant scales), MXFP4 (a codebook, E8M0 scales),
 # Q2_K (four groups a chunk, packed mins), Q4_1 (legacy mins)
-TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q2_K", "Q4_1"]
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q2_K", "Q4_1", "IQ4_XS", "MXFP4"]
 
 
 def _check(ggml_type: str, v: tv.Variant, tokens: tuple[int, ...], k: int = 768) -> None:

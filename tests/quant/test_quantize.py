@@ -19,6 +19,8 @@ K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # ~10% margin. A quantizer with a wrong scale or a misplaced field lands far above these.
 #   measured: Q8_0 0.535%  Q6_K 1.78%  Q5_1 3.79%  Q5_K 3.61%  Q5_0 4.27%  Q4_1 7.83%
 #             Q4_K 7.14%   Q4_0 8.60%  Q3_K 15.1%  Q2_K 29.7%  F16 0.021%  BF16 0.166%
+#             MXFP4 11.5% (power-of-two scales: amax / d in [4, 8), the top code 6 in [3, 6))
+#             IQ4_NL 7.62%  IQ4_XS 7.68%
 MAX_REL_RMS = {
     "F32": 0.0,
     "F16": 0.00025,
@@ -33,6 +35,9 @@ MAX_REL_RMS = {
     "Q4_0": 0.095,
     "Q3_K": 0.166,
     "Q2_K": 0.327,
+    "MXFP4": 0.127,
+    "IQ4_NL": 0.084,
+    "IQ4_XS": 0.085,
 }
 
 

@@ -100,21 +100,43 @@ def test_q8_0_equals_gguf_pipeline(outputs: dict, source: GGUFReader) -> None:
 def test_synthetic_k_quant_mix(tmp_path: Path) -> None:
     """A tiny qwen2 (tied embeddings, 640-wide ffn_down) re-quantized Q8_0 -> Q4_K_M gets the
     same per-tensor types as a file `hetero synth` writes directly in Q4_K_M."""
+    src, out, counts = _requantize_tiny_qwen2(tmp_path, "q4_k_m")
+    types = {t.name: t.tensor_type for t in out.tensors}
+    assert types["blk.0.ffn_down.weight"] == T.Q5_0 and types["token_embd.weight"] == T.Q6_K
+    assert sum(counts.values()) == len(types) and counts["Q4_K"] > 0
+    # Measured worst: Q4_K 0.055, Q5_0 0.031, Q6_K 0.013; Q8_0 and F32 tensors are copied.
+    _check_errors(src, out, {T.Q4_K: 0.07, T.Q5_0: 0.04, T.Q6_K: 0.02})
+
+
+def _requantize_tiny_qwen2(tmp_path: Path, mix: str) -> tuple[Path, GGUFReader, dict]:
+    """(source, output, counts) of a tiny qwen2 Q8_0 file re-quantized to `mix`; asserts the
+    output holds the types `hetero synth` writes for the mix directly."""
     src = write_synthetic(tmp_path / "src.gguf", "tiny-qwen2", "q8_0", progress=False)
-    ref = write_synthetic(tmp_path / "ref.gguf", "tiny-qwen2", "q4_k_m", progress=False)
-    counts = requantize(src, tmp_path / "out.gguf", "q4_k_m", progress=False)
+    ref = write_synthetic(tmp_path / "ref.gguf", "tiny-qwen2", mix, progress=False)
+    counts = requantize(src, tmp_path / "out.gguf", mix, progress=False)
     out = GGUFReader(tmp_path / "out.gguf")
     types = {t.name: t.tensor_type for t in out.tensors}
     assert types == {t.name: t.tensor_type for t in GGUFReader(ref).tensors}
-    assert types["blk.0.ffn_down.weight"] == T.Q5_0 and types["token_embd.weight"] == T.Q6_K
-    assert sum(counts.values()) == len(types) and counts["Q4_K"] > 0
+    return src, out, counts
+
+
+def _check_errors(src: Path, out: GGUFReader, bounds: dict) -> None:
+    """Each output tensor's relative RMS error against the source within its type's bound."""
     source = {t.name: t for t in GGUFReader(src).tensors}
     for t in out.tensors:
         a = quants.dequantize(source[t.name].data, source[t.name].tensor_type)
         b = quants.dequantize(t.data, t.tensor_type)
         rel = np.sqrt(np.mean((a - b) ** 2) / np.mean(a**2))
-        # Measured worst: Q4_K 0.055, Q5_0 0.031, Q6_K 0.013; Q8_0 and F32 tensors are copied.
-        assert rel <= {T.Q4_K: 0.07, T.Q5_0: 0.04, T.Q6_K: 0.02}.get(t.tensor_type, 0.0), t.name
+        assert rel <= bounds.get(t.tensor_type, 0.0), (t.name, rel)
+
+
+def test_synthetic_iq4_xs_mix(tmp_path: Path) -> None:
+    """Q8_0 -> IQ4_XS on a tiny qwen2: the types `hetero synth` writes for the mix (its 640-wide
+    ffn_down falls back to IQ4_NL, the tied embedding takes Q6_K), and IQ4-sized errors."""
+    src, out, counts = _requantize_tiny_qwen2(tmp_path, "iq4_xs")
+    assert counts == {"Q6_K": 1, "F32": 16, "IQ4_XS": 18, "IQ4_NL": 3}
+    # Measured worst: IQ4_XS 0.065, IQ4_NL 0.064, Q6_K 0.013; F32 tensors are copied.
+    _check_errors(src, out, {T.IQ4_XS: 0.075, T.IQ4_NL: 0.075, T.Q6_K: 0.02})
 
 
 def test_errors(smollm2_path: Path, tmp_path: Path) -> None:
@@ -126,6 +148,9 @@ def test_errors(smollm2_path: Path, tmp_path: Path) -> None:
         requantize(smollm2_path, tmp_path / "out.gguf", "q4_k_xxl", progress=False)
     assert "unknown quantization type 'q4_k_xxl'" in str(err.value)
     assert not list(tmp_path.iterdir())  # nothing half-written is left behind
+    with pytest.raises(ValueError, match="cannot quantize to IQ2_XXS; it writes .*IQ4_XS"):
+        requantize(smollm2_path, tmp_path / "out.gguf", "pure-iq2_xxs", progress=False)
+    assert not list(tmp_path.iterdir())
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a model at all" * 10)
     with pytest.raises(ValueError, match="not a readable GGUF"):

@@ -116,13 +116,17 @@ def streamk_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
     from hetero.kernels.xquant import add_rms_norm_xquant, silu_mul_xquant
 
     w = torch.ones(512)
+    configs = [
+        ("sk_int", sk.StreamKConfig(bn=32)),
+        ("sk_f32", sk.StreamKConfig(bn=32, int_dot=False)),
+        ("sk_rows", sk.StreamKConfig(bn=128, warps=4, rows=True)),
+    ]
     return [
         ("xquant", lambda: xquant(x, lay)),
         ("xquant_norm", lambda: add_rms_norm_xquant(x, x, w, 1e-6, lay)),
         ("xquant_silu", lambda: silu_mul_xquant(x, x, lay)),
-        ("sk_int", lambda: run(sk.StreamKConfig(bn=32))),
-        ("sk_f32", lambda: run(sk.StreamKConfig(bn=32, int_dot=False))),
-        ("sk_rows", lambda: run(sk.StreamKConfig(bn=128, warps=4, rows=True))),
+        # the codebook types run the float decode only (streamk.config_ok refuses the others)
+        *((name, lambda cfg=cfg: run(cfg)) for name, cfg in configs if sk.config_ok(cfg, pw)),
     ]
 
 
