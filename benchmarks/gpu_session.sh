@@ -32,7 +32,7 @@ BUILD=/tmp/llbuild
 Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
 Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
 mkdir -p "$OUT" bench_out
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
 stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
   local name=$1 secs=$2
@@ -59,6 +59,8 @@ if has setup; then
     echo "peer build started in the background (/tmp/llbuild.log)"
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
   stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m; [ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b --quant q6_k"
   ls -la bench_out/*.gguf
