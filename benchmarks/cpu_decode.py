@@ -21,14 +21,16 @@ import time
 
 import torch
 
-import hetero.engine.kv_cache as kv_cache_mod
-import hetero.engine.runner as runner_mod
+import hetero.execution.kv_pool as kv_cache_mod
+import hetero.execution.runner as runner_mod
 import hetero.model.layers as layers_mod
 import hetero.model.llama as llama_mod
 from hetero.config import RuntimeConfig
 from hetero.engine.config import EngineConfig
 from hetero.engine.engine import Engine
+from hetero.factory import LaunchConfig
 from hetero.kernels import reference
+from hetero.launch import build_engine
 from hetero.model.llama import load_model
 from hetero.models import resolve_model
 from hetero.sampling import SamplingParams
@@ -56,7 +58,7 @@ def build(variant: str, path, args) -> Engine:
     with kernels(kind):
         loaded = load_model(path, RuntimeConfig(threads=args.threads, weights=weights))
         cfg = EngineConfig(num_kv_blocks=1024, kv_dtype=kv, speculative="off")  # plain decode steps
-        engine = Engine(None, cfg, loaded=loaded)
+        engine = build_engine(None, LaunchConfig(cfg), loaded=loaded)
         rng = random.Random(0)
         params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
         for i in range(args.streams):

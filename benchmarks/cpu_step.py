@@ -29,19 +29,19 @@ from hetero.cli_options import engine_options
 @engine_options
 def main(ctx, model, concurrency, input_len, steps, **options) -> None:
     from hetero.bench import make_prompts
-    from hetero.engine.engine import Engine
+    from hetero.factory import LaunchConfig
     from hetero.kernels import cpu_qdot, native
-    from hetero.llm import build_configs
+    from hetero.launch import build_engine
     from hetero.models import resolve_model
     from hetero.sampling import SamplingParams
 
     spent: dict = collections.defaultdict(lambda: [0.0, 0])
     qdot = cpu_qdot.linear_ptrs
 
-    def timed_linear(x, is_q4, n, k, *args, **kw):
+    def timed_linear(x, *args, **kw):  # the model calls it with keywords (layers.py)
         t = time.perf_counter()
-        y = qdot(x, is_q4, n, k, *args, **kw)
-        entry = spent[("linear", n, k, x.shape[0])]
+        y = qdot(x, *args, **kw)
+        entry = spent[("linear", kw["n"], kw["k"], x.shape[0])]
         entry[0] += time.perf_counter() - t
         entry[1] += 1
         return y
@@ -61,8 +61,7 @@ def main(ctx, model, concurrency, input_len, steps, **options) -> None:
         lib.native_paged_attention = timed_attention
     if ctx.get_parameter_source("speculative") != ParameterSource.COMMANDLINE:
         options["speculative"] = "off"  # a plain decode step (n-gram guesses change its rows)
-    config, runtime = build_configs(**options)
-    engine = Engine(str(resolve_model(model)), config, runtime, progress=False)
+    engine = build_engine(str(resolve_model(model)), LaunchConfig.from_options(**options))
     prompts = make_prompts(engine, "random", concurrency, input_len, 0)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -18,8 +18,8 @@ import time
 
 import click
 
-from hetero.engine.core_wire import dumps, pack_outputs
-from hetero.engine.engine import StepOutput, TokenLogprob
+from hetero.engine.output import StepOutput, TokenLogprob
+from hetero.frontdoor.wire import dumps, pack_outputs
 
 
 def _outputs(batch: int, step: int, logprobs: bool) -> list[StepOutput]:

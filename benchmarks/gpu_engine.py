@@ -38,8 +38,11 @@ from hetero.bench import run_bench  # noqa: E402
 from hetero.config import RuntimeConfig  # noqa: E402
 from hetero.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
 from hetero.engine.engine import Engine  # noqa: E402
-from hetero.engine.kv_cache import block_bytes  # noqa: E402
+from hetero.execution.kv_pool import block_bytes  # noqa: E402
+from hetero.factory import LaunchConfig  # noqa: E402
+from hetero.gguf_loader import load_gguf  # noqa: E402
 from hetero.kernels.registry import chosen  # noqa: E402
+from hetero.launch import build_engine  # noqa: E402
 
 DECODE_IN, DECODE_OUT = 512, 128  # the issue's aggregate target: 64 sequences of 512 + 128
 
@@ -47,7 +50,7 @@ DECODE_IN, DECODE_OUT = 512, 128  # the issue's aggregate target: 64 sequences o
 def weight_bytes(engine: Engine) -> tuple[int, int]:
     """(bytes a decode step reads: every tensor but the embedding table, linear parameters)."""
     read, params = 0, 0
-    for name, t in engine.gguf.tensors.items():
+    for name, t in load_gguf(engine.executor.model_path).tensors.items():
         if name == "token_embd.weight" and not engine.model_config.tied_embeddings:
             continue
         read += t.nbytes
@@ -63,7 +66,7 @@ def decode_row(engine: Engine, batch: int, copy_gbs: float, step_bytes: int, rep
     itl = statistics.median(itls)  # the median run's median inter-token latency
     r = runs[sorted(range(len(itls)), key=itls.__getitem__)[len(itls) // 2]]  # that run
     cfg = engine.model_config
-    n_layers = len(engine.model.layer_range)
+    n_layers = len(engine.executor.model.layer_range)
     kv = batch * (DECODE_IN + DECODE_OUT / 2) / engine.config.block_size
     kv_bytes = kv * block_bytes(cfg, n_layers, engine.config.block_size, engine.config.kv_dtype)
     roof_steps = copy_gbs * 1e9 / (step_bytes + kv_bytes)
@@ -81,7 +84,7 @@ def decode_row(engine: Engine, batch: int, copy_gbs: float, step_bytes: int, rep
 def prefill_row(engine: Engine, length: int, tflops: float, params: int, repeats: int) -> dict:
     ttfts = [run_bench(engine, 1, 1, length, 1).ttft_s[0] for _ in range(repeats)]
     cfg = engine.model_config
-    attn = 2 * length * length * cfg.n_heads * cfg.head_dim * len(engine.model.layer_range)
+    attn = 2 * length * length * cfg.n_heads * cfg.head_dim * len(engine.executor.model.layer_range)
     flops = 2 * params * length + attn
     ttft = statistics.median(ttfts)
     return {
@@ -111,7 +114,7 @@ def _spread(values: list[float]) -> str:
     return "/".join(f"{v:.0f}" for v in values)
 
 
-def build_engine(args) -> Engine:
+def make_engine(args) -> Engine:
     longest = max([DECODE_IN + DECODE_OUT] + args.prefill) + 16
     sched = SchedulerConfig(
         max_num_seqs=max(args.batches),
@@ -124,7 +127,7 @@ def build_engine(args) -> Engine:
     )  # fmt: skip
     rt = RuntimeConfig(device=args.device, weights=args.weights)
     t0 = time.perf_counter()
-    engine = Engine(args.model, cfg, rt, progress=True)
+    engine = build_engine(args.model, LaunchConfig(cfg, rt), progress=True)
     print(f"loaded + captured in {time.perf_counter() - t0:.1f} s; {engine.describe_kv()}")
     return engine
 
@@ -146,9 +149,11 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     copy_gbs, tflops = (copy_bandwidth(), matmul_rate()) if on_gpu else (float("nan"),) * 2
     print(f"ceilings: copy {copy_gbs:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
-    engine = build_engine(args)
+    engine = make_engine(args)
     print("kernels:", ", ".join(f"{k}={v}" for k, v in chosen(torch.device(args.device)).items()))
-    graphs = engine.runner.graphs  # None: every step eager (--enforce-eager, or capture failed)
+    graphs = (
+        engine.executor.runner.graphs
+    )  # None: every step eager (--enforce-eager, or capture failed)
     print("decode CUDA graphs:", graphs.buckets if graphs is not None else "none: eager steps")
     step_bytes, params = weight_bytes(engine)
     print(f"a decode step reads {step_bytes / 1e9:.2f} GB of weights; {params / 1e9:.2f} G params")

@@ -30,7 +30,7 @@ def _host_shift_crumbs(qs: torch.Tensor) -> torch.Tensor:
 
 def _capture(quant: str, shape: str, max_batch: int, host_shifts: bool) -> None:
     from hetero.config import RuntimeConfig
-    from hetero.engine.cuda_graph import DecodeGraphs
+    from hetero.execution.cuda_graph import DecodeGraphs
     from hetero.kernels.registry import chosen
     from hetero.llm import LLM
     from hetero.model.llama import load_model
@@ -51,7 +51,7 @@ def _capture(quant: str, shape: str, max_batch: int, host_shifts: bool) -> None:
             str(path), loaded=(gm, model), kv_dtype="fp16", num_kv_blocks=64, block_size=16,
             max_model_len=256, max_num_seqs=max_batch, enforce_eager=True, device="cuda",
         )  # fmt: skip
-    graphs = DecodeGraphs(model, llm.engine.pool, max_batch, 256)
+    graphs = DecodeGraphs(model, llm.engine.executor.pool, max_batch, 256)
     try:
         graphs.capture()
     except Exception:  # the point of the script: show whatever it is, with its traceback

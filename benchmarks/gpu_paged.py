@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_qmatmul import copy_bandwidth, graph_time  # noqa: E402
 
-from hetero.engine.paged_meta import TensorMeta  # noqa: E402
+from hetero.execution.paged_meta import TensorMeta  # noqa: E402
 from hetero.kernels import triton_paged as tp  # noqa: E402
 from hetero.kernels.paged import FP8  # noqa: E402
 

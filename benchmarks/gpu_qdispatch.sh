@@ -43,8 +43,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 ) >"$OUT/synth.log" 2>&1 &
 SYNTH=$!
 
-stage tests 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_qdispatch.py \
-  tests/test_fused_linears.py tests/test_triton_qvariants.py
+stage tests 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_qdispatch.py \
+  tests/kernels/test_fused_linears.py tests/kernels/test_triton_qvariants.py
 tail -3 "$OUT/tests.log"
 
 stage qsweep 110 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep2.json" --budget 90 \

@@ -36,6 +36,8 @@ from hetero.bench_workloads import make_prompts  # noqa: E402
 from hetero.config import RuntimeConfig  # noqa: E402
 from hetero.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
 from hetero.engine.engine import Engine  # noqa: E402
+from hetero.factory import LaunchConfig  # noqa: E402
+from hetero.launch import build_engine  # noqa: E402
 from hetero.sampling import SamplingParams  # noqa: E402
 
 
@@ -110,10 +112,11 @@ def _timed_steps(engine: Engine, steps: int, each, dev) -> tuple[float, float, d
     sync = _syncer(dev)
     graph_s = statistics.median(each() for _ in range(steps))
     _, graph_times = _profiled(steps, each, sync)
-    graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: kernels one by one
+    runner = engine.executor.runner
+    graphs, runner.graphs = runner.graphs, None  # eager: kernels one by one
     each()
     eager_s, eager_times = _profiled(steps, each, sync)
-    engine.runner.graphs = graphs
+    runner.graphs = graphs
     return graph_s, eager_s, {"graph": graph_times, "eager": eager_times}
 
 
@@ -128,7 +131,7 @@ def _synced_step(engine: Engine, dev) -> float:
 
 def profile_batch(engine: Engine, batch: int, context: int, steps: int, top: int) -> None:
     to_decode(engine, batch, context)
-    dev = torch.device(engine.runtime.device)
+    dev = torch.device(engine.executor.info.device)
     times = _timed_steps(engine, steps, lambda: _synced_step(engine, dev), dev)
     _report(f"B={batch} context {context}", *times, top)
     for r in list(engine.scheduler.running):
@@ -139,7 +142,7 @@ def profile_batch(engine: Engine, batch: int, context: int, steps: int, top: int
 
 def profile_prefill(engine: Engine, length: int, steps: int, top: int) -> None:
     """One request of `length` prompt tokens and one output token: its prefill step."""
-    dev = torch.device(engine.runtime.device)
+    dev = torch.device(engine.executor.info.device)
     prompt = make_prompts(engine, "random", 1, length, 1)[0]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     count = iter(range(1 << 30))
@@ -177,7 +180,8 @@ def main() -> None:
     cfg = EngineConfig(
         kv_dtype=args.kv_dtype, scheduler=sched, enable_prefix_caching=False, speculative="off"
     )  # fmt: skip
-    engine = Engine(args.model, cfg, RuntimeConfig(device=args.device, weights="quant"))
+    rt = RuntimeConfig(device=args.device, weights="quant")
+    engine = build_engine(args.model, LaunchConfig(cfg, rt))
     for b in batches:
         profile_batch(engine, b, args.context, args.steps, args.top)
     for p in prefills:

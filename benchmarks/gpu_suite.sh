@@ -24,8 +24,8 @@ Q6="$OUT/llama3-8b-q6_k.gguf"
 
 tests() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
-  "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_paged.py \
-    tests/test_triton_fused.py tests/test_cuda_graph.py tests/test_triton_qmatmul.py 2>&1 | tail -25
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_paged.py \
+    tests/kernels/test_triton_fused.py tests/execution/test_cuda_graph.py tests/kernels/test_triton_qmatmul.py 2>&1 | tail -25
 }
 kernels() { "$PY" benchmarks/gpu_paged.py; }
 micro() { "$PY" benchmarks/gpu_qmicro.py --json "$OUT/qmicro.json"; }

@@ -89,11 +89,10 @@ def step_summary(before: dict, after: dict, wall_s: float) -> dict:
 def offline_side(model: str, cs: list[int], seconds: float, inp: int, outp: int, options) -> dict:
     """Per C: N, output tok/s and median TTFT of the offline engine (run in a child process)."""
     from hetero.bench import run_bench
-    from hetero.engine.engine import Engine
-    from hetero.llm import build_configs
+    from hetero.factory import LaunchConfig
+    from hetero.launch import build_engine
 
-    engine_cfg, runtime = build_configs(**options)
-    engine = Engine(model, engine_cfg, runtime, progress=False)
+    engine = build_engine(model, LaunchConfig.from_options(**options))
     out = {}
     try:
         run_bench(engine, 1, 1, min(inp, 16), 4, seed=1)

@@ -10,13 +10,17 @@ free-running each dtype.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from hetero.config import RuntimeConfig
-from hetero.engine.single_sequence import OneSequence
 from hetero.model.llama import load_model
 from hetero.models import resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/support: a test helper
+from tests.support.one_sequence import OneSequence  # noqa: E402
 
 PROMPTS = [
     "The history of the river begins",

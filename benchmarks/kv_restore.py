@@ -23,6 +23,9 @@ import torch
 from hetero.config import RuntimeConfig
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.engine import Engine
+from hetero.factory import LaunchConfig
+from hetero.launch import build_engine
+from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
 
 GiB = 2**30
@@ -55,7 +58,7 @@ def ttft(engine: Engine, rid: str, prompt: list[int]) -> tuple[float, int]:
             if out.new_token_ids:
                 first = time.perf_counter() - t0
                 cached = out.num_cached_tokens
-    if torch.device(engine.runtime.device).type == "cuda":
+    if torch.device(engine.executor.info.device).type == "cuda":
         torch.cuda.synchronize()
     return first, cached
 
@@ -64,8 +67,9 @@ def measure(model: str, context: int, device: str, kv_dtype: str, block_size: in
     rng = random.Random(0)
     n_blocks = -(-(context + 64) // block_size)
     probe = EngineConfig(block_size=block_size, kv_dtype=kv_dtype, num_kv_blocks=1, kv_ram_gb=0)
-    engine = Engine(model, probe, RuntimeConfig(device=device))
-    ctx_bytes = n_blocks * engine.pool_size.block_bytes
+    loaded = load_model(model, RuntimeConfig(device=device))
+    engine = build_engine(model, LaunchConfig(probe), loaded=loaded)
+    ctx_bytes = n_blocks * engine.executor.pool_size.block_bytes
     cfg = EngineConfig(
         block_size=block_size,
         kv_dtype=kv_dtype,
@@ -74,7 +78,7 @@ def measure(model: str, context: int, device: str, kv_dtype: str, block_size: in
         # past the model's trained context if need be (a synthetic model's weights are random)
         scheduler=SchedulerConfig(max_model_len=context + 64),
     )
-    engine = Engine(model, cfg, RuntimeConfig(device=device), loaded=(engine.gguf, engine.model))
+    engine = build_engine(model, LaunchConfig(cfg), loaded=loaded)
     vocab = engine.model_config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(context)]
     ttft(engine, "warmup", [rng.randrange(vocab) for _ in range(min(context, 512))])
@@ -99,7 +103,7 @@ def measure(model: str, context: int, device: str, kv_dtype: str, block_size: in
         "context": context,
         "kv_dtype": kv_dtype,
         "blocks_evicted": blocks,
-        "block_bytes": engine.pool_size.block_bytes,
+        "block_bytes": engine.executor.pool_size.block_bytes,
         "first_compute_ttft_s": first,
         "offload_s": offload_s,
         "restored_bytes": restored,

@@ -95,8 +95,8 @@ def measure(model: str, label: str, options: dict, args, reference, stages) -> d
             row[f"decode tok/s @{c}"] = round(c * r.per_stream_tok_s, 1) if r.itl_s else None
             pred = predict(model, stages, w, c, args)
             row[f"planned tok/s @{c}"] = None if pred is None else round(pred, 1)
-        if hasattr(eng, "pipeline"):
-            row["kv"] = eng.pipeline.describe()
+        if hasattr(eng.executor, "pipeline"):
+            row["kv"] = eng.executor.pipeline.describe()
         return row, outs
     finally:
         llm.engine.close()

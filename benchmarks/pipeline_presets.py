@@ -17,7 +17,7 @@ Stage = tuple[str, int, int, int | None]  # device, [start, end), MPS percentage
 
 
 def plan_file(stages: list[Stage], gpu_weights: str) -> str:
-    """A hand-written plan of these stages (read by hetero/dist/stages.py)."""
+    """A hand-written plan of these stages (read by hetero/pipeline/stages.py)."""
     rows = []
     for device, a, b, mps in stages:
         row = {"device": device, "layer_start": a, "layer_end": b}
@@ -43,7 +43,7 @@ def have_profile() -> bool:
     """Whether this machine's profile is cached (`hetero profile`): the planner then answers at
     once, where it would otherwise measure every device first (minutes) inside a row."""
     try:
-        from hetero.planner.profile import fingerprint, live_devices, load_cached
+        from hetero.profiler.machine import fingerprint, live_devices, load_cached
 
         return load_cached(fingerprint(live_devices())) is not None
     except Exception:  # noqa: BLE001 - no planner, no devices: no prediction
@@ -63,8 +63,9 @@ def planned_bounds(
         from hetero.planner.model_desc import describe
         from hetero.planner.plan import PlanConfig, plan
         from hetero.planner.resolve import resolve_devices
+        from hetero.profiler.machine import ThisMachine
 
-        devices = resolve_devices(names, progress=False)
+        devices = resolve_devices(names, ThisMachine(progress=False))
         cfg = PlanConfig(use_all_devices=True, context=4096, concurrency=concurrency)
         p = plan(describe(model), devices, cfg)
         return [s.layer_start for s in p.stages[1:]], f"planned for {concurrency} streams"
@@ -127,14 +128,15 @@ def predict(model: str, stages: list[Stage], gpu_weights: str, c: int, args) -> 
     if not have_profile():
         return None
     try:
+        from hetero.cli_plan import plan_config
         from hetero.planner.model_desc import describe
         from hetero.planner.placement import place_split
-        from hetero.planner.plan import PlanConfig
         from hetero.planner.resolve import resolve_devices
+        from hetero.profiler.machine import ThisMachine
 
         names = [d if m is None else f"{d}@{m}%" for d, _, _, m in stages]
-        devices = resolve_devices(names, progress=False)
-        cfg = PlanConfig(
+        devices = resolve_devices(names, ThisMachine(progress=False))
+        cfg = plan_config(
             concurrency=c,
             prompt_len=args.input_len,
             output_len=args.output_len,

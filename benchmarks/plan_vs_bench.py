@@ -35,11 +35,12 @@ import subprocess
 import sys
 import tempfile
 
-from hetero.planner.commands import plan_config
+from hetero.cli_plan import plan_config
 from hetero.planner.model_desc import describe
 from hetero.planner.plan import Plan, plan
 from hetero.planner.resolve import resolve_devices
 from hetero.planner.shares import is_share, parse_share, share_env
+from hetero.profiler.machine import ThisMachine
 
 
 def _one_stage_engine(model: str, p: Plan, eager: bool, threads: int = 0):
@@ -47,7 +48,8 @@ def _one_stage_engine(model: str, p: Plan, eager: bool, threads: int = 0):
 
     from hetero.config import RuntimeConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
-    from hetero.engine.engine import Engine
+    from hetero.factory import LaunchConfig
+    from hetero.launch import build_engine
 
     (stage,) = p.stages
     device = stage.base_device or stage.device.split("@")[0]
@@ -62,26 +64,25 @@ def _one_stage_engine(model: str, p: Plan, eager: bool, threads: int = 0):
         enforce_eager=eager,
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
     )
-    return Engine(model, cfg, RuntimeConfig(device=device, weights=stage.weights, threads=threads))
+    rt = RuntimeConfig(device=device, weights=stage.weights, threads=threads)
+    return build_engine(model, LaunchConfig(cfg, rt))
 
 
 def _pipeline_engine(model: str, plan_file: str, p: Plan, threads: int = 0):
     """The pipeline engine over the plan's stages (each stage's KV dtype, blocks and weights
     come from the plan file)."""
-    from hetero.config import RuntimeConfig
-    from hetero.dist.config import PipelineConfig
+    from hetero.config import PipelineConfig, RuntimeConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
-    from hetero.engine.engine import Engine
+    from hetero.factory import LaunchConfig
+    from hetero.launch import build_engine
 
     cfg = EngineConfig(
         enable_prefix_caching=False,
         speculative="off",  # the cost model prices plain decode steps
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
-        pipeline=PipelineConfig(plan=plan_file),
     )
-    return Engine(
-        model, cfg, RuntimeConfig(device=p.stages[0].base_device or "cpu", threads=threads)
-    )
+    rt = RuntimeConfig(device=p.stages[0].base_device or "cpu", threads=threads)
+    return build_engine(model, LaunchConfig(cfg, rt, PipelineConfig(plan=plan_file)))
 
 
 def bench_stage(
@@ -179,7 +180,7 @@ def main() -> None:
 
     model = str(resolve_model(args.model))
     desc = describe(model)
-    devices = resolve_devices(args.devices.split(","), refresh=args.refresh)
+    devices = resolve_devices(args.devices.split(","), ThisMachine(refresh=args.refresh))
     rows = []
     for c in args.concurrency or [1, 16]:
         cfg = plan_config(

@@ -69,7 +69,7 @@ class OracleSpeculator(Speculator):
 
     def __init__(self, engine: Engine, answers: dict[str, list[int]], p: float) -> None:
         super().__init__(engine.config.num_speculative_tokens)
-        self.adapt = priced(self.adapt, engine.runtime)
+        self.adapt = priced(self.adapt, engine.executor.info)
         self.answers, self.p = answers, p
         self.vocab = engine.model_config.vocab_size
         self.rng = random.Random(0)
@@ -94,9 +94,14 @@ def speculators(engine: Engine) -> dict[str, Callable[[], object]]:
         raise ValueError("speculative decoding is off: pass --speculative ngram, auto or draft")
     if mode == "draft":
         return {"draft": lambda: spec}
-    out = {"ngram": lambda: ngram_speculator(engine, None)}
+    out = {"ngram": lambda: ngram_speculator(engine.config, engine.executor.info, None)}
     if mode == "auto":
-        out = {"auto": lambda: ngram_speculator(engine, SPEC_AUTO_MAX_DECODES), **out}
+        out = {
+            "auto": lambda: ngram_speculator(
+                engine.config, engine.executor.info, SPEC_AUTO_MAX_DECODES
+            ),
+            **out,
+        }
     return out
 
 

@@ -10,7 +10,8 @@ can answer 400 instead of 500.
 Messages are checked before rendering: each needs a string `role` and a `content` that is a string
 or a list of `{"type": "text", "text": ...}` parts (joined with newlines, as vLLM does, because
 most templates concatenate `content` as a string). An assistant message may carry `tool_calls`
-with `content` null, where the template renders tool calls (a clear error where it does not).
+with `content` null or left out (rendered as ""), where the template renders tool calls (a clear
+error where it does not).
 The `developer` role is `system` for templates that do not name it.
 """
 
@@ -178,15 +179,17 @@ def _check_message(message: Any, index: int) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise ChatTemplateError(f"{where} needs a non-empty string 'role'")
-    if "content" not in message:
+    calls = role == "assistant" and message.get("tool_calls")  # content may be left out
+    if "content" not in message and not calls:
         raise ChatTemplateError(f"{where} ({role}) has no 'content'")
-    content = message["content"]
-    if content is None and not (role == "assistant" and message.get("tool_calls")):
+    content = message.get("content")
+    if content is None and not calls:
         raise ChatTemplateError(f"{where} ({role}) has null 'content'")
     # Keys set to None are dropped (as HF does): templates test for missing keys, not for None.
     out = {str(k): _plain(v) for k, v in message.items() if v is not None}
-    if content is not None:
-        out["content"] = _content_text(content, f"{where} ({role})")
+    # A call's message without text gets "" (as vLLM and llama.cpp hand it): templates read
+    # `message.content` as a string (Qwen3's splits it), and None would fail them.
+    out["content"] = "" if content is None else _content_text(content, f"{where} ({role})")
     reasoning = next((out[k] for k in _REASONING_FIELDS if out.get(k) is not None), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}

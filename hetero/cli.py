@@ -13,8 +13,10 @@ from hetero.cli_options import (
     FloatRange,
     cuda_graph_max_tokens_option,
     engine_options,
+    kv_dtype_option,
     moe_options,
     runtime_options,
+    weights_option,
 )
 from hetero.models import resolve_model
 
@@ -124,14 +126,20 @@ def info(model):
     help="q4_k_m, q5_k_m, q6_k, q8_0, iq4_xs, mxfp4_moe ...",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, shape, quant, seed):
-    """Write a full-size GGUF (llama family, qwen3moe, gpt-oss) with random finite weights (for
-    benchmarks)."""
+@click.option(
+    "--chat",
+    default=None,
+    help="a real family's chat template and special tokens: qwen2.5, qwen3, llama3.1, "
+    "mistral-nemo (default: ChatML)",
+)
+def synth(out, shape, quant, seed, chat):
+    """Write a GGUF (llama family, qwen3moe, gpt-oss) with random finite weights (benchmarks;
+    --chat: chat tests)."""
     from hetero.synth import write_synthetic
 
     t0 = time.perf_counter()
     try:
-        path = write_synthetic(out, shape, quant, seed=seed, progress=True)
+        path = write_synthetic(out, shape, quant, seed=seed, progress=True, chat=chat)
     except (ValueError, KeyError, OSError) as e:
         _fail(e)
     size = path.stat().st_size / 2**30
@@ -206,12 +214,11 @@ def bench(
 ):  # fmt: skip
     """Offline throughput and latency: N requests, C at a time."""
     from hetero.bench import run_bench
-    from hetero.engine.engine import Engine
-    from hetero.llm import build_configs
+    from hetero.factory import LaunchConfig
+    from hetero.launch import build_engine
 
     try:
-        engine_cfg, runtime = build_configs(**options)
-        engine = Engine(model, engine_cfg, runtime, progress=True)
+        engine = build_engine(model, LaunchConfig.from_options(**options), progress=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: a failed stage
         _fail(e)
     click.echo(engine.describe_kv(), err=True)
@@ -255,7 +262,7 @@ def _spec_ab(engine, workloads, concurrencies, input_len, output_len, seed, orac
 @click.option("--json", "as_json", is_flag=True, help="print the profiles as JSON")
 def profile(refresh, shares, as_json):
     """Measure this machine's devices (cached per machine; --refresh measures again)."""
-    from hetero.planner.commands import run_profile
+    from hetero.cli_plan import run_profile
 
     try:
         run_profile(refresh, shares, as_json)
@@ -275,15 +282,23 @@ def profile(refresh, shares, as_json):
 @click.option("--concurrency", "-c", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--prompt-len", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
-@click.option(
-    "--kv-dtype", type=click.Choice(["auto", "fp8", "fp16", "bf16", "fp32"]), default="auto"
-)
-@click.option(
-    "--weights",
-    type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot"]),
-    default="auto",
-)
+@kv_dtype_option
+@weights_option
 @click.option("--use-all-devices", is_flag=True, help="give every device at least one layer")
+@click.option(
+    "--pipeline",
+    is_flag=True,
+    help="plan stage processes (a pipeline) even where one process would run them: one GPU "
+    "and the CPU run in one process unless this is given (several GPUs always are stages)",
+)
+@click.option(
+    "--offload-min-tokens",
+    type=click.IntRange(0),
+    default=32,
+    show_default=True,
+    help="in one process: prompt steps of at least this many tokens run the CPU's matmuls on "
+    "the GPU (0: never), as the engine's option of that name",
+)
 @click.option(
     "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
 )
@@ -292,13 +307,13 @@ def profile(refresh, shares, as_json):
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")
-def plan(model, devices, refresh, as_json, output, **config):
+def plan(model, devices, refresh, as_json, output, pipeline, **config):
     """Plan MODEL over devices without loading it: layers, KV and kernels per device, and the
     predicted speed. MODEL: a GGUF path, or synth:SHAPE[:QUANT] for a `hetero synth` model."""
-    from hetero.planner.commands import run_plan
+    from hetero.cli_plan import run_plan
 
     try:
-        run_plan(model, devices, refresh, as_json, output, **config)
+        run_plan(model, devices, refresh, as_json, output, pipeline, **config)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(e)
 
@@ -309,10 +324,10 @@ def plan(model, devices, refresh, as_json, output, **config):
 @engine_options
 def stage(model, rank, **options):
     """Serve one pipeline stage of an engine on another host (README: pipelines)."""
-    from hetero.dist.remote import run_stage
+    from hetero.launch import run_remote_stage
 
     try:
-        run_stage(model, rank, options)
+        run_remote_stage(model, rank, options)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
 

@@ -1,7 +1,8 @@
 """Command-line options shared by `hetero generate`, `hetero bench` and `hetero-serve`.
 
 Each option's name is the field name of the config it sets (RuntimeConfig, EngineConfig,
-SchedulerConfig), so `hetero.llm.build_configs(**options)` sorts them without a table.
+SchedulerConfig, PipelineConfig), so `LaunchConfig.from_options(**options)` sorts them without a
+table; choices and defaults are read from those configs, so each is declared once.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import math
 
 import click
 
-from hetero.engine.config import EngineConfig
+from hetero.config import WEIGHTS_MODES, PipelineConfig, RuntimeConfig
+from hetero.engine.config import KV_DTYPES, SPECULATIVE_MODES, EngineConfig, SchedulerConfig
 
 
 class FloatRange(click.FloatRange):
@@ -34,25 +36,56 @@ cuda_graph_max_tokens_option = click.option(
 )
 
 
+class WeightsType(click.ParamType):
+    """A weights mode for every device, or DEVICE=MODE pairs (cuda:0=quant,cpu=qdot)."""
+
+    name = "MODE|DEVICE=MODE,..."
+    choices = WEIGHTS_MODES
+
+    def convert(self, value, param, ctx) -> str:
+        try:
+            RuntimeConfig(weights=value)  # the config's own check, one rule
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
 def runtime_options(f):
-    f = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ...")(f)
+    rt = RuntimeConfig
+    f = click.option(
+        "--device",
+        default=rt.device,
+        show_default=True,
+        help="auto (the first GPU where there is one, else the CPU), cpu, cuda, cuda:1 ...",
+    )(f)
+    f = click.option(
+        "--n-gpu-layers",
+        "-ngl",
+        type=click.IntRange(0),
+        default=rt.n_gpu_layers,
+        help="with a GPU device: its first N layers there, the rest on the CPU, in one process "
+        "(default: all there, or the planner's split when the model does not fit the card)",
+    )(f)
+    f = click.option(
+        "--offload-min-tokens",
+        type=click.IntRange(0),
+        default=rt.offload_min_tokens,
+        show_default=True,
+        help="with layers on the CPU beside a GPU: steps of at least this many tokens run those "
+        "layers' matmuls on the GPU, their weights streamed over PCIe (0: never)",
+    )(f)
     f = click.option(
         "--dtype",
-        default="auto",
+        default=rt.dtype,
         show_default=True,
         help="activations: auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16",
     )(f)
-    f = click.option(
-        "--weights",
-        type=click.Choice(["auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot"]),
-        default="auto",
-        show_default=True,
-        help="auto: qdot on CPU (fp16 where it cannot be built), dense on GPU; dense: exact "
-        "dequantized weights; quant: keep GGUF blocks (reference path); qdot: GGUF blocks times "
-        "int8 activations in native code; fp16/int4/int8/bf16: CPU repacks",
-    )(f)
+    f = weights_option(f)
     threads = click.option(
-        "--threads", type=click.IntRange(0), default=0, help="CPU threads (0: torch's default)"
+        "--threads",
+        type=click.IntRange(0),
+        default=rt.threads,
+        help="CPU threads (0: the physical cores, one left to the server from 4 cores on)",
     )
     f = threads(f)
     return moe_options(f)
@@ -76,7 +109,29 @@ def moe_options(f):
     )(f)
 
 
+weights_option = click.option(
+    "--weights",
+    type=WeightsType(),
+    default=RuntimeConfig.weights,
+    show_default=True,
+    help=f"one of {', '.join(WEIGHTS_MODES)}, or per device (cuda:0=quant,cpu=qdot). auto: "
+    "quant on a GPU (GGUF blocks resident, Triton kernels), qdot on a CPU (GGUF blocks times "
+    "int8 activations, native code; fp16 where it cannot be built); dense: exact dequantized "
+    "weights; fp16/int4/int8/bf16: CPU packings; quant on a CPU is the test reference (refused)",
+)
+
+kv_dtype_option = click.option(
+    "--kv-dtype",
+    type=click.Choice(KV_DTYPES),
+    default=EngineConfig.kv_dtype,
+    show_default=True,
+    help="KV cache storage (fp8: e4m3 with per-token-head scales; auto: fp8 on GPUs with fp8 "
+    "hardware, fp16 elsewhere)",
+)
+
+
 def pipeline_options(f):
+    pc = PipelineConfig
     opts = [
         click.option(
             "--devices",
@@ -95,21 +150,21 @@ def pipeline_options(f):
         click.option(
             "--micro-batches",
             type=click.IntRange(0),
-            default=0,
+            default=pc.micro_batches,
             show_default=True,
             help="pipeline micro-batches in flight (0: one per stage)",
         ),
         click.option(
             "--stage-timeout",
             type=FloatRange(0.0, min_open=True),
-            default=600.0,
+            default=pc.stage_timeout,
             show_default=True,
             help="seconds a pipeline step may take before the pipeline counts as stuck",
         ),
         click.option(
             "--max-restarts",
             type=click.IntRange(0),
-            default=3,
+            default=pc.max_restarts,
             show_default=True,
             help="restarts of a failed pipeline before the engine gives up",
         ),
@@ -132,38 +187,36 @@ def pipeline_options(f):
 def engine_options(f):
     f = runtime_options(f)
     f = pipeline_options(f)
+    ec, sc = EngineConfig, SchedulerConfig
     opts = [
-        click.option(
-            "--kv-dtype",
-            type=click.Choice(["auto", "fp8", "fp16", "bf16", "fp32"]),
-            default="auto",
-            show_default=True,
-            help="KV cache storage (fp8: e4m3 with per-token-head scales; auto: fp8 on GPUs "
-            "with fp8 hardware, fp16 elsewhere)",
-        ),
+        kv_dtype_option,
         click.option(
             "--kv-memory-fraction",
             type=FloatRange(0.0, 1.0, min_open=True),
-            default=0.9,
+            default=ec.kv_memory_fraction,
             show_default=True,
             help="share of the memory free after the weights that the KV cache takes",
         ),
         click.option(
             "--num-kv-blocks", type=click.IntRange(1), default=None, help="cap on KV blocks"
         ),
-        click.option("--block-size", type=click.IntRange(1), default=16, show_default=True),
-        click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True),
+        click.option(
+            "--block-size", type=click.IntRange(1), default=ec.block_size, show_default=True
+        ),
+        click.option(
+            "--max-num-seqs", type=click.IntRange(1), default=sc.max_num_seqs, show_default=True
+        ),
         click.option(
             "--max-num-batched-tokens",
             type=click.IntRange(1),
-            default=2048,
+            default=sc.max_num_batched_tokens,
             show_default=True,
             help="token budget of one step (decodes + prefill chunks)",
         ),
         click.option(
             "--long-prefill-token-threshold",
             type=click.IntRange(0),
-            default=0,
+            default=sc.long_prefill_token_threshold,
             show_default=True,
             help="the most tokens one prompt may take in one step (0: no cap but the budget)",
         ),
@@ -173,14 +226,16 @@ def engine_options(f):
         click.option(
             "--admit-wait-ms",
             type=FloatRange(0.0),
-            default=0.0,
+            default=sc.admit_wait_ms,
             show_default=True,
             help="while decodes run, new prompts wait up to this long for others, to be "
             "prefilled in one step (past --cuda-graph-max-tokens a step runs eagerly); 0: at "
             "once",
         ),
         click.option(
-            "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            default=ec.enable_prefix_caching,
+            show_default=True,
         ),
         click.option(
             "--enforce-eager",
@@ -217,8 +272,8 @@ def speculative_options(f):
     opts = [
         click.option(
             "--speculative",
-            type=click.Choice(["auto", "ngram", "draft", "off"]),
-            default="auto",
+            type=click.Choice(SPECULATIVE_MODES),
+            default=EngineConfig.speculative,
             show_default=True,
             help="guess tokens and verify them in one pass: ngram (prompt lookup; a request "
             "that gets its guesses rejected stops guessing), draft (--draft-model), off; auto: "
@@ -227,7 +282,7 @@ def speculative_options(f):
         click.option(
             "--num-speculative-tokens",
             type=click.IntRange(1, 64),
-            default=8,
+            default=EngineConfig.num_speculative_tokens,
             show_default=True,
             help="the most tokens guessed per request and step",
         ),

@@ -6,7 +6,8 @@ the Plan. A ModelConfig is read from GGUF metadata once and then only read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 # Architectures of the llama family that one model file (model/llama.py) serves through flags,
 # and the mixture-of-experts families (model/qwen3moe.py, model/gpt_oss.py; experts: model/moe.py).
@@ -91,24 +92,92 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """devices: "cuda:0,cpu" (the planner splits, or an even split without it);
+    split: "cuda:0=0-19,cpu=20-31" (inclusive layer ranges); plan: a saved plan's JSON path.
+    micro_batches: batches in flight at once (0: one per stage, so every stage has work).
+    stage_timeout: seconds a step (or the start of the stages) may take before the pipeline is
+        declared stuck: a dead stage is seen at once, this bounds a hung one.
+    max_restarts: how often a failed pipeline is restarted before the engine gives up.
+    dist_init: the rendezvous of the stages' process group, tcp://HOST:PORT on this machine
+        (None: a free loopback port; give a reachable address when stages run on other hosts).
+    remote_stages: "1,2": stage ranks this engine does not start, started on other hosts with
+        `hetero stage MODEL --rank R --dist-init tcp://HOST:PORT` and the same split options.
+    """
+
+    devices: str | None = None
+    split: str | None = None
+    plan: str | None = None
+    micro_batches: int = 0
+    stage_timeout: float = 600.0
+    max_restarts: int = 3
+    dist_init: str | None = None
+    remote_stages: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 0:
+            raise ValueError(
+                f"micro_batches must be >= 0 (0: one per stage), got {self.micro_batches}"
+            )
+        if self.stage_timeout <= 0:
+            raise ValueError(f"stage_timeout must be > 0 seconds, got {self.stage_timeout}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+
+    def remote_ranks(self) -> set[int]:
+        text = self.remote_stages or ""
+        try:
+            ranks = {int(r) for r in text.split(",") if r.strip()}
+        except ValueError as e:
+            raise ValueError(f"--remote-stages {text!r}: expected stage ranks like 1,2") from e
+        if 0 in ranks:
+            raise ValueError("--remote-stages: stage 0 runs beside the engine; it cannot be remote")
+        return ranks
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.devices or self.split or self.plan)
+
+
+# How a device holds the weights (RuntimeConfig.weights): "auto" picks per device; "dense" and
+# "quant" run anywhere; the others are the CPU's packings (kernels/cpu_linear.py).
+WEIGHTS_MODES = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
+GPU_WEIGHTS_MODES = ("quant", "dense")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Where and how the model runs.
 
-    weights: "quant" keeps weights in their GGUF blocks and dequantizes them in the layer that uses
-    them (the reference path); "dense" dequantizes once at load into `dtype` (exact);
-    "qdot" / "fp16" / "int4" / "int8" / "bf16" repack for the CPU's kernels
-    (kernels/cpu_linear.py); "auto" is qdot on a CPU (GGUF blocks times int8 activations in native
-    code, built at first use: BENCHMARKS.md) or fp16 where no C compiler builds it, and dense on a
-    GPU.
+    device: "auto" (the first CUDA GPU where there is one, else the CPU), "cpu" or "cuda[:N]".
+    weights: one mode for every device, or one per device ("cuda:0=quant,cpu=qdot"; a device it
+        does not name takes "auto"). "quant" keeps the GGUF blocks resident and dequantizes them
+        inside the matmul: the Triton kernels on a GPU; on a CPU only the torch reference does
+        that (per call, the path the kernels are tested against), so it is refused there unless
+        `allow_reference`. "dense" dequantizes once at load into `dtype` (exact; 2-4x the
+        bytes). "qdot" / "fp16" / "int4" / "int8" / "bf16" are the CPU's packings
+        (kernels/cpu_linear.py). "auto": quant on a GPU (the weights take their GGUF bytes
+        there; a plan may choose dense where it fits beside the KV and is faster) and qdot on a
+        CPU (GGUF blocks times int8 activations in native code, built at first use; fp16 where
+        no C compiler builds it).
+    n_gpu_layers: with a GPU device, layers 0 .. N-1 run there and the rest on the CPU, in this
+        process (llama.cpp's -ngl); None: every layer there, unless the planner splits a model
+        too big for the card.
+    offload_min_tokens: with layers on the CPU beside a GPU, steps of at least this many tokens
+        run those layers' matmuls on the GPU, their weights streamed over PCIe (0: never).
+    allow_reference: let a device run a weights mode through the torch reference (tests).
     """
 
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     weights: str = "auto"
-    threads: int = 0  # 0: leave torch's default
+    threads: int = 0  # 0: on a CPU the physical cores, one left to the server from 4 (cpu_threads)
     # Adjacent linears that share an input and a GGUF type run as one matmul (q|k|v, gate|up);
     # off: one matmul per tensor (the unfused form the fused one is tested against)
     fuse_linears: bool = True
+    n_gpu_layers: int | None = None
+    offload_min_tokens: int = 32
+    allow_reference: bool = False
     # Mixture-of-experts models: the experts of every layer (cpu_moe) or of the first n_cpu_moe
     # layers stay in system RAM and multiply on the CPU, the rest on `device` (llama.cpp's
     # --cpu-moe / --n-cpu-moe; model/moe.py)
@@ -117,27 +186,74 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         check_cpu_moe(self.cpu_moe, self.n_cpu_moe)
+        if self.device != "auto":
+            check_device(self.device, "device")
+        self._weights_table()  # refuses a malformed per-device form
+        if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
+            raise ValueError(f"n_gpu_layers must be >= 0, got {self.n_gpu_layers}")
+        if self.offload_min_tokens < 0:
+            raise ValueError(f"offload_min_tokens must be >= 0, got {self.offload_min_tokens}")
+
+    def _weights_table(self) -> dict[str, str]:
+        """ "cuda:0=quant,cpu=qdot" -> {"cuda:0": "quant", "cpu": "qdot"}; one mode -> {"": it}."""
+        if "=" not in self.weights:
+            entries = {"": self.weights.strip()}
+        else:
+            entries = {}
+            for part in self.weights.split(","):
+                dev, eq, mode = part.strip().partition("=")
+                if not eq:
+                    raise ValueError(f"weights {self.weights!r}: {part!r} is not DEVICE=MODE")
+                entries[device_key(check_device(dev.strip(), "weights: device"))] = mode.strip()
+        for mode in entries.values():
+            if mode not in WEIGHTS_MODES:
+                raise ValueError(f"weights mode {mode!r} is not one of {', '.join(WEIGHTS_MODES)}")
+        return entries
+
+    def weights_for(self, device: str) -> str:
+        """The weights mode asked of `device` (before "auto" is resolved)."""
+        table = self._weights_table()
+        return table.get("", table.get(device_key(device), "auto"))
+
+    def resolved(self, device: str | None = None) -> RuntimeConfig:
+        """This config on `device` (default: its own, "auto" resolved), with one weights mode:
+        the one asked of that device."""
+        dev = device or self.device
+        if dev == "auto":
+            import torch
+
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return replace(self, device=dev, weights=self.weights_for(dev))
 
     def weights_mode(self) -> str:
-        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
-        if self.weights not in modes:
-            raise ValueError(f"weights mode {self.weights!r} is not one of {', '.join(modes)}")
+        """The mode this (resolved) device runs: "auto" resolved, a mode it cannot run refused."""
         on_cpu = self.device.startswith("cpu")
-        if self.weights == "auto":
+        mode = self.weights_for(self.device)
+        if mode == "auto":
             if not on_cpu:
-                return "dense"
-            from hetero.kernels import cpu_qdot
+                return "quant"
+            from hetero.kernels import cpu_qdot  # config is imported first: kernels load later
 
             return "qdot" if cpu_qdot.available() else "fp16"
-        if self.weights not in ("dense", "quant") and not on_cpu:
-            raise ValueError(f"weights mode {self.weights!r} is for the CPU; use dense or quant")
-        return self.weights
+        if mode not in GPU_WEIGHTS_MODES and not on_cpu:
+            raise ValueError(f"weights mode {mode!r} is for the CPU; use dense or quant")
+        if mode == "quant" and on_cpu and not self.allow_reference:
+            from hetero.kernels import select
+
+            if select("qlinear", "cpu").is_reference:
+                raise ValueError(
+                    "weights mode 'quant' on a CPU runs the torch reference, which dequantizes "
+                    "every weight on every call (a test path, many times slower): use qdot (the "
+                    "CPU's GGUF-block kernels, the default) or fp16"
+                )
+        return mode
 
     def torch_dtype(self):
         import torch
 
         if self.dtype == "auto":
-            return torch.float32 if self.device.startswith("cpu") else torch.bfloat16
+            device = self.resolved().device
+            return torch.float32 if device.startswith("cpu") else torch.bfloat16
         table = {
             "float32": torch.float32,
             "fp32": torch.float32,
@@ -151,6 +267,21 @@ class RuntimeConfig:
         return table[self.dtype]
 
 
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def check_device(device: str, what: str) -> str:
+    if not _DEVICE.match(device):
+        raise ValueError(f"{what} {device!r} is not cpu, cuda or cuda:N")
+    return device
+
+
+def device_key(device: str) -> str:
+    """One name per physical device: "cuda" and "cuda:0" are the same GPU."""
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        return f"cuda:{index or 0}"
+    return device
 def check_cpu_moe(cpu_moe: bool, n_cpu_moe: int) -> None:
     """--cpu-moe / --n-cpu-moe as given (against a model: model/moe.cpu_expert_layers)."""
     if n_cpu_moe < 0:

@@ -10,44 +10,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
 
-from hetero.config import RuntimeConfig
-from hetero.dist.config import PipelineConfig
-from hetero.engine.config import EngineConfig, SchedulerConfig
-from hetero.engine.engine import Engine
-from hetero.engine.output import RequestOutput, TextStream
+from hetero.factory import LaunchConfig
+from hetero.launch import build_engine
 from hetero.sampling import SamplingParams
-
-_SPLIT = {
-    "runtime": {f.name for f in fields(RuntimeConfig)},
-    "scheduler": {f.name for f in fields(SchedulerConfig)},
-    "engine": {f.name for f in fields(EngineConfig)} - {"scheduler", "pipeline"},
-    "pipeline": {f.name for f in fields(PipelineConfig)},
-}
-
-
-def build_configs(**options) -> tuple[EngineConfig, RuntimeConfig]:
-    """Flat keyword options (as on the command line) -> the frozen configs they belong to."""
-    parts: dict[str, dict] = {k: {} for k in _SPLIT}
-    for key, value in options.items():
-        owner = next((k for k, names in _SPLIT.items() if key in names), None)
-        if owner is None:
-            known = sorted(set().union(*_SPLIT.values()))
-            raise TypeError(f"unknown option {key!r}; known: {', '.join(known)}")
-        parts[owner][key] = value
-    engine = EngineConfig(
-        **parts["engine"],
-        scheduler=SchedulerConfig(**parts["scheduler"]),
-        pipeline=PipelineConfig(**parts["pipeline"]),
-    )
-    return engine, RuntimeConfig(**parts["runtime"])
+from hetero.text_stream import RequestOutput, TextStream
 
 
 class LLM:
     def __init__(self, model: str | None = None, progress: bool = False, loaded=None, **options):
-        engine_cfg, runtime = build_configs(**options)
-        self.engine = Engine(model, engine_cfg, runtime, progress=progress, loaded=loaded)
+        launch = LaunchConfig.from_options(**options)
+        self.engine = build_engine(model, launch, progress=progress, loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -10,7 +10,7 @@ hetero.sampling_filters; the text side's stop strings live in `StopChecker`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,8 +18,10 @@ import torch
 from hetero.penalties import PAD_ID
 from hetero.rng import gumbel, mix64, random_keys, stream_key
 from hetero.sampling_filters import filtered, penalized
+from hetero.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs
+MAX_BIAS = 100  # the OpenAI API's bound on a logit_bias value
 SEED_RANGE = (-(1 << 63), 1 << 64)  # int64 (the OpenAI API) or uint64 (splitmix64 state)
 GREEDY_BELOW = 1e-5  # vLLM's epsilon: smaller temperatures would overflow logits / T
 
@@ -48,6 +50,11 @@ class SamplingParams:
     argmax of the penalized logits. logprobs (0..20) asks for the sampled token's logprob plus
     that many top alternatives, taken from the model's raw distribution (log-softmax of the
     logits before penalties and temperature: vLLM's default "raw_logprobs" mode).
+    logit_bias (OpenAI): token id -> a value in [-100, 100] added to its logit after the
+    penalties, before temperature and top-k/p; -100 in effect bans a token, 100 all but forces
+    it. min_tokens (vLLM): the end-of-sequence tokens and stop_token_ids cannot be sampled
+    before that many output tokens. structured_outputs: the grammar the output must match
+    (hetero.structured_outputs).
     """
 
     n: int = 1
@@ -67,7 +74,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    json_object: bool = False  # constrain the output to one JSON object (engine/json_mask.py)
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -104,9 +113,22 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", "a list of integers >= 0", t)
-        flags = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "json_object")
+        flags = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
         for name in flags:
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+        m = self.min_tokens
+        ok = _is_int(m) and 0 <= m <= self.max_tokens
+        _check(ok, "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", m)
+        bias = self.logit_bias
+        ok = bias is None or isinstance(bias, dict)
+        _check(ok, "logit_bias", "a dict of token id -> bias", bias)
+        for t, v in (bias or {}).items():
+            _check(_is_int(t) and t >= 0, "logit_bias", "keyed by token ids >= 0", t)
+            ok = _is_real(v) and -MAX_BIAS <= v <= MAX_BIAS
+            _check(ok, "logit_bias", f"valued in [-{MAX_BIAS}, {MAX_BIAS}]", v)
+        so = self.structured_outputs
+        ok = so is None or isinstance(so, StructuredOutputsParams)
+        _check(ok, "structured_outputs", "None or a StructuredOutputsParams", so)
 
     @property
     def greedy(self) -> bool:
@@ -157,8 +179,12 @@ class SamplingState:
     any_frequency: bool
     any_seeded: bool
     all_seeded: bool
-    # [B, V] bool, the tokens each row may take (constrained decoding); None: all of them
+    # [B, ceil(V / 32)] int32 packed bits, the tokens each row may take (structured outputs,
+    # engine/grammar_mask.py); None: all of them
     allowed: torch.Tensor | None = None
+    # logit_bias and min_tokens as one sparse addition: (rows [K], token ids [K], values [K]
+    # float32, -inf for a token min_tokens holds back); None: no row has either
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -193,14 +219,16 @@ def make_batch(
     steps: Sequence[int],
     device: torch.device | str,
     allowed: torch.Tensor | None = None,
+    eos_ids: Collection[int] = (),
 ) -> SamplingState:
     """Per-request parameters -> SamplingState, once per step on the host.
 
     `steps[i]` is the index of the token row i is about to sample (its output length so far),
     which with its seed fixes its random numbers. Token ids may be lists or 1-D int64 CPU
     tensors (an engine that keeps each prompt as a tensor skips the list conversion); they are
-    read only for rows that use a penalty. `allowed` ([B, V] bool, CPU) masks each row's
-    choices: the per-request hook of constrained decoding (all True on free rows).
+    read only for rows that use a penalty. `allowed` ([B, ceil(V / 32)] int32 packed bits, CPU)
+    masks each row's choices: the per-request hook of structured outputs (all bits set on free
+    rows). `eos_ids`: the tokens min_tokens holds back, beside each row's stop_token_ids.
     """
     b = len(params_list)
     if not b == len(prompt_ids_list) == len(output_ids_list) == len(steps):
@@ -269,7 +297,31 @@ def make_batch(
         any_seeded=any(p.seed is not None for p in sampled),
         all_seeded=all(p.seed is not None for p in sampled),
         allowed=None if allowed is None else _to_device(allowed, device),
+        bias=_bias(ps, steps, eos_ids, device),
     )
+
+
+def _bias(
+    ps: Sequence[SamplingParams], steps: Sequence[int], eos_ids: Collection[int], device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows' logit_bias entries, and -inf on the end tokens of rows under min_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, (p, step) in enumerate(zip(ps, steps)):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            vals += p.logit_bias.values()
+        if step < p.min_tokens:
+            ends = set(eos_ids).union(p.stop_token_ids)
+            rows += [i] * len(ends)
+            cols += ends
+            vals += [-math.inf] * len(ends)
+    if not rows:
+        return None
+    idx = _to_device(torch.tensor([rows, cols], dtype=torch.int64), device)
+    return idx[0], idx[1], _to_device(torch.tensor(vals, dtype=torch.float32), device)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hetero.penalties import apply_penalties
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 
 
 def penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """Penalties, then the allowed-token masks (before temperature and top-k/p: they see
-    allowed tokens only)."""
+    """Penalties, logit_bias and min_tokens, then the allowed-token masks (before temperature
+    and top-k/p: they see allowed tokens only)."""
     x = logits
     if state.any_repetition or state.any_presence or state.any_frequency:
         x = apply_penalties(
@@ -31,9 +32,26 @@ def penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
             state.presence if state.any_presence else None,
             state.frequency if state.any_frequency else None,
         )
+    if state.bias is not None:
+        rows, cols, values = state.bias
+        x = x.index_put((rows, cols), values, accumulate=True)  # a new tensor: logits stay raw
     if state.allowed is not None:
-        x = x.masked_fill(~state.allowed, -math.inf)
+        x = x.masked_fill(~unpack_allowed(state.allowed, x.shape[1]), -math.inf)
     return x
+
+
+def unpack_allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed masks [B, ceil(V / 32)] int32 (bit j of word i: token 32 i + j) -> [B, V] bool."""
+    if bits.device.type == "cpu":  # numpy's unpackbits: ~30 us for 150k tokens, the shifts ~1 ms
+        flat = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(flat[:, :vocab].view(np.bool_))
+    return unpack_on_device(bits, vocab)
+
+
+def unpack_on_device(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """unpack_allowed in torch ops, for masks on a GPU (one small kernel chain, no host trip)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
 
 
 def filtered(x: torch.Tensor, state: SamplingState) -> torch.Tensor:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from hetero.quant import get_quant, random_blocks, row_bytes
 from hetero.quant_mix import QUANT_MIXES, QuantMix, get_mix, tensor_type_for
+from hetero.synth_chat import get_family
 from hetero.synth_shapes import SHAPES, ModelShape, get_shape, llama3_rope_factors
 from hetero.synth_vocab import add_vocab_metadata, build_vocab
 
@@ -240,8 +241,10 @@ def write_synthetic(
     quant: str = "q4_k_m",
     seed: int = 0,
     progress: bool = True,
+    chat: str | None = None,
 ) -> Path:
-    """Write a synthetic `shape` model in the `quant` mix to `path`; returns the path.
+    """Write a synthetic `shape` model in the `quant` mix to `path`; returns the path. `chat`
+    names a chat family (synth_chat.py) whose template and special tokens the file gets.
 
     The same (shape, quant, seed) gives the same bytes. The file appears under its name only
     once complete (written as `<name>.partial`, then renamed).
@@ -257,7 +260,8 @@ def write_synthetic(
         raise OSError(
             f"{name} {mix.name} needs {need / 1e9:.2f} GB; {path.parent} has {free / 1e9:.2f}"
         )
-    vocab = build_vocab(s.vocab_size, s.tokenizer_pre, seed)
+    family = get_family(chat) if chat else None
+    vocab = build_vocab(s.vocab_size, s.tokenizer_pre, seed, family)
 
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, s.arch)

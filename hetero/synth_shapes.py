@@ -164,6 +164,11 @@ SHAPES: dict[str, ModelShape] = {
         n_layers=28, d_model=3072, n_heads=24, n_kv_heads=8, head_dim=128, d_ff=8192,
         tied_embeddings=True, rope_scaling=_llama3_scaling(32.0), **_L3,
     ),
+    # Meta-Llama-3.1-70B(-Instruct): the size offices plan a GPU + CPU split for.
+    "llama3.1-70b": _llama(
+        n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, head_dim=128, d_ff=28672,
+        tied_embeddings=False, rope_scaling=_llama3_scaling(8.0), **_L3,
+    ),
     # Mistral-7B-v0.3 (llama architecture in GGUF).
     "mistral-7b": _llama(
         n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
@@ -175,6 +180,15 @@ SHAPES: dict[str, ModelShape] = {
     ),
     "qwen2.5-7b": _qwen(
         "qwen2", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, head_dim=128, d_ff=18944,
+        vocab_size=152064, context_length=32768, tied_embeddings=False, attn_bias=True,
+    ),
+    # Qwen2.5-14B/32B(-Instruct); the Coder models have the same shapes (names below).
+    "qwen2.5-14b": _qwen(
+        "qwen2", n_layers=48, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128, d_ff=13824,
+        vocab_size=152064, context_length=32768, tied_embeddings=False, attn_bias=True,
+    ),
+    "qwen2.5-32b": _qwen(
+        "qwen2", n_layers=64, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128, d_ff=27648,
         vocab_size=152064, context_length=32768, tied_embeddings=False, attn_bias=True,
     ),
     "qwen3-0.6b": _qwen(
@@ -198,6 +212,14 @@ SHAPES: dict[str, ModelShape] = {
     "gpt-oss-120b": _gpt_oss(
         n_layers=36, d_model=2880, n_heads=64, d_ff=2880, n_experts=128, n_experts_used=4,
         d_ff_expert=2880,
+    ),
+    "qwen3-14b": _qwen(
+        "qwen3", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128, d_ff=17408,
+        context_length=40960, tied_embeddings=False, qk_norm=True, **_QW,
+    ),
+    "qwen3-32b": _qwen(
+        "qwen3", n_layers=64, d_model=5120, n_heads=64, n_kv_heads=8, head_dim=128, d_ff=25600,
+        context_length=40960, tied_embeddings=False, qk_norm=True, **_QW,
     ),
     "smollm2-135m": _llama(
         n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,
@@ -238,6 +260,8 @@ SHAPES: dict[str, ModelShape] = {
         sliding_window=8,
     ),
 }  # fmt: skip
+SHAPES["qwen2.5-coder-14b"] = SHAPES["qwen2.5-14b"]
+SHAPES["qwen2.5-coder-32b"] = SHAPES["qwen2.5-32b"]
 
 
 def get_shape(shape: str | ModelShape) -> ModelShape:

@@ -10,7 +10,8 @@ Vocabulary layout (ids):
 
     [0, n_bpe)                 256 byte symbols + trained merges, NORMAL
     [n_bpe, n_bpe + 9)         <|endoftext|> <|im_start|> <|im_end|> and the FIM tokens, CONTROL
-    [n_bpe + 9, vocab_size)    <|reserved_special_token_i|>, CONTROL (pads to the model's rows)
+    [n_bpe + 9, n_bpe + 9 + k) a chat family's own tokens (synth_chat.py), CONTROL or USER_DEFINED
+    [.., vocab_size)           <|reserved_special_token_i|>, CONTROL (pads to the model's rows)
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pathlib import Path
 
 from gguf import GGUFWriter, Keys, TokenType
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from hetero.pretokenizers import pre_tokenizer_spec
+from hetero.synth_chat import ChatFamily
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by `tokenizer.ggml.pre` name. Several
 # patterns apply one after another, each splitting the pieces the previous one left.
@@ -40,6 +44,7 @@ PRE_TOKENIZER_PATTERNS: dict[str, tuple[str, ...]] = {
         r"\p{N}",
         r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
     ),
+    "tekken": pre_tokenizer_spec("tekken").regexes,  # Mistral Nemo's
 }
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -81,9 +86,11 @@ class SynthVocab:
     token_types: tuple[int, ...]
     merges: tuple[str, ...]  # "left right", the GGUF spelling
     n_trained: int  # ids below this are byte symbols or merges
+    specials: tuple[str, ...] = SPECIAL_TOKENS  # from id n_trained on
+    chat: ChatFamily | None = None
 
     def token_id(self, text: str) -> int:
-        return self.n_trained + SPECIAL_TOKENS.index(text)
+        return self.n_trained + self.specials.index(text)
 
 
 def training_text(seed: int = 0, max_chars: int = MAX_TRAIN_CHARS) -> list[str]:
@@ -145,22 +152,33 @@ def _merges_of(tokenizer: Tokenizer) -> list[tuple[str, str]]:
     return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in raw]
 
 
-def build_vocab(vocab_size: int, pre: str, seed: int = 0) -> SynthVocab:
-    """A vocabulary of exactly `vocab_size` tokens (the embedding's row count)."""
+def build_vocab(
+    vocab_size: int, pre: str, seed: int = 0, chat: ChatFamily | None = None
+) -> SynthVocab:
+    """A vocabulary of exactly `vocab_size` tokens (the embedding's row count); with `chat`, its
+    special tokens too, and its pre-tokenizer."""
+    if chat is not None:
+        pre = chat.pre
     if pre not in PRE_TOKENIZER_PATTERNS:
         known = ", ".join(sorted(PRE_TOKENIZER_PATTERNS))
         raise ValueError(f"unknown pre-tokenizer {pre!r}; known: {known}")
-    n_special = len(SPECIAL_TOKENS)
+    specials = (
+        SPECIAL_TOKENS + tuple(t for t in chat.specials if t not in SPECIAL_TOKENS)
+        if chat
+        else SPECIAL_TOKENS
+    )
+    n_special = len(specials)
     if vocab_size < 256 + n_special:
         raise ValueError(f"vocab_size {vocab_size} < {256 + n_special} (256 bytes + specials)")
     trained, merges = _train(pre, min(vocab_size - n_special, MAX_TRAINED_TOKENS), seed)
     n_reserved = vocab_size - len(trained) - n_special
     reserved = tuple(f"<|reserved_special_token_{i}|>" for i in range(n_reserved))
-    tokens = trained + SPECIAL_TOKENS + reserved
-    types = (int(TokenType.NORMAL),) * len(trained) + (int(TokenType.CONTROL),) * (
-        n_special + n_reserved
-    )
-    return SynthVocab(pre, tokens, types, merges, len(trained))
+    tokens = trained + specials + reserved
+    user = set(chat.user_defined) if chat else set()
+    kinds = [TokenType.USER_DEFINED if t in user else TokenType.CONTROL for t in specials]
+    types = (int(TokenType.NORMAL),) * len(trained) + tuple(int(k) for k in kinds)
+    types += (int(TokenType.CONTROL),) * n_reserved
+    return SynthVocab(pre, tokens, types, merges, len(trained), specials, chat)
 
 
 def add_vocab_metadata(writer: GGUFWriter, vocab: SynthVocab) -> None:
@@ -170,13 +188,15 @@ def add_vocab_metadata(writer: GGUFWriter, vocab: SynthVocab) -> None:
     writer.add_token_list(list(vocab.tokens))
     writer.add_token_types(list(vocab.token_types))
     writer.add_token_merges(list(vocab.merges))
-    writer.add_bos_token_id(vocab.token_id(ENDOFTEXT))
-    writer.add_eos_token_id(vocab.token_id(IM_END))
-    writer.add_eot_token_id(vocab.token_id(IM_END))
+    chat = vocab.chat
+    bos, eos = (chat.bos, chat.eos) if chat else (ENDOFTEXT, IM_END)
+    writer.add_bos_token_id(vocab.token_id(bos))
+    writer.add_eos_token_id(vocab.token_id(eos))
+    writer.add_eot_token_id(vocab.token_id(eos))
     writer.add_pad_token_id(vocab.token_id(ENDOFTEXT))
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(chat.add_bos if chat else False)
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_chat_template(chat.template if chat else CHATML_TEMPLATE)
     # GGUFWriter has no helpers for the FIM ids; the keys are llama.cpp's.
     fim = {
         Keys.Tokenizer.FIM_PRE_ID: FIM_PREFIX,

@@ -343,7 +343,9 @@ class Tokenizer:
     def _text_of(self, token_id: int | None) -> str:
         return self._tokens[token_id] if token_id is not None else ""
 
-    def _template_for(self, tools: Any) -> str:
+    def template_for(self, tools: Any) -> str:
+        """The template `apply_chat_template` renders with these tools (a `tool_use` template
+        where the file has one and tools are given)."""
         named = self._meta.get("tokenizer.chat_template.tool_use")
         if tools and named:
             return named
@@ -363,7 +365,7 @@ class Tokenizer:
 
         `chat_template=` overrides the model's template; BOS/EOS texts default to the model's.
         """
-        template = kw.pop("chat_template", None) or self._template_for(kw.get("tools"))
+        template = kw.pop("chat_template", None) or self.template_for(kw.get("tools"))
         kw.setdefault("bos_token", self._text_of(self.bos_id))
         kw.setdefault("eos_token", self._text_of(self.eos_id))
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt, **kw)

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "cpu_pool.h"
 #include "cpu_simd.h"
 
 #define MAX_GROUP 32 /* query heads per KV head */
@@ -244,7 +245,39 @@ static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64
         for (int64_t d = 0; d < D; d++) og[i * D + d] *= inv[i];
 }
 
-/* Returns 0, or 1 when the shapes are not ones this kernel takes (the caller falls back). */
+typedef struct {
+    const float *q;
+    int64_t q_stride, G, KV, D;
+    const void *k_cache, *v_cache;
+    const float *k_scale, *v_scale;
+    int dtype;
+    int64_t S, T, max_ctx;
+    const int64_t *q_start, *q_len, *ctx_len, *slot_off, *slots;
+    float scale;
+    float *out;
+    float *scratch[POOL_MAX_THREADS]; /* per worker: scores [G, max_ctx], then 4 rows of D */
+} attention_job;
+
+#define TASKS_PER_ITEM 4
+
+static void attention_item(void *ctx, int64_t item, int worker) {
+    const attention_job *j = ctx;
+    float *scores = j->scratch[worker], *row = scores + j->G * (j->max_ctx > 0 ? j->max_ctx : 1);
+    const int64_t tasks = j->T * j->KV;
+    for (int64_t task = item * TASKS_PER_ITEM; task < tasks && task < (item + 1) * TASKS_PER_ITEM;
+         task++) {
+        const int64_t t = task / j->KV, g = task % j->KV;
+        int64_t s = 0; /* the sequence of row t (S is small: a linear walk) */
+        while (s + 1 < j->S && j->q_start[s + 1] <= t) s++;
+        const int64_t pos = j->ctx_len[s] - j->q_len[s] + (t - j->q_start[s]);
+        attend(j->q, j->q_stride, t, g, j->G, j->KV, j->D, j->k_cache, j->v_cache, j->k_scale,
+               j->v_scale, j->dtype, j->slots + j->slot_off[s], pos + 1, j->scale, j->out, scores,
+               row);
+    }
+}
+
+/* Returns 0, 1 when the shapes are not ones this kernel takes (the caller falls back), 2 when
+ * the scratch cannot be allocated. */
 int native_paged_attention(const float *q, int64_t q_stride, int64_t T, int64_t H, int64_t KV,
                            int64_t D, const void *k_cache, const void *v_cache,
                            const float *k_scale, const float *v_scale, int dtype, int64_t S,
@@ -252,38 +285,19 @@ int native_paged_attention(const float *q, int64_t q_stride, int64_t T, int64_t 
                            const int64_t *slot_off, const int64_t *slots, float scale,
                            float *out, int nthreads) {
     if (KV < 1 || H % KV != 0 || H / KV > MAX_GROUP || dtype < 0 || dtype > 2) return 1;
-    const int64_t G = H / KV;
     int64_t max_ctx = 0;
     for (int64_t s = 0; s < S; s++) max_ctx = ctx_len[s] > max_ctx ? ctx_len[s] : max_ctx;
     if (dtype == 2) init_e4m3();
+    const int64_t items = (T * KV + TASKS_PER_ITEM - 1) / TASKS_PER_ITEM;
     if (nthreads < 1) nthreads = 1;
-    const int64_t tasks = T * KV;
+    if (nthreads > items) nthreads = (int)(items > 0 ? items : 1);
+    if (nthreads > POOL_MAX_THREADS) nthreads = POOL_MAX_THREADS;
+    attention_job j = {q, q_stride, H / KV, KV, D, k_cache, v_cache, k_scale, v_scale, dtype, S,
+                       T, max_ctx, q_start, q_len, ctx_len, slot_off, slots, scale, out, {0}};
+    const size_t per = sizeof(float) * (size_t)(j.G * (max_ctx > 0 ? max_ctx : 1) + 4 * D);
     int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tasks > 1)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(G * (max_ctx > 0 ? max_ctx : 1)));
-        float *row = malloc(sizeof(float) * (size_t)(4 * D)); /* 4 converted cache rows */
-        if (!scores || !row) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        int any_failed;
-#pragma omp atomic read
-        any_failed = failed;
-        if (!any_failed) { /* the same answer on every thread: all or none reach the loop */
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t task = 0; task < tasks; task++) {
-                const int64_t t = task / KV, g = task % KV;
-                int64_t s = 0; /* the sequence of row t (S is small: a linear walk) */
-                while (s + 1 < S && q_start[s + 1] <= t) s++;
-                const int64_t pos = ctx_len[s] - q_len[s] + (t - q_start[s]);
-                attend(q, q_stride, t, g, G, KV, D, k_cache, v_cache, k_scale, v_scale, dtype,
-                       slots + slot_off[s], pos + 1, scale, out, scores, row);
-            }
-        }
-        free(scores);
-        free(row);
-    }
+    for (int i = 0; i < nthreads; i++) failed |= !(j.scratch[i] = malloc(per));
+    if (!failed) pool_run(attention_item, &j, items, nthreads);
+    for (int i = 0; i < nthreads; i++) free(j.scratch[i]);
     return failed ? 2 : 0;
 }

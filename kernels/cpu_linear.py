@@ -13,8 +13,8 @@ the result.
     int8    int8 [N, K], bf16 scale per row    bfloat16        _weight_int8pack_mm      1
     int4    uint4, bf16 (scale, zero) per 32   bfloat16        _weight_int4pack_mm_*    0.625
     w8a8    int8 [N, K], scale per row         uint8 per call  fbgemm dynamic int8      1
-    qdot    GGUF Q4_0/Q4_1/Q8_0 blocks         int8 per 32     C, AVX2 maddubs/madd     0.75-1.1
-            (other types: 8-bit per 32)
+    qdot    GGUF blocks as they are            int8 per block  C: VNNI / AVX2 / NEON    0.33-1.06
+            (Q4_0 .. Q8_0, Q2_K .. Q6_K)
 
 Measured on the 2-core AVX2 machine, SmolLM2-135M's linears streamed in model order, 2 threads
 (shared machine: medians, +-30%): fp16 is nearly exact (weights rounded to fp16: 2e-4 relative;
@@ -256,13 +256,16 @@ def _pack_int4(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> PackedLinear
 
 def _pack_qdot(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> PackedLinear:
     if qt.ggml_type not in cpu_qdot.NATIVE_TYPES:
-        w = dequantize(raw, qt.ggml_type, (n, k))
-        if not torch.isfinite(w).all():
-            raise ValueError(f"{qt.name} {n}x{k}: weights hold inf/nan")
+        raise ValueError(f"qdot reads {', '.join(t.name for t in cpu_qdot.NATIVE_TYPES)} blocks")
     w = cpu_qdot.pack(raw, qt, n, k)
-    if not torch.isfinite(w.d).all() or (w.m is not None and not torch.isfinite(w.m).all()):
+    halves = [  # the blocks' fp16 scales (d, dmin, m): finite, or the layer's outputs are not
+        raw.reshape(-1, qt.type_size)[:, o : o + 2].contiguous().view(torch.float16)
+        for o, size, elem in cpu_qdot.FIELDS[qt.ggml_type]
+        if elem == 2
+    ]
+    if not all(bool(torch.isfinite(h).all()) for h in halves):
         raise ValueError(f"{qt.name} {n}x{k}: block scales hold inf/nan")
-    return PackedLinear("qdot", n, k, w, k_padded=w.k, n_padded=n)
+    return PackedLinear("qdot", n, k, w, k_padded=k, n_padded=n)
 
 
 _PACKERS = {

@@ -5,7 +5,7 @@ A decode step on the CPU calls rms_norm / add_rms_norm ~60 times and silu_mul 30
 [T, 576]-sized tensors; torch's rms_norm costs ~40 us a call there (a reduction's setup), the C
 loop a few us through ctypes (kernels/cpu_small_ops.c). Float32 rows only; anything else (other
 dtypes, odd strides) takes the torch path of the same op. Tested against the references in
-tests/test_cpu_native.py.
+tests/kernels/test_cpu_native.py.
 
 Paged attention (kernels/cpu_attention.c) reads each context's K and V rows where they lie in the
 cache instead of gathering a padded float32 copy for scaled_dot_product_attention: the host lists
@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from hetero.kernels import cpu_ops, native
+from hetero.kernels import cpu_ops, cpu_threads, native
 from hetero.kernels.paged import FP8
 from hetero.kernels.registry import register
 
@@ -173,7 +173,7 @@ def paged_attention_native(q, k_cache, v_cache, k_scale, v_scale, meta, scale: f
             q.data_ptr(), q.stride(0), t, h, k_cache.shape[1], d, k_cache.data_ptr(),
             v_cache.data_ptr(), *scales, code, len(meta.q_starts), q_start.data_ptr(),
             q_len.data_ptr(), ctx_len.data_ptr(), slot_off.data_ptr(), slots.data_ptr(), scale,
-            out.data_ptr(), torch.get_num_threads(),
+            out.data_ptr(), cpu_threads.get(),
         )  # fmt: skip
         if not failed:
             return out

@@ -3,7 +3,7 @@
 On a CPU decode step the matmuls read the weights once and everything else is many tiny ops
 (~20 per layer on [1, 576]-sized tensors), so an op's fixed cost (dispatch, allocation, a dtype
 conversion) matters more than its arithmetic. These keep each reference's semantics and
-signature and are tested against it (tests/test_cpu_ops.py):
+signature and are tested against it (tests/kernels/test_cpu_ops.py):
 
 - paged KV reads gather with `index_select` on a flat slot list (3-4x cheaper than advanced
   indexing on CPU, measured), dequantize fp8 through a 256-entry table (torch's e4m3 -> float

@@ -4,7 +4,7 @@
  * At decode a layer's norms and activations work on [T, 576]-sized tensors, where a torch op's
  * fixed cost (dispatch, a reduction's setup: ~40 us for rms_norm on this CPU) dwarfs the work.
  * These are called through ctypes (kernels/cpu_native.py) and tested against the torch
- * references (tests/test_cpu_native.py). Sums of squares accumulate in double.
+ * references (tests/kernels/test_cpu_native.py). Sums of squares accumulate in double.
  */
 #include <math.h>
 #include <stdint.h>

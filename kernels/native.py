@@ -1,10 +1,20 @@
 """Native CPU code: the C sources of this package, compiled at first use and loaded with ctypes.
 
-The sources (kernels/*.c, shipped as package data) build into one shared library with the system
-C compiler (`cc -O3 -march=native`, OpenMP when the compiler has it) in a per-user cache
-(~/.cache/hetero/native), keyed by a hash of the sources, the compiler's version and the flags,
-so a changed source, compiler or machine flag set builds anew. `load()` returns None, and logs
-one line, when no compiler works: callers keep their torch paths then.
+The sources (kernels/*.c, shipped as package data) build into one shared library per instruction
+set with the system C compiler, in a per-user cache (~/.cache/hetero/native) keyed by a hash of
+the sources, the compiler's version and the flags:
+
+    variant  flags                                        runs on
+    avx512   AVX-512 F/BW/VL/DQ + VNNI, AVX2, FMA, F16C   Ice Lake, Sapphire Rapids, Zen 4 and later
+    avx2     AVX2, FMA, F16C                              Haswell, Zen 1 and later
+    neon     armv8.2-a + dotprod (+ fp16)                 Neoverse, Graviton 2+, Apple M
+    generic  the compiler's baseline (x86-64, armv8-a)    anything
+
+Which one runs is asked of the CPU at run time (kernels/cpu_features.c, built in the generic
+library), never assumed from the build machine; HETERO_CPU_ISA names one instead (tests force
+each variant the CPU can run). Threads come from the library's own pool (kernels/cpu_pool.c),
+not OpenMP. `load()` returns None, and logs one line, when no compiler works: callers keep their
+torch paths then.
 """
 
 from __future__ import annotations
@@ -14,23 +24,45 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(
-    Path(__file__).with_name(n) for n in ("cpu_qdot.c", "cpu_small_ops.c", "cpu_attention.c")
+_NAMES = (
+    "cpu_qdot.c", "cpu_qunpack.c", "cpu_pool.c", "cpu_features.c", "cpu_small_ops.c",
+    "cpu_attention.c",
+)  # fmt: skip
+SOURCES = tuple(Path(__file__).with_name(n) for n in _NAMES)
+HEADERS = tuple(  # included by the sources: in the cache key
+    Path(__file__).with_name(n)
+    for n in ("cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h")
 )
-HEADERS = (Path(__file__).with_name("cpu_simd.h"),)  # included by the sources: in the cache key
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-Wno-psabi")
+VARIANT_FLAGS = {
+    "avx512": (
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+        "-mf16c", "-mbmi2",
+    ),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi2"),
+    "neon": ("-march=armv8.2-a+dotprod+fp16",),
+    "generic": (),
+}  # fmt: skip
+# native_cpu_features() bits -> the variants they allow, best first
+_FEATURE_BITS = {"avx512": 2, "avx2": 1, "neon": 16}
+ISA_CODES = {"avx512": 3, "avx2": 2, "neon": 1, "generic": 0}  # qdot_isa() of each build
 log = logging.getLogger(__name__)
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
-    "qdot_quantize": ([_PTR, _I64, _I64, _PTR, _PTR, _PTR], None),
-    "qdot_gemm": ([_INT, _I64, _I64, _I64, *([_PTR] * 7), _INT], None),
-    "qdot_linear": ([_INT, _I64, _I64, _I64, *([_PTR] * 5), _INT], _INT),
+    "native_cpu_features": ([], _INT),
+    "native_pool_selftest": ([_I64, _INT, _PTR], _INT),
+    "qdot_isa": ([], _INT),
+    "qdot_quantize": ([_PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT], None),
+    "qdot_gemm": ([_INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT], _INT),
+    "qdot_linear": ([_INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT], _INT),
+    "qdot_unpack_unit": ([_INT, _PTR, _PTR], _INT),
     "native_rms_norm": ([_PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_silu_mul": ([_PTR, _PTR, _PTR, _I64, _I64, _I64], None),
@@ -52,6 +84,16 @@ def cache_dir() -> Path:
     return Path(root) / "hetero" / "native"
 
 
+def _arch_variants() -> tuple[str, ...]:
+    """The variants this machine's architecture can build."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        return ("avx512", "avx2", "generic")
+    if machine in ("aarch64", "arm64"):
+        return ("neon", "generic")
+    return ("generic",)
+
+
 def _compile(cc: str, flags: tuple[str, ...], out: Path) -> bool:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -65,37 +107,76 @@ def _compile(cc: str, flags: tuple[str, ...], out: Path) -> bool:
     return True
 
 
-def build() -> Path | None:
-    """The compiled library (from the cache, or built now), or None without a working compiler."""
+def build(variant: str = "generic") -> Path | None:
+    """The library of `variant` (from the cache, or built now), or None where it cannot build."""
     cc = _compiler()
-    if cc is None:
+    if cc is None or variant not in VARIANT_FLAGS:
         return None
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + version.encode()
-    for flags in (FLAGS + ("-fopenmp",), FLAGS):
-        key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
-        out = cache_dir() / f"hetero-native-{key}.so"
-        if out.exists() or _compile(cc, flags, out):
-            return out
+    flags = FLAGS + VARIANT_FLAGS[variant]
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_dir() / f"hetero-native-{variant}-{key}.so"
+    if out.exists() or _compile(cc, flags, out):
+        return out
     return None
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The native library with its signatures set, or None (one warning says why)."""
-    try:
-        path = build()
-        if path is None:
-            log.warning("native CPU kernels unavailable (no working C compiler): torch paths used")
-            return None
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("native CPU kernels unavailable (%s): torch paths used", e)
+def _library(variant: str) -> ctypes.CDLL | None:
+    path = build(variant)
+    if path is None:
         return None
+    lib = ctypes.CDLL(str(path))
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     return lib
+
+
+@functools.cache
+def supported_variants() -> tuple[str, ...]:
+    """The variants this CPU runs, best first (asked of the CPU through the generic build)."""
+    arch = _arch_variants()
+    try:
+        base = _library("generic")
+    except (OSError, subprocess.SubprocessError):
+        base = None
+    if base is None:
+        return ()
+    features = base.native_cpu_features()
+    return tuple(v for v in arch if v == "generic" or features & _FEATURE_BITS[v])
+
+
+def variant() -> str | None:
+    """The variant `load()` gives: HETERO_CPU_ISA where set, else the best this CPU runs."""
+    supported = supported_variants()
+    forced = os.environ.get("HETERO_CPU_ISA")
+    if forced:
+        if forced not in supported:
+            raise ValueError(
+                f"HETERO_CPU_ISA={forced}: this CPU runs {', '.join(supported) or 'none'}"
+            )
+        return forced
+    return supported[0] if supported else None
+
+
+@functools.cache
+def _load(name: str | None) -> ctypes.CDLL | None:
+    try:
+        lib = _library(name) if name else None
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable (%s): torch paths used", e)
+        return None
+    if lib is None:
+        log.warning("native CPU kernels unavailable (no working C compiler): torch paths used")
+    return lib
+
+
+def load(name: str | None = None) -> ctypes.CDLL | None:
+    """The native library of variant `name` (default: `variant()`) with its signatures set, or
+    None (one warning says why)."""
+    return _load(name or variant())
 
 
 def available() -> bool:

@@ -13,8 +13,11 @@ W [N, K] into planes, each row-major over N:
                                so field f of the chunk's 4 words is 4 consecutive elements: a
                                kernel turns one 16-byte load into F vectors of 4 weights without
                                moving data between threads.
-    high   int8/int16 [N, K*LB/32]  the HB high bits of the same codes, one F*HB-bit value per
-                               code word (Q5_*: 8 bits, Q6_K and Q3_K: 16), field f at f*HB
+    high   int8/int16 [N, K*LB/32]  the HB high bits of the same codes, F*HB bits a code word
+                               (Q5_*: 8, Q6_K and Q3_K: 16), in one of two arrangements:
+                               "fields": code word c's own value, field f at bits f*HB;
+                               "bytes": the chunk's 4*F*HB bits as NHW = 4*HB/LB int32 words
+                               read by integer dot products (`high_bit_places` draws it)
     scale  [N, K/G]            per-group scale: fp16 d (legacy types) or the K-quant sub-block
                                code sc (uint8; int8 for Q6_K and Q3_K, whose sc - 32 is stored)
     minv   [N, K/G]            per-group min: fp16 m (Q4_1, Q5_1) or the K-quant code m (uint8)
@@ -123,6 +126,7 @@ class PackedWeight:
     minv: torch.Tensor | None = None
     d: torch.Tensor | None = None
     dmin: torch.Tensor | None = None
+    high_layout: str = "fields"  # how `high` arranges its bits: "fields" or "bytes"
 
     @property
     def spec(self) -> QSpec:
@@ -150,7 +154,7 @@ class PackedWeight:
 
         return PackedWeight(
             self.ggml_type, self.shape, move(self.codes), move(self.scale), move(self.high),
-            move(self.minv), move(self.d), move(self.dmin),
+            move(self.minv), move(self.d), move(self.dmin), self.high_layout,
         )  # fmt: skip
 
 
@@ -166,6 +170,44 @@ def _pack_fields(q: torch.Tensor, low_bits: int, bits: int) -> torch.Tensor:
     fields = q.reshape(n, -1, per_word, 4).transpose(2, 3).to(torch.int64)  # (n, chunk, c, f)
     shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
     return (fields << shifts).sum(-1).reshape(n, -1)
+
+
+def high_bit_places(low_bits: int, high_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "bytes" arrangement of a chunk's high bits: (word [E], bit [E]) of element e's HB
+    bits among the chunk's NHW = 4*HB/LB int32 high words.
+
+    An integer dot product reads byte k of code word c shifted right by LB*j (J = 8/LB shifts):
+    the codes of elements 4(kJ + j) + c, k = 0..3 ("combo" t = cJ + j). Their high bits sit in
+    byte k of high word t // TW, at bit HB*(t % TW) of that byte (TW = 8/HB combos a byte), so
+    one shift and one mask put them above the low bits of all 4 bytes at once. Q6_K (LB 4,
+    HB 2): byte k of word 0 holds the crumbs of combos 0..3 (c = 0, 1), word 1 of combos 4..7:
+
+        word u, byte k:  | t=4u+3 | t=4u+2 | t=4u+1 | t=4u+0 |   (bits 7..0; crumb = 2 bits)
+    """
+    j_count, tw = 8 // low_bits, 8 // high_bits
+    e = torch.arange(4 * (32 // low_bits))
+    c, f = e % 4, e // 4
+    t = c * j_count + f % j_count
+    return t // tw, 8 * (f // j_count) + high_bits * (t % tw)
+
+
+def _pack_high_bytes(hq: torch.Tensor, low_bits: int, high_bits: int) -> torch.Tensor:
+    """High codes (n, K) < 2^HB -> int64 (n, chunks, NHW) words in the "bytes" arrangement."""
+    n, k = hq.shape
+    e_count = 4 * (32 // low_bits)
+    word, bit = (t.to(hq.device) for t in high_bit_places(low_bits, high_bits))
+    vals = hq.reshape(n, k // e_count, e_count).to(torch.int64) << bit
+    words = [(vals * (word == u)).sum(-1) for u in range(4 * high_bits // low_bits)]
+    return torch.stack(words, dim=-1)
+
+
+def _unpack_high_bytes(high: torch.Tensor, low_bits: int, high_bits: int) -> torch.Tensor:
+    """Inverse of `_pack_high_bytes` from the stored plane: int32 high codes (n, K)."""
+    n = high.shape[0]
+    word, bit = (t.to(high.device) for t in high_bit_places(low_bits, high_bits))
+    words = high.contiguous().view(torch.int32).reshape(n, -1, 4 * high_bits // low_bits)
+    vals = (words.to(torch.int64)[:, :, word] >> bit) & ((1 << high_bits) - 1)
+    return vals.reshape(n, -1).to(torch.int32)
 
 
 def _as_signed(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -232,9 +274,15 @@ def _scales(t: GGMLQuantizationType, b: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def repack(
-    qweight: torch.Tensor, ggml_type: GGMLQuantizationType | int | str, shape: tuple[int, int]
+    qweight: torch.Tensor,
+    ggml_type: GGMLQuantizationType | int | str,
+    shape: tuple[int, int],
+    high_layout: str = "fields",
 ) -> PackedWeight:
-    """GGUF bytes uint8 [N, row_bytes] of a weight W [N, K] -> PackedWeight on the same device."""
+    """GGUF bytes uint8 [N, row_bytes] of a weight W [N, K] -> PackedWeight on the same device
+    (`high_layout`: the high plane's arrangement, "fields" or "bytes")."""
+    if high_layout not in ("fields", "bytes"):
+        raise ValueError(f"high_layout must be 'fields' or 'bytes', got {high_layout!r}")
     if sys.byteorder != "little":
         raise RuntimeError("the packed layout assumes a little-endian host and device")
     qt = get_quant(ggml_type)
@@ -257,12 +305,17 @@ def repack(
     lb = spec.low_bits
     codes = _as_signed(_pack_fields(q & ((1 << lb) - 1), lb, lb), torch.int32)
     high = None
-    if spec.high_bits:
+    if spec.high_bits and high_layout == "bytes":
+        words = _as_signed(_pack_high_bytes(q >> lb, lb, spec.high_bits), torch.int32)
+        high = words.reshape(n, -1).contiguous().view(spec.high_dtype)
+    elif spec.high_bits:
         high = _as_signed(_pack_fields(q >> lb, lb, spec.high_bits), spec.high_dtype)
     fields = {
         name: f.reshape(n, -1).contiguous() for name, f in _scales(qt.ggml_type, blocks).items()
     }
-    return PackedWeight(qt.ggml_type, (n, k), codes.contiguous(), high=high, **fields)
+    return PackedWeight(
+        qt.ggml_type, (n, k), codes.contiguous(), high=high, high_layout=high_layout, **fields
+    )
 
 
 def _unpack_fields(words: torch.Tensor, low_bits: int, bits: int) -> torch.Tensor:
@@ -278,7 +331,9 @@ def dequantize_packed(pw: PackedWeight) -> torch.Tensor:
     that the layout still holds the references' values bit for bit)."""
     spec, (n, k) = pw.spec, pw.shape
     q = _unpack_fields(pw.codes, spec.low_bits, spec.low_bits)
-    if pw.high is not None:
+    if pw.high is not None and pw.high_layout == "bytes":
+        q = q | (_unpack_high_bytes(pw.high, spec.low_bits, spec.high_bits) << spec.low_bits)
+    elif pw.high is not None:
         q = q | (_unpack_fields(pw.high, spec.low_bits, spec.high_bits) << spec.low_bits)
     if spec.codebook:
         q = codebook(CODEBOOKS[spec.codebook], q.device)[q.long()].reshape(n, -1, spec.group)

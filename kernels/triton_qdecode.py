@@ -15,7 +15,9 @@ weights of elements chunk*E + 4f + c, c < 4, so a static loop over f decodes the
 (The decode kernel never forms w_f: it sums qf_f * x over a group, then applies A and B once.)
 
 Fields whose bits would leave the 23-bit mantissa are read from word >> 16 (one shift a word).
-The high-bit plane (Q5_*, Q6_K, Q3_K) is shifted into place next to the low field first.
+The high-bit plane (Q5_*, Q6_K, Q3_K) is shifted into place next to the low field first. A plane
+in the "bytes" arrangement (repack.high_bit_places) comes as int32 words; `_load_step` hands
+each lane c its chunk's word c * NHW // 4 as uint32, which tells `_field` where the bits are.
 
 The codebook types (CB > 0: IQ4_NL, IQ4_XS, MXFP4) look their 4-bit code up instead: the 16
 int8 values sit in four int32 constants (4 bytes each, little-endian), code bit 3 and bit 2 pick
@@ -27,6 +29,7 @@ sign-extended: no memory access, and exact.
     _load_step       a step's code words and high plane
     _field           one field of the words as q + OFF (float32)
     _group_scales    a group's A and B from the scale planes
+    _float_chunks    a step's share of y = W x for one token (the decode kernels' loop body)
     _decode_tile     the step's weights [BN, S*E] in element order (through _leaf .. _hex)
 
 Like `triton_qkernels`, imported on first use only (it imports triton).
@@ -56,10 +59,13 @@ def _load_step(
     S: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr,
 ):  # fmt: skip
     """Chunks c0 .. c0+S (those below c_end) of rows [BN]: the code words [BN, S, 4] int32 and
-    the high plane (int32; the words again where the type has none).
+    the high plane (int32 in the "fields" arrangement, uint32 in the "bytes" one; the words
+    again where the type has none).
 
     Loaded as [BN, 4S] (contiguous along K, so 16-byte vectors with threads along K first) and
-    only then split into chunks: the split keeps every thread's 4 words in place.
+    only then split into chunks: the split keeps every thread's 4 words in place. A high plane
+    of int32 words is in the "bytes" arrangement: NHW = 4 HB / LB words a chunk, lane c gets
+    word c * NHW // 4 (two lanes share a word where NHW is 2, all four where it is 1).
     """
     j = tl.arange(0, 4 * S)
     off = rows[:, None] * code_stride + c0 * 4 + j[None, :]
@@ -67,7 +73,13 @@ def _load_step(
     words = tl.reshape(tl.load(codes_ptr + off, mask=m, other=0), [rows.shape[0], S, 4])
     high = words
     if HB > 0:
-        high = tl.load(high_ptr + off, mask=m, other=0).to(tl.int32)
+        if high_ptr.dtype.element_ty == tl.int32:
+            NHW: tl.constexpr = 4 * HB // LB
+            hoff = rows[:, None] * (code_stride * HB // LB) + (c0 + j // 4) * NHW
+            hoff += (j % 4) * NHW // 4
+            high = tl.load(high_ptr + hoff, mask=m, other=0).to(tl.uint32, bitcast=True)
+        else:
+            high = tl.load(high_ptr + off, mask=m, other=0).to(tl.int32)
         high = tl.reshape(high, [rows.shape[0], S, 4])
     return words, high
 
@@ -95,13 +107,47 @@ def _field(
     bits = src & (((1 << LB) - 1) << p)
     if HB > 0:
         hpos: tl.constexpr = p + LB  # the high bits' place above the low field
-        if hpos >= HB * f:
+        if high.dtype == tl.uint32:  # "bytes": lane c's bits at 8k + HB (t % TW), t = cJ + j
+            h = _bytes_high(high, f, hpos, LB, HB)
+        elif hpos >= HB * f:
             h = high << (hpos - HB * f)
         else:
             h = high >> (HB * f - hpos)
         bits = bits | (h & (((1 << HB) - 1) << hpos))
     v = (bits | (((150 - p) << 23) + zero)).to(tl.float32, bitcast=True)
     return v - ((1 << (23 - p)) - OFF)
+
+
+@triton.jit
+def _shift_to(h, at: tl.constexpr, to: tl.constexpr):
+    """h (uint32) with its bit `at` moved to bit `to`, as int32 (one shift, or none)."""
+    if at > to:
+        h = h >> (at - to)
+    elif at < to:
+        h = h << (to - at)
+    return h.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _bytes_high(
+    high, f: tl.constexpr, hpos: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr
+):  # fmt: skip
+    """[BN, S, 4] int32: field f's high bits of every code word moved to bit hpos, from the
+    "bytes" plane's lane words (uint32 [BN, S, 4]). The 4 lanes take 4 different shifts, so
+    they are split apart, shifted by constants and joined again (a shift by a per-lane vector
+    is a variable shift and a select a lane)."""
+    J: tl.constexpr = 8 // LB
+    TW: tl.constexpr = 8 // HB
+    even, odd = tl.split(tl.reshape(high, [high.shape[0], high.shape[1], 2, 2]))
+    h0, h2 = tl.split(even)
+    h1, h3 = tl.split(odd)
+    base: tl.constexpr = 8 * (f // J)
+    s0 = _shift_to(h0, base + HB * ((0 * J + f % J) % TW), hpos)
+    s1 = _shift_to(h1, base + HB * ((1 * J + f % J) % TW), hpos)
+    s2 = _shift_to(h2, base + HB * ((2 * J + f % J) % TW), hpos)
+    s3 = _shift_to(h3, base + HB * ((3 * J + f % J) % TW), hpos)
+    lanes = tl.join(tl.join(s0, s2), tl.join(s1, s3))  # [BN, S, 2, 2]: lane 2i + j at (i, j)
+    return tl.reshape(lanes, [high.shape[0], high.shape[1], 4])
 
 
 @triton.jit
@@ -168,6 +214,44 @@ def _group_scales(
         if HAS_MIN:
             b = -tl.load(min_ptr + gidx, mask=m, other=0).to(tl.float32)
     return a[:, :, None], b[:, :, None]
+
+
+@triton.jit
+def _float_chunks(
+    acc, words, high, zero, x_row, rows, rmask, c0, c_end,
+    scale_ptr, min_ptr, d_ptr, dmin_ptr, grp_stride, sb_stride,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
+):  # fmt: skip
+    """acc [BN, S, 4] plus chunks c0 .. c0+S (below c_end) of W [rows] times x_row: per group
+    sum_k (q_k + OFF) x_k (TABLE[q_k] for a codebook type, CB > 0), then times A, minus
+    B * sum_k x_k (the products A (q + OFF) are exact, so this is the reference's sum of x * w
+    in another order, skipping the one float32 rounding of w = A (q + OFF) - B: three
+    instructions a weight instead of four)."""
+    F: tl.constexpr = 32 // LB
+    E: tl.constexpr = 4 * F
+    BN: tl.constexpr = words.shape[0]
+    S: tl.constexpr = words.shape[1]
+    ch = c0 + tl.arange(0, S)
+    cmask = ch < c_end
+    xc = tl.arange(0, S)[:, None] * E + tl.arange(0, 4)[None, :]  # [S, 4]
+    for f in tl.static_range(F):
+        if (4 * f) % G == 0:  # the first field of a group: its scales, fresh sums
+            a, b = _group_scales(
+                scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask,
+                grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB,
+            )  # fmt: skip
+            qx = tl.zeros([BN, S, 4], dtype=tl.float32)
+            xs = tl.zeros([S, 4], dtype=tl.float32)
+        xv = tl.load(x_row + c0 * E + 4 * f + xc, mask=cmask[:, None], other=0).to(tl.float32)
+        qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * xv[None, :, :]
+        if HAS_MIN:
+            xs += xv
+        if (4 * (f + 1)) % G == 0 or f == F - 1:  # the group's last field in this chunk
+            acc += qx * a
+            if HAS_MIN:
+                acc -= b * xs[None, :, :]
+    return acc
 
 
 @triton.jit

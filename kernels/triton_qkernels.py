@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetero.kernels.triton_qdecode import _decode_tile, _field, _group_scales, _load_step
+from hetero.kernels.triton_qdecode import _decode_tile, _float_chunks, _load_step
 
 
 @triton.jit
@@ -63,13 +63,9 @@ def _qgemv_kernel(
     """y[t, rows] for t = program_id(0) (adjacent programs share a weight tile: one DRAM read);
     program_id(2) takes chunks_per_split chunks of K (see _split_k_store).
 
-    The scales are factored out of each group's sum: sum_k (q_k + OFF) x_k, then times A, minus
-    B * sum_k x_k. The products A * (q + OFF) are exact, so this is the reference's sum of
-    x * w in another order (it skips the one float32 rounding of w = A(q + OFF) - B), for three
-    instructions a weight instead of four: decode is as much instruction- as memory-bound.
+    The scales are factored out of each group's sum (`_float_chunks`): three instructions a
+    weight instead of four; decode is as much instruction- as memory-bound.
     """
-    F: tl.constexpr = 32 // LB
-    E: tl.constexpr = 4 * F
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -77,7 +73,6 @@ def _qgemv_kernel(
     rmask = rows < N
     c_begin = pid_k * chunks_per_split
     c_end = tl.minimum(c_begin + chunks_per_split, n_chunks)
-    xc = tl.arange(0, S)[:, None] * E + tl.arange(0, 4)[None, :]  # [S, 4]
     x_row = x_ptr + t * x_stride
     acc = tl.zeros([BN, S, 4], dtype=tl.float32)
     # The next step's words are loaded before this step's math (a two-deep software pipeline:
@@ -92,25 +87,10 @@ def _qgemv_kernel(
         nxt_words, nxt_high = _load_step(
             codes_ptr, high_ptr, rows, rmask, c0 + S, c_end, code_stride, S, LB, HB
         )
-        ch = c0 + tl.arange(0, S)
-        cmask = ch < c_end
-        for f in tl.static_range(F):
-            if (4 * f) % G == 0:  # the first field of a group: its scales, fresh sums
-                a, b = _group_scales(
-                    scale_ptr, min_ptr, d_ptr, dmin_ptr, rows, rmask, c0, ch, cmask,
-                    grp_stride, sb_stride, f, LB, G, KQUANT, HAS_MIN, PACKED_MIN, CB,
-                )  # fmt: skip
-                qx = tl.zeros([BN, S, 4], dtype=tl.float32)
-                xs = tl.zeros([S, 4], dtype=tl.float32)
-            xv = tl.load(x_row + c0 * E + 4 * f + xc, mask=cmask[:, None], other=0)
-            xv = xv.to(tl.float32)
-            qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * xv[None, :, :]
-            if HAS_MIN:
-                xs += xv
-            if (4 * (f + 1)) % G == 0 or f == F - 1:  # the group's last field in this chunk
-                acc += qx * a
-                if HAS_MIN:
-                    acc -= b * xs[None, :, :]
+        acc = _float_chunks(
+            acc, words, high, zero, x_row, rows, rmask, c0, c_end, scale_ptr, min_ptr, d_ptr,
+            dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
+        )  # fmt: skip
     part = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     _split_k_store(
         part, y_ptr + t * y_stride + rows, rmask, part_ptr, t * N + rows, T * N,

@@ -77,7 +77,10 @@ def _plane_args(pw: PackedWeight, rows: slice = slice(None)) -> tuple[list, dict
     """Kernel arguments for W[rows]: (6 plane pointers, 3 row strides and the run-time 0 the
     kernels take, constexprs). Absent planes pass `codes` as a placeholder never read."""
     s: QSpec = pw.spec
-    planes = [pw.codes, pw.high, pw.scale, pw.minv, pw.d, pw.dmin]
+    high = pw.high
+    if high is not None and pw.high_layout == "bytes":  # int32 words: see _load_step
+        high = high.view(torch.int32)
+    planes = [pw.codes, high, pw.scale, pw.minv, pw.d, pw.dmin]
     ptrs = [pw.codes[rows] if p is None else p[rows] for p in planes]
     strides = [pw.codes.stride(0), pw.scale.stride(0), 0 if pw.d is None else pw.d.stride(0)]
     meta = dict(

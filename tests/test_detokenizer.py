@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizer_assets import spm_metadata, train_spm, write_gguf
 
 from hetero.detokenizer import IncrementalDetokenizer
 from hetero.tokenizer import Tokenizer
+from tests.support.tokenizer_assets import spm_metadata, train_spm, write_gguf
 
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -57,6 +57,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
         ("ignore_eos", 1),
         ("skip_special_tokens", None),
         ("include_stop_str_in_output", "yes"),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # more than max_tokens (16)
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {5: math.nan}),
+        ("logit_bias", [(5, 1.0)]),
+        ("structured_outputs", {"json": {}}),
     ],
 )
 def test_invalid_field_raises_naming_it(name: str, value: object) -> None:

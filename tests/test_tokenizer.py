@@ -20,7 +20,11 @@ import pytest
 import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_assets import (
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+from hetero import pretokenizers
+from hetero.tokenizer import FimTokens, Tokenizer
+from tests.support.tokenizer_assets import (
     MULTILINGUAL,
     NOT_MERGED_WORD,
     byte_level_vocab,
@@ -28,10 +32,6 @@ from tokenizer_assets import (
     train_spm,
     write_gguf,
 )
-from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-
-from hetero import pretokenizers
-from hetero.tokenizer import FimTokens, Tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

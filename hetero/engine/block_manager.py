@@ -27,12 +27,12 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from hetero.engine.block_tiers import TieredBlocks
 from hetero.engine.prefix_cache import PrefixCache, block_hash
 from hetero.engine.request import Request, RequestStatus
+from hetero.kv_tiers.blocks import TieredBlocks
 
 if TYPE_CHECKING:
-    from hetero.engine.kv_tiers import KVTiers
+    from hetero.kv_tiers.policy import KVTiers
 
 
 def cdiv(a: int, b: int) -> int:

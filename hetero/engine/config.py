@@ -8,7 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetero.dist.config import PipelineConfig
+# KV cache storage: auto (below), fp8 (e4m3 with a float32 scale per token and KV head), fp16,
+# bf16, fp32 (exact, for tests).
+KV_DTYPES = ("auto", "fp8", "fp16", "bf16", "fp32")
+SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
+
+
+def kv_dtype_rule(asked: str, on_cpu: bool, fp8_hardware: bool) -> str:
+    """The KV dtype a device stores for the asked one: the one rule the engine's pools, every
+    pipeline stage and the planner follow.
+
+    auto: fp8 where the device converts e4m3 in hardware (CUDA compute capability 8.9+), fp16
+    elsewhere. On a CPU fp8 costs more than it saves: decode attention over it measured 2.3x
+    slower per layer than over fp16 at one stream and 6x at 16 streams, whole steps 1.3-1.5x
+    slower; fp32 took the same step time as fp16 at twice the memory (BENCHMARKS.md). fp8 asked
+    of a GPU without e4m3 hardware stores fp16 (its Triton kernels cannot convert e4m3); a CPU
+    stores fp8 in software when asked (slower, half the memory).
+    """
+    if asked not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {asked!r}")
+    if asked == "auto" or (asked == "fp8" and not on_cpu):
+        return "fp8" if fp8_hardware else "fp16"
+    return asked
 
 
 @dataclass(frozen=True)
@@ -71,9 +92,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # auto (fp8 on GPUs with e4m3 hardware, else fp16: engine/kv_cache.py) | fp8 (e4m3 with
-    # per-token-head scales) | fp16 | bf16 | fp32 (exact, for tests)
-    kv_dtype: str = "auto"
+    kv_dtype: str = "auto"  # one of KV_DTYPES (kv_dtype_rule says what auto stands for)
     kv_memory_fraction: float = 0.9  # of the memory free after the weights, for the KV pool
     num_kv_blocks: int | None = None  # an upper bound on the pool, whatever memory is free
     seed: int | None = None  # for requests without a seed of their own
@@ -97,7 +116,6 @@ class EngineConfig:
     kv_ram_gb: float | None = None
     kv_disk_dir: str | None = None
     kv_disk_gb: float | None = None
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # stages (hetero/dist)
 
     @property
     def prompt_graph_rows(self) -> int:
@@ -108,9 +126,9 @@ class EngineConfig:
         self._check_speculative()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_dtype not in ("auto", "fp8", "fp16", "bf16", "fp32"):
+        if self.kv_dtype not in KV_DTYPES:
             raise ValueError(
-                f"kv_dtype must be one of auto, fp8, fp16, bf16, fp32, got {self.kv_dtype!r}"
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"
             )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
@@ -124,9 +142,10 @@ class EngineConfig:
             raise ValueError("kv_disk_gb needs kv_disk_dir (the directory of the disk tier)")
 
     def _check_speculative(self) -> None:
-        if self.speculative not in ("auto", "ngram", "draft", "off"):
+        if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(
-                f"speculative must be one of auto, ngram, draft, off, got {self.speculative!r}"
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+                f"got {self.speculative!r}"
             )
         if self.num_speculative_tokens < 1:
             raise ValueError(

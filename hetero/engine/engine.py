@@ -1,126 +1,89 @@
-"""The engine core: schedule -> run -> sample -> update, one step at a time, over token ids.
+"""The engine core: schedule -> execute -> sample -> update, one step at a time, over token ids.
 
-Text lives at the edges (engine/output.py and the server); here everything is integer ids.
+The engine keeps the scheduler, the block manager, the sampler and speculation; an Executor
+(engine/executor.py) runs the model, on one device or as a pipeline of stages, and the engine
+does not know which. Text lives at the edges (the server, hetero/text_stream.py); here
+everything is integer ids. `hetero.launch.build_engine` builds an engine from options.
+
+Each step keeps every micro-batch group busy (one group when the executor runs one step at a
+time): groups with no step in flight are scheduled and submitted, then the oldest step in flight
+is collected, sampled and applied.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from typing import TYPE_CHECKING
 
-from hetero.config import RuntimeConfig, bind_device
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import EngineConfig, SchedulerConfig
-from hetero.engine.cuda_graph import capture_decode_graphs, graph_rows
-from hetero.engine.json_mask import Constraints
-from hetero.engine.kv_cache import KVPool, PoolSize, block_bytes, resolve_kv_dtype, size_pool
-from hetero.engine.kv_tiered import build_tiers
-from hetero.engine.request import Request
-from hetero.engine.runner import ModelRunner
-from hetero.engine.scheduler import Scheduler
+from hetero.engine.executor import (
+    Executor,
+    ExecutorFailure,
+    ModelOutput,
+    SampleRow,
+    Step,
+    StepSampling,
+)
+from hetero.engine.grammar_mask import Constraints
+from hetero.engine.microbatch import MicroBatchScheduler
+from hetero.engine.output import StepOutput, final_output, token_output
+from hetero.engine.request import Request, RequestStatus
+from hetero.engine.scheduler import Scheduler, SchedulerOutput
 from hetero.engine.spec import make_speculator
 from hetero.engine.spec.speculator import fit_rows
-from hetero.engine.spec.verify import accept_rows, expand_rows
-from hetero.gguf_loader import GGUFModel
-from hetero.model.llama import LlamaModel, load_model
-from hetero.models import resolve_model
-from hetero.sampling import Sampler, SamplingParams, make_batch
+from hetero.engine.stats import EngineGauges, EngineStats
+from hetero.engine.step_sampling import sample_logits
+from hetero.sampling import Sampler
 
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, best first
-
-
-@dataclass
-class StepOutput:
-    """What one step did for one request."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
+if TYPE_CHECKING:
+    from hetero.config import ModelConfig
 
 
 class Engine:
-    def __new__(cls, model: str | None = None, config: EngineConfig | None = None, *args, **kw):
-        # One way to ask for a pipeline: the same constructor, with stages in the config.
-        if cls is Engine and config is not None and config.pipeline.enabled:
-            from hetero.dist.engine import PipelineEngine
-
-            cls = PipelineEngine
-        return super().__new__(cls)
-
     def __init__(
         self,
-        model: str | None = None,
-        config: EngineConfig | None = None,
-        runtime: RuntimeConfig | None = None,
-        progress: bool = False,
-        loaded: tuple[GGUFModel, LlamaModel] | None = None,
+        config: EngineConfig,
+        executor: Executor,
+        model_config: ModelConfig,
+        tokenizer,
+        draft: Executor | None = None,
     ):
-        """`loaded`: a model already in memory (from load_model), shared instead of reloaded."""
-        from hetero.tokenizer import Tokenizer
+        """`draft`: the draft model's executor, for speculative decoding with a draft model."""
+        self.config = config
+        self.executor = executor
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.params: dict[str, object] = {}  # request id -> SamplingParams, while it runs
+        self.constraints = Constraints(tokenizer, model_config.vocab_size)
+        self.spec = make_speculator(config, executor.info, self.params, draft)
+        self.sampler = Sampler(config.seed)
+        self.stats = EngineStats()
+        self.restarts = 0
+        self._start()
 
-        self.config = config or EngineConfig()
-        # a model already loaded names its own file (no default model needed beside it)
-        self.model_path = resolve_model(model) if loaded is None or model else loaded[0].path
-        if loaded is None:
-            loaded = load_model(self.model_path, runtime or RuntimeConfig(), progress=progress)
-        self.gguf, self.model = loaded
-        self.runtime = self.model.runtime
-        bind_device(self.runtime.device)
-        self.model_config = self.gguf.config
-        self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
-        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.runtime.device)
-        self.params: dict[str, SamplingParams] = {}
-        # before the pool is sized: a draft model's weights and KV come out of the same memory
-        self.spec = make_speculator(self)  # None when speculative decoding is off
-        self.pool_size = self._size_pool()
-        cfg = self.config
-        self.pool = KVPool(
-            self.model_config,
-            len(self.model.layer_range),
-            self.pool_size.num_blocks,
-            cfg.block_size,
-            self.kv_dtype,
-            self.runtime.device,
-        )
-        self.kv_tiers = build_tiers(
-            cfg,
-            self.pool,
-            self.pool_size.block_bytes,
-            self.runtime.device,
-            self.model_path,
-            self.model.layer_range,
-        )
+    def _start(self) -> None:
+        """Block manager and scheduler over the executor's pool (again after a restart)."""
+        info, cfg = self.executor.info, self.config
+        tiers = self.executor.kv_tiers
         self.block_manager = BlockManager(
-            self.pool_size.num_blocks,
+            info.num_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching,
-            tiers=None if self.kv_tiers is None else self.kv_tiers.tiers,
+            tiers=None if tiers is None else tiers.tiers,
         )
-        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager)
-        self.runner = ModelRunner(self.model, self.pool)
-        if not cfg.enforce_eager and self.runtime.device.startswith("cuda"):
-            sc = self.scheduler.config
-            k = 0 if self.spec is None else cfg.num_speculative_tokens
-            rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, k)
-            graphs = capture_decode_graphs(
-                self.model, self.pool, rows, self.max_model_len, cfg.prompt_graph_rows
-            )
-            self.runner.graphs = graphs
-            if graphs is not None and graphs.buckets[-1] > graphs.max_batch:  # prompt graphs
-                self.scheduler.graph_rows = graphs.buckets[-1]
-        self.sampler = Sampler(cfg.seed)
-        self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size)
-        self.stats = EngineStats()
+        self.num_groups = info.max_in_flight
+        sc = self._scheduler_config()
+        if self.num_groups == 1:
+            self.scheduler = Scheduler(sc, self.block_manager)
+        else:
+            self.scheduler = MicroBatchScheduler(sc, self.block_manager, self.num_groups)
+        if info.prompt_graphs:  # steps beside running decodes stay within the largest graph
+            self.scheduler.graph_rows = info.graph_rows
+        self._inflight: deque[tuple[int, SchedulerOutput, float]] = deque()
+        self._next_step = 0
+        self._last_done = time.perf_counter()
 
     def _scheduler_config(self) -> SchedulerConfig:
         sched = self.config.scheduler
@@ -128,48 +91,29 @@ class Engine:
             sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": self.max_model_len})
         return sched
 
-    def close(self) -> None:
-        """Release what the engine started (pipeline stage processes); nothing in-process."""
-
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len or self.model_config.context_length
 
-    def _size_pool(self) -> PoolSize:
-        cfg = self.config
-        return size_pool(
-            self.model_config,
-            len(self.model.layer_range),
-            cfg.block_size,
-            self.kv_dtype,
-            self.runtime.device,
-            cfg.kv_memory_fraction,
-            cfg.num_kv_blocks,
-        )
+    @property
+    def kv_tiers(self):
+        return self.executor.kv_tiers
 
     def describe_kv(self) -> str:
-        """The pool, and what a block costs in each KV dtype (reported at start)."""
-        n = len(self.model.layer_range)
-        costs = ", ".join(
-            f"{d} {block_bytes(self.model_config, n, self.config.block_size, d) / 1024:.1f} KiB"
-            for d in ("fp8", "fp16", "bf16")
-        )
-        tiers = "" if self.kv_tiers is None else f"; {self.kv_tiers.plan.describe()}"
-        name = self._kv_dtype_name()
-        return f"{self.pool_size.describe(name)}; one block costs {costs}{tiers}"
+        return self.executor.info.description
 
-    def _kv_dtype_name(self) -> str:
-        if self.config.kv_dtype != "auto":
-            return self.kv_dtype
-        return f"{self.kv_dtype}, auto for {self.runtime.device}"
+    def close(self) -> None:
+        """Release what the executor holds (stage processes); nothing else is held."""
+        self.executor.close()
 
     def save_kv_cache(self) -> int:
         """Write the named KV blocks to the disk tier for the next start (0 without one)."""
-        return 0 if self.kv_tiers is None else self.kv_tiers.persist(self.block_manager)
+        tiers = self.executor.kv_tiers
+        return 0 if tiers is None else tiers.persist(self.block_manager)
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params) -> None:
         if request_id in self.params:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(prompt_ids) >= self.max_model_len:
@@ -177,118 +121,152 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens (room is needed for at least one output token)"
             )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        # ids past the tokenizer's vocabulary (padding rows of the logits) have no text
+        check_token_ids(
+            prompt_ids, params, min(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        )
+        self.constraints.add(request_id, params)  # a grammar that does not compile refuses here
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
         self.scheduler.add(req)
         self.params[request_id] = params
-        self.constraints.add(request_id, params)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished one)."""
         found = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return found
+
+    def _forget(self, request_id: str) -> None:
         self.params.pop(request_id, None)
         if self.spec is not None:
             self.spec.forget(request_id)
         self.constraints.drop(request_id)
-        return found
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._inflight)
+
+    def embed(self, prompts: list[list[int]]):
+        """[N, C] float32 embeddings of token-id prompts, pooled as the model's GGUF says; a
+        forward of the executor's own, which takes no KV blocks from generation (ValueError for
+        a prompt it cannot take, or an executor that does not serve them)."""
+        return self.executor.embed(prompts)
+
+    def cached_prompt_tokens(self, request_id: str) -> int:
+        req = self.scheduler.get(request_id)
+        return 0 if req is None else req.num_cached_tokens
 
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        bind_device(self.runtime.device)  # steps may run on another thread than the load
+        results: dict[str, StepOutput] = {}
+        try:
+            self._fill(results)
+            if self._inflight:
+                self._complete_oldest(results)
+            elif self.executor.kv_tiers is not None:  # only restores pending: wait, not spin
+                self.executor.kv_tiers.idle(self.block_manager)
+        except ExecutorFailure as e:
+            self._recover(e, results)
+        return list(results.values())
+
+    def _fill(self, results: dict[str, StepOutput]) -> None:
+        """Schedule and submit every group that has no step in flight."""
+        busy = {g for g, _, _ in self._inflight}
+        for g in range(self.num_groups):
+            if g in busy:
+                continue
+            out = self._schedule(g)
+            for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
+                self._forget(req.request_id)
+                results[req.request_id] = final_output(req)
+            if not out.scheduled:
+                continue
+            sampling = self._sampling(out) if self.executor.info.samples else None
+            started = time.perf_counter()
+            self.executor.submit(Step(self._next_step, out, sampling))
+            self._inflight.append((g, out, started))
+            self._next_step += 1
+
+    def _schedule(self, group: int) -> SchedulerOutput:
+        if self.num_groups > 1:
+            return self.scheduler.schedule_group(group)
+        tiered = self.executor.kv_tiers
         guesses = self._guesses()
-        tiered = self.kv_tiers
         if tiered is not None:
             tiered.before_schedule(self.block_manager)
         out = self.scheduler.schedule(guesses)
         if tiered is not None:
             tiered.after_schedule()  # offloads and restores the schedule queued
-        results: dict[str, StepOutput] = {}
-        for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
-            results[req.request_id] = self._final(req)
-        if out.scheduled:
-            t0 = time.perf_counter()
-            logits, producing = self.runner.run(out)
-            sampled = self._sample(logits, producing, results)
-            before = {s.req.request_id: len(s.req.output_ids) for s in producing}
-            finished = self.scheduler.update(out, sampled)
-            for s in producing:
-                if s.spec_ids:  # a stop among accepted guesses drops the tokens after it
-                    o = results[s.req.request_id]
-                    kept = len(s.req.output_ids) - before[s.req.request_id]
-                    del o.new_token_ids[kept:]
-                    if o.logprobs is not None:
-                        del o.logprobs[kept:]
-            self.stats.record(out, time.perf_counter() - t0, self.runner.replayed)
-            if self.spec is not None:
-                self.spec.observe(out, sampled, finished)
-            if tiered is not None:
-                tiered.observe_step(out.num_batched_tokens, time.perf_counter() - t0)
-            for req in finished:
-                results[req.request_id].finished = True
-                results[req.request_id].finish_reason = req.finish_reason
-                self.params.pop(req.request_id, None)
-                self.constraints.drop(req.request_id)
-        elif tiered is not None:  # only requests waiting for restores: wait, do not spin
-            tiered.idle(self.block_manager)
-        return list(results.values())
+        return out
 
-    def _sample(self, logits, producing, results) -> dict[str, list[int]]:
-        """Sample every logits row (one per request, 1 + k for one that speculated) and keep
-        each request's accepted tokens (spec/verify.py); returns request id -> tokens."""
+    def _sampling(self, out: SchedulerOutput) -> StepSampling:
+        """The rows an executor that samples needs: one per token-producing request. A request
+        has one step in flight at most, so its constraint mask now is the one for this token."""
+        producing = [s.req for s in out.scheduled if s.produces_token]
+        rows = []
+        for r in producing:
+            p = self.params[r.request_id]
+            rep = p.repetition_penalty != 1
+            pen = rep or p.presence_penalty != 0 or p.frequency_penalty != 0
+            prompt, output = r.prompt_ids if rep else (), r.output_ids if pen else ()
+            rows.append(SampleRow(p, prompt, output, len(r.output_ids)))
+        allowed = self.constraints.masks([r.request_id for r in producing]) if rows else None
+        return StepSampling(rows, allowed, tuple(self.tokenizer.eos_ids))
+
+    def _complete_oldest(self, results: dict[str, StepOutput]) -> None:
+        _, out, started = self._inflight.popleft()
+        res = self.executor.collect()
+        producing = [s for s in out.scheduled if s.produces_token]
+        sampled = self._take(res, producing, results)
+        before = [(s.req, len(s.req.output_ids)) for s in producing if s.spec_ids]
+        finished = self.scheduler.update(out, sampled)
+        for req, n in before:  # a stop among accepted guesses drops the tokens after it
+            o = results[req.request_id]
+            kept = len(req.output_ids) - n
+            del o.new_token_ids[kept:]
+            if o.logprobs is not None:
+                del o.logprobs[kept:]
+        now = time.perf_counter()
+        seconds = now - max(started, self._last_done)
+        self._last_done = now
+        self.stats.record(out, seconds, res.graphed)
+        if self.spec is not None:
+            self.spec.observe(out, sampled, finished)
+        if self.executor.kv_tiers is not None:
+            self.executor.kv_tiers.observe_step(out.num_batched_tokens, seconds)
+        for req in finished:
+            results[req.request_id].finished = True
+            results[req.request_id].finish_reason = req.finish_reason
+            self._forget(req.request_id)
+
+    def _take(self, res: ModelOutput, producing, results) -> dict[str, list[int]]:
+        """Each producing request's new tokens: sampled here from the logits, or taken from the
+        executor's samples (one per row it was sent, aborted requests' rows skipped)."""
         if not producing:
             return {}
-        reqs = [s.req for s in producing]
-        params = [self.params[r.request_id] for r in reqs]
-        rows = expand_rows(reqs, [s.spec_ids for s in producing], params)
-        row_ids = [r.request_id for r, (lo, hi) in zip(reqs, rows.spans) for _ in range(lo, hi)]
-        state = make_batch(
-            rows.params,
-            rows.prompts,
-            rows.outputs,
-            rows.steps,
-            logits.device,
-            self.constraints.masks(row_ids),  # constrained requests never guess: one row each
-        )
-        ids, lps, tops = sampled_lists(self.sampler(logits, state))
-        if self.spec is None:
-            accepted = accept_rows(producing, rows.spans, ids)
+        if res.logits is not None:
+            sampled = sample_logits(
+                res.logits, producing, self.params, self.constraints, self.sampler, self.spec,
+                self.tokenizer.eos_ids, results,
+            )  # fmt: skip
         else:
-            accepted = self.spec.accept(producing, rows.spans, ids, logits, state, self.sampler)
-        sampled = {}
-        for s, p, (lo, hi), tokens in zip(producing, params, rows.spans, accepted):
-            req = s.req
-            sampled[req.request_id] = tokens
-            for token in tokens:  # a completed JSON object ends its request now
-                req.stop_now = self.constraints.accept(req.request_id, token)
-            o = results[req.request_id] = StepOutput(
-                req.request_id,
-                list(tokens),
-                None,
-                False,
-                None,
-                req.num_prompt_tokens,
-                req.num_cached_tokens,
-            )
-            if p.logprobs is not None:
-                o.logprobs = [
-                    TokenLogprob(
-                        t,
-                        lps[i] if t == ids[i] else float(logits[i].log_softmax(-1)[t]),
-                        [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs],
-                    )
-                    for i, t in zip(range(lo, hi), tokens)
-                ]
+            s, sampled = res.sampled, {}
+            for i, sr in enumerate(producing):
+                req = sr.req
+                p = self.params.get(req.request_id)
+                if p is None or req.status is not RequestStatus.RUNNING:
+                    continue  # aborted while its step was in flight
+                sampled[req.request_id] = [s.token_ids[i]]
+                results[req.request_id] = token_output(req, p, i, s.token_ids, s.logprobs, s.top)
+        for sr in producing:  # a completed constraint (a JSON object) ends its request now
+            rid = sr.req.request_id
+            for token in sampled.get(rid, ()):
+                sr.req.stop_now = self.constraints.accept(rid, token)
         return sampled
 
     def _guesses(self) -> dict[str, list[int]] | None:
-        """Speculative tokens of the decoding requests (none for JSON-constrained ones, whose
-        mask follows the grammar one accepted token at a time)."""
+        """Speculative tokens of the decoding requests (none for constrained ones, whose mask
+        follows the grammar one accepted token at a time)."""
         if self.spec is None:
             return None
         decoding = self.scheduler.decoding()
@@ -297,73 +275,56 @@ class Engine:
             return None  # "auto": a full batch keeps the device busy without guesses
         free = [r for r in decoding if not self.constraints.has(r.request_id)]
         guesses = self.spec.propose(free)
-        graphs = self.runner.graphs
-        if graphs is None:
+        rows = self.executor.info.graph_rows
+        if not rows:
             return guesses
         # a step of more rows than the largest graph would run eagerly (several times slower)
-        return fit_rows(guesses, graphs.buckets[-1] - len(decoding))
+        return fit_rows(guesses, rows - len(decoding))
 
-    def _final(self, req: Request) -> StepOutput:
-        self.params.pop(req.request_id, None)
-        self.constraints.drop(req.request_id)
-        return StepOutput(
-            req.request_id,
-            [],
-            None,
-            True,
-            req.finish_reason,
-            req.num_prompt_tokens,
-            req.num_cached_tokens,
-            req.error,
+    # -- failure and gauges --------------------------------------------------------------------
+
+    def _recover(self, err: ExecutorFailure, results: dict[str, StepOutput]) -> None:
+        """Fail every unfinished request with the reason, then restart the executor (it raises
+        when it gives up) over fresh KV pools."""
+        sched = self.scheduler
+        for req in list(sched.running) + list(sched.waiting):
+            results[req.request_id] = final_output(req, error=str(err))
+            self._forget(req.request_id)
+        self.executor.restart()
+        self.restarts += 1
+        self._start()
+
+    def gauges(self) -> EngineGauges:
+        """The engine's queues, pool and counters now (the server's /metrics formats them)."""
+        sched, bm, stats, spec = self.scheduler, self.block_manager, self.stats, self.spec
+        tiers = self.executor.kv_tiers
+        return EngineGauges(
+            waiting=sched.num_waiting,
+            running=sched.num_running,
+            preemptions=sched.num_preemptions,
+            pool_tier="gpu" if self.executor.info.device.startswith("cuda") else "cpu",
+            blocks_total=bm.num_blocks,
+            blocks_free=bm.num_free_blocks,
+            blocks_cached=bm.num_cached_blocks,
+            steps=stats.steps,
+            tokens=stats.tokens,
+            busy_s=stats.busy_s,
+            decode_steps=stats.decode[0],
+            decode_s=stats.decode[2],
+            graph_steps=stats.graphed,
+            spec_proposed=0 if spec is None else spec.proposed,
+            spec_accepted=0 if spec is None else spec.accepted,
+            restarts=self.restarts,
+            tiers=None if tiers is None else tiers.gauges(),
         )
 
-    def cached_prompt_tokens(self, request_id: str) -> int:
-        req = self.scheduler.get(request_id)
-        return 0 if req is None else req.num_cached_tokens
 
-
-def sampled_lists(so) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
-    """A SamplerOutput as host lists: token ids, their logprobs, (top ids, top logprobs)."""
-    ids = so.token_ids.tolist()
-    lps = None if so.logprobs is None else so.logprobs.tolist()
-    tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
-    return ids, lps, tops
-
-
-def token_output(req: Request, p: SamplingParams, i: int, ids, lps, tops) -> StepOutput:
-    """The StepOutput of row i of a sampled step (with its logprobs when p asks for them)."""
-    o = StepOutput(
-        req.request_id, [ids[i]], None, False, None, req.num_prompt_tokens, req.num_cached_tokens
-    )
-    if p.logprobs is not None:
-        top = [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs]
-        o.logprobs = [TokenLogprob(ids[i], lps[i], top)]
-    return o
-
-
-class EngineStats:
-    """Counters the bench and the server's /metrics read.
-
-    Decode-only steps are also counted apart, plain ones and verify ones (some request carried
-    guesses; rows: tokens computed), so a benchmark can price a verify step against a plain one.
-    """
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.tokens = 0
-        self.busy_s = 0.0
-        self.decode = [0, 0, 0.0]  # plain decode steps: steps, rows, seconds
-        self.verify = [0, 0, 0.0]  # decode steps with guesses: steps, rows, seconds
-        self.graphed = 0  # steps run through the CUDA graphs' static buffers (cuda_graph.py)
-
-    def record(self, out, seconds: float, graphed: bool = False) -> None:
-        self.steps += 1
-        self.graphed += graphed
-        self.tokens += out.num_batched_tokens
-        self.busy_s += seconds
-        sched = out.scheduled
-        if all(s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids) for s in sched):
-            kind = self.verify if any(s.spec_ids for s in sched) else self.decode
-            kind[0] += 1
-            kind[1] += out.num_batched_tokens
-            kind[2] += seconds
+def check_token_ids(prompt_ids: list[int], params, vocab: int) -> None:
+    """ValueError unless the prompt's, logit_bias's and stop_token_ids' ids are in [0, vocab)."""
+    for name, ids in (
+        ("prompt token ids", prompt_ids),
+        ("logit_bias token ids", params.logit_bias or ()),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name} must be in [0, {vocab})")

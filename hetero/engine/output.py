@@ -1,108 +1,60 @@
-"""The text side of one sequence: incremental detokenization and stop strings.
-
-The engine core produces token ids; a TextStream per sequence turns them into text deltas that
-never hold broken UTF-8 and never show a stop string (unless asked to).
-"""
+"""What one engine step gives back per request: token ids (and their logprobs), never text."""
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
-from hetero.detokenizer import IncrementalDetokenizer
-from hetero.engine.engine import StepOutput, TokenLogprob
+from hetero.engine.request import Request
 from hetero.sampling import SamplingParams
-from hetero.stop import StopChecker
 
 
 @dataclass
-class CompletionOutput:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: str | int | None = None  # the stop string or stop token that ended it
-    logprobs: list[TokenLogprob] | None = None
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, best first
 
 
 @dataclass
-class RequestOutput:
+class StepOutput:
+    """What one step did for one request."""
+
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
     finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None
 
 
-class TextStream:
-    """Token ids in, text deltas out, for one sequence."""
+def sampled_lists(so) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
+    """A SamplerOutput as host lists: token ids, their logprobs, (top ids, top logprobs)."""
+    ids = so.token_ids.tolist()
+    lps = None if so.logprobs is None else so.logprobs.tolist()
+    tops = None if so.top_ids is None else (so.top_ids.tolist(), so.top_logprobs.tolist())
+    return ids, lps, tops
 
-    def __init__(self, tokenizer, params: SamplingParams, index: int = 0):
-        self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special=params.skip_special_tokens)
-        self.stop = (
-            StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
-        )
-        self.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else tokenizer.eos_ids
-        )
-        self.out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-        self.stopped_by_string = False
-        self.step_logprobs: list[TokenLogprob] | None = None  # the last step's, of shown tokens
-        self._starts: list[int] = []  # where each token's text starts in the text fed to stop
-        self._fed = self._shown = 0  # text fed to the stop checker, and shown of it
 
-    @property
-    def finished(self) -> bool:
-        return self.out.finish_reason is not None
+def token_output(req: Request, p: SamplingParams, i: int, ids, lps, tops) -> StepOutput:
+    """The StepOutput of row i of a sampled step (with its logprobs when p asks for them)."""
+    o = StepOutput(
+        req.request_id, [ids[i]], None, False, None, req.num_prompt_tokens, req.num_cached_tokens
+    )
+    if p.logprobs is not None:
+        top = [] if tops is None else list(zip(tops[0][i], tops[1][i]))[: p.logprobs]
+        o.logprobs = [TokenLogprob(ids[i], lps[i], top)]
+    return o
 
-    def add(self, step: StepOutput) -> str:
-        """Apply one step; returns the new text. Sets finish_reason when the sequence ends."""
-        if self.finished:  # ended by a stop string; the engine's abort echo is ignored
-            self.step_logprobs = None
-            return ""
-        delta = ""
-        for token in step.new_token_ids:
-            self.out.token_ids.append(token)
-            if self.stop is not None:  # only a stop string cuts tokens off
-                self._starts.append(self._fed)
-            ends_on_token = (
-                step.finished and step.finish_reason == "stop" and token in self.stop_ids
-            )
-            if ends_on_token:
-                self.out.stop_reason = token
-                if not self.params.include_stop_str_in_output:
-                    continue  # the stop token's text is not shown
-            delta += self._text(self.detok.add(token))
-            if self.stopped_by_string:
-                break
-        self.step_logprobs = step.logprobs
-        if self.out.logprobs is not None and step.logprobs:
-            before = len(self.out.logprobs)
-            self.out.logprobs.extend(step.logprobs)
-            if self.stopped_by_string:  # none for the tokens wholly inside the stop string
-                del self.out.logprobs[self._shown_tokens() :]
-                self.step_logprobs = self.out.logprobs[before:]
-        if step.finished and not self.stopped_by_string:
-            delta += self._text(self.detok.flush())
-            if self.stop is not None and not self.stopped_by_string:
-                delta += self.stop.flush()
-            self.out.finish_reason = step.finish_reason
-        self.out.text += delta
-        return delta
 
-    def _text(self, piece: str) -> str:
-        if self.stop is None or self.stopped_by_string:
-            return piece if not self.stopped_by_string else ""
-        self._fed += len(piece)
-        r = self.stop.feed(piece)
-        self._shown += len(r.text)
-        if r.stopped:
-            self.stopped_by_string = True
-            self.out.finish_reason, self.out.stop_reason = "stop", r.stop
-        return r.text
-
-    def _shown_tokens(self) -> int:
-        """How many tokens have text in the shown output (a stop string cut the rest)."""
-        return bisect.bisect_left(self._starts, self._shown)
+def final_output(req: Request, error: str | None = None) -> StepOutput:
+    """The last output of a request that ends without a token (failed, aborted, refused)."""
+    return StepOutput(
+        req.request_id,
+        finished=True,
+        finish_reason=req.finish_reason if error is None else "abort",
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        error=req.error if error is None else error,
+    )

@@ -103,7 +103,7 @@ class Request:
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.arrival = time.monotonic() if arrival is None else arrival
-        self.stop_now = False  # set by the engine when a constraint completes (JSON mode)
+        self.stop_now = False  # set by the engine when its grammar has ended (structured outputs)
         self._seq = next(_ARRIVAL_SEQ)
 
     @property

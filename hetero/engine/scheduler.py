@@ -275,7 +275,7 @@ class Scheduler:
 
     def _blocks_held_elsewhere(self) -> bool:
         """Whether requests outside self.running hold blocks (a pipeline's other micro-batches,
-        hetero/dist/microbatch.py): then a request short of blocks waits instead of failing."""
+        hetero/engine/microbatch.py): then a request short of blocks waits instead of failing."""
         return False
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:

@@ -98,7 +98,7 @@ class QuantLinear(nn.Module):
 
     def _init_packed(self, weights: list[GGUFTensor], rt: RuntimeConfig) -> None:
         # CPU repacking (kernels/cpu_linear.py). "qdot" packs each run of one GGUF type apart
-        # (Q4_K_M's q|k as Q8 blocks beside a Q6_K v in fp16: cpu_qdot.cpu_scheme, the rule the
+        # (Q4_K_M's q|k as Q4_K blocks beside a Q6_K v: cpu_qdot.cpu_scheme, the rule the
         # planner prices); other modes pack same-type tensors from their GGUF bytes (int4 keeps
         # Q4 codes as they are) and mixed types from the exact fp32 weights.
         if self.mode == "qdot":
@@ -118,10 +118,8 @@ class QuantLinear(nn.Module):
         qtype, shape = int(run[0].ggml_type), (sum(w.shape[0] for w in run), self.in_features)
         if qtype in cpu_qdot.NATIVE_TYPES:
             return pack_linear(raw, qtype, shape, "qdot")
-        # requantized to 8 bits per 32 only within the error budget, else fp16 (or exact fp32)
-        fallback = ("fp16", "fp32")
-        candidates = ("qdot", *fallback) if cpu_qdot.cpu_scheme(qtype) == "qdot" else fallback
-        scheme = choose_scheme(raw, qtype, shape, candidates=candidates)
+        # float and IQ types: fp16 (exact fp32 where fp16 cannot hold the weights)
+        scheme = choose_scheme(raw, qtype, shape, candidates=("fp16", "fp32"))
         return pack_linear(raw, qtype, shape, scheme)
 
     def _set_packed(self, parts: list[PackedLinear]) -> None:
@@ -137,12 +135,11 @@ class QuantLinear(nn.Module):
     @staticmethod
     def _packed_call(packed: PackedLinear):
         w = packed.weight
-        if packed.scheme == "qdot" and w.k == packed.in_features:
+        if packed.scheme == "qdot":
             # pointers taken once: a decode step makes ~120 of these calls
-            m = w.m.data_ptr() if w.m is not None else None
             fast = functools.partial(
-                cpu_qdot.linear_ptrs, is_q4=w.is_q4, n=w.n, k=w.k, wq=w.qs.data_ptr(),
-                wd=w.d.data_ptr(), m=m,
+                cpu_qdot.linear_ptrs, ggml_type=int(w.ggml_type), n=w.n, k=w.k,
+                wptr=w.packed.data_ptr(), fn=cpu_qdot.load().qdot_linear,
             )  # fmt: skip
             return lambda x: fast(x) if x.dtype == torch.float32 else packed_linear(x, packed)
         return lambda x: packed_linear(x, packed)
@@ -172,9 +169,14 @@ class QuantLinear(nn.Module):
             self._qlinear = impl.fn
         return self
 
+    # a big step's matmul on another device (execution/offload.py sets it on a CPU segment)
+    offload = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.mode == "dense":
             y = x @ self.weight.t()
+        elif self.offload is not None and self.offload.runs(x):
+            y = self.offload(self, x)
         elif self.mode != "quant":
             if len(self._calls) == 1:
                 y = self._calls[0](x).to(x.dtype)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from hetero.config import ModelConfig, RuntimeConfig, bind_device
 from hetero.gguf_loader import GGUFModel
-from hetero.kernels import select
+from hetero.kernels import cpu_threads, select
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.layers import QuantEmbedding, QuantLinear, RMSNorm, Rotary
 from hetero.model.moe import cpu_expert_layers
@@ -124,7 +124,7 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         cfg = self.config = gm.config
-        self.runtime = rt
+        self.runtime = rt = rt.resolved()  # one device, one weights mode
         bind_device(rt.device)  # load-time repacks launch kernels on the current device
         cpu_expert_layers(cfg, rt)  # --cpu-moe / --n-cpu-moe must fit the model
         self.layer_range = layers if layers is not None else range(cfg.n_layers)
@@ -160,11 +160,7 @@ class LlamaModel(nn.Module):
         A later pipeline stage starts from the previous stage's `hidden` [T, C] instead of the
         tokens; a stage before the last returns its hidden states [T, C] for the next one.
         """
-        x = self.embed(tokens) if hidden is None else hidden  # [T, C]
-        cos, sin = self.rotary.cos_sin(batch.positions)  # [T, R] each
-        pending = None  # a block's output, added by the next block's fused add + norm
-        for block in self.blocks:
-            x, pending = block(x, pending, self.rotary, cos, sin, batch)
+        x, pending = self._blocks(tokens, batch, hidden)
         if not self.is_last:
             return x if pending is None else x + pending
         rows = batch.logits_indices
@@ -174,6 +170,22 @@ class LlamaModel(nn.Module):
             _, x = self.norm.add(x[rows], pending[rows])
         return self.lm_head(x).float()  # [N, V]
 
+    def _blocks(self, tokens, batch: ForwardBatch, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers: (x [T, C], the last block's output not yet added to x)."""
+        x = self.embed(tokens) if hidden is None else hidden  # [T, C]
+        cos, sin = self.rotary.cos_sin(batch.positions)  # [T, R] each
+        pending = None  # a block's output, added by the next block's fused add + norm
+        for block in self.blocks:
+            x, pending = block(x, pending, self.rotary, cos, sin, batch)
+        return x, pending
+
+    @torch.inference_mode()
+    def final_hidden(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """tokens [T] -> every token's last hidden state [T, C] (after the final norm, before the
+        head: what embeddings pool); a whole model only."""
+        x, pending = self._blocks(tokens, batch, None)
+        return self.norm(x) if pending is None else self.norm.add(x, pending)[1]
+
 
 def load_model(
     path, rt: RuntimeConfig | None = None, progress: bool = False
@@ -181,7 +193,9 @@ def load_model(
     from hetero.gguf_loader import load_gguf
 
     rt = rt or RuntimeConfig()
-    if rt.threads:
+    if rt.device == "cpu":  # the kernels' pool and torch's team: --threads or the default rule
+        cpu_threads.configure(rt.threads)
+    elif rt.threads:
         torch.set_num_threads(rt.threads)
     gm = load_gguf(path)
     return gm, LlamaModel(gm, rt, progress=progress)

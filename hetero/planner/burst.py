@@ -1,6 +1,6 @@
 """Time to first token of C prompts arriving together, through the pipeline's micro-batches.
 
-The pipeline engine (hetero/dist/microbatch.py) seats the arrivals in G groups of
+The pipeline engine (hetero/engine/microbatch.py) seats the arrivals in G groups of
 ceil(C / G) and keeps one step of each group in flight: a group's next step is scheduled when its
 last one has come back. A step of up to `budget` prompt tokens (its group's prompts packed in
 order, the last one split) passes the stages in order, and each stage takes the steps that reach

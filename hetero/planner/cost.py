@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from hetero.engine.kv_cache import block_bytes
+from hetero.execution.cuda_graph import batch_buckets, bucket_for
+from hetero.execution.kv_pool import block_bytes
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc, TensorInfo, rate_key, weight_bytes
 
@@ -60,7 +61,6 @@ class DeviceCost:
         graphs on CUDA; False prices an eager step of a graph-capable device)."""
         if not (self.graphs and replay) or self.dev.is_cpu:
             return None
-        from hetero.engine.cuda_graph import batch_buckets, bucket_for
 
         return bucket_for(m, batch_buckets(self.max_num_seqs))
 

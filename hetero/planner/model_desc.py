@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.config import ModelConfig
+from hetero.gguf_loader import load_gguf
+from hetero.kernels.cpu_qdot import cpu_scheme, qdot_blocks
+from hetero.synth import tensor_specs
+from hetero.synth_shapes import get_shape
 
 # Bytes per weight of the CPU repacks (kernels/cpu_linear.py): int4 keeps a bf16 (scale, zero)
 # pair per 32 weights; int8 a bf16 scale per row (ignored: < 0.1%).
@@ -52,32 +56,29 @@ def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
     if weights == "dense":
         return (4.0 if on_cpu else 2.0) * t.params  # fp32 on a CPU, bf16 on a GPU
     weights = packed_mode(weights, t.ggml_type)
-    if weights == "qdot":  # kernels/cpu_qdot.py: Q4_0/Q4_1 blocks 0.75 B/w, the rest as Q8 blocks
-        from hetero.kernels.cpu_qdot import qdot_blocks
-
-        return (1.125 if qdot_blocks(t.ggml_type) == "Q8_0" else 0.75) * t.params
+    if weights == "qdot":  # kernels/cpu_qdot.py: the file's blocks, rows padded to groups of 16
+        rows = t.shape[0]
+        return float(t.nbytes) * (-(-rows // 16) * 16) / rows
     return _PACKED_BYTES[weights] * t.params
 
 
 def packed_mode(weights: str, ggml_type: str) -> str:
-    """The packing a matrix of `ggml_type` gets in `weights` mode: in "qdot" mode the types whose
-    Q8 requantization exceeds the loader's error budget (Q6_K, Q3_K) and float types run fp16
+    """The packing a matrix of `ggml_type` gets in `weights` mode: in "qdot" mode the block
+    types the kernel reads (Q4_0 .. Q8_0, Q2_K .. Q6_K) run qdot, float and IQ types fp16
     (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
     if weights != "qdot":
         return weights
-    from hetero.kernels.cpu_qdot import cpu_scheme
 
     return cpu_scheme(ggml_type)
 
 
 def rate_key(weights: str, ggml_type: str) -> tuple[str, str]:
     """(packing, GGUF type) whose measured rate a matrix of `ggml_type` runs at in `weights`
-    mode (DeviceProfile.matmul_rate's arguments): a type requantized to Q8 blocks for qdot runs
-    at the profile's Q8_0 rate."""
+    mode (DeviceProfile.matmul_rate's arguments, which fall back from "qdot:<type>" to the
+    profile's "qdot" rate for a type it did not time)."""
     mode = packed_mode(weights, ggml_type)
     if mode != "qdot":
         return mode, ggml_type
-    from hetero.kernels.cpu_qdot import qdot_blocks
 
     return mode, qdot_blocks(ggml_type)
 
@@ -115,7 +116,6 @@ class ModelDesc:
 
 def from_gguf(path: str) -> ModelDesc:
     """Describe the GGUF file at `path` from its header."""
-    from hetero.gguf_loader import load_gguf
 
     gm = load_gguf(path)
     infos = {
@@ -127,8 +127,6 @@ def from_gguf(path: str) -> ModelDesc:
 
 def from_shape(shape: str, quant: str = "q4_k_m") -> ModelDesc:
     """Describe the model `hetero synth --shape SHAPE --quant QUANT` would write."""
-    from hetero.synth import tensor_specs
-    from hetero.synth_shapes import get_shape
 
     s = get_shape(shape)
     infos = {

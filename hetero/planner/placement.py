@@ -7,11 +7,11 @@ gets its fastest weights mode; when nothing fits, the most compact one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from dataclasses import replace
 
-from hetero.planner.burst import burst_first_tokens, prompt_chunks
-from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
+from hetero.config import GPU_WEIGHTS_MODES, RuntimeConfig
+from hetero.engine.config import kv_dtype_rule
+from hetero.planner.cost import DeviceCost, kv_token_bytes
 from hetero.planner.device import DeviceProfile
 from hetero.planner.experts import (
     check_ram,
@@ -29,154 +29,40 @@ from hetero.planner.plan import (
     StagePlan,
     base_device,
 )
+from hetero.planner.refusal import explain
 from hetero.planner.search import Split, search
+from hetero.planner.setup import Setup
 
-GPU_MODES = ("quant", "dense")
 # exact or nearly so (fp16: logits within 0.03); qdot where its kernel builds; int4/int8 opt-in
 CPU_MODES = ("fp16", "dense")
 
 
 def kv_dtype_for(dev: DeviceProfile, asked: str) -> str:
-    """As the engine resolves "auto" (engine/kv_cache.py): fp8 where the device has e4m3
-    hardware, else fp16. fp8 asked of a GPU without it falls back to fp16; a CPU stores fp8 in
-    software when asked (slower, half the memory)."""
-    if asked == "auto" or (asked == "fp8" and not dev.is_cpu):
-        return "fp8" if dev.fp8_kv else "fp16"
-    return asked
+    """The KV dtype `dev` stores for the asked one: the engine's own rule (kv_dtype_rule)."""
+    return kv_dtype_rule(asked, dev.is_cpu, dev.fp8_kv)
 
 
-def _modes(dev: DeviceProfile, asked: str) -> tuple[str, ...]:
+def _modes(dev: DeviceProfile, weights: str) -> tuple[str, ...]:
+    """The weights modes the planner may give `dev`: the one asked of it, or (auto) the
+    candidates it chooses among by speed where they fit. A mode the device runs only through
+    the torch reference (quant on a CPU) is refused, as the engine refuses it."""
+    asked = RuntimeConfig(weights=weights).weights_for(base_device(dev.id))
     if asked != "auto":
-        return (asked,) if dev.is_cpu or asked in GPU_MODES else ("dense",)
+        if dev.is_cpu and asked == "quant":
+            raise PlanError(
+                f"weights 'quant' on {dev.id} runs the torch reference (a test path, many times "
+                "slower): plan it with qdot or fp16"
+            )
+        if dev.is_cpu or asked in GPU_WEIGHTS_MODES:
+            return (asked,)
+        if "=" in weights:  # asked of this GPU by name
+            raise PlanError(
+                f"weights {asked!r} asked of {dev.id} is a CPU packing: a GPU runs quant or dense"
+            )
+        return ("dense",)  # one mode for every device: the GPUs' nearest (exact) one
     if not dev.is_cpu:
-        return GPU_MODES
+        return GPU_WEIGHTS_MODES
     return (("qdot",) if "qdot" in dev.matmul else ()) + CPU_MODES  # measured by the profile
-
-
-@dataclass
-class _Setup:
-    """One attempt: the devices taking part and their costs."""
-
-    desc: ModelDesc
-    config: PlanConfig
-    context: int
-    costs: list[DeviceCost]
-    budgets: list[float]
-    _prefix: dict[tuple[int, int, bool], list[float]] = field(default_factory=dict)
-
-    @property
-    def ctx(self) -> float:  # average context a decode reads
-        return self.config.prompt_len + self.config.output_len / 2
-
-    def kv_need(self, i: int, n_layers: int) -> float:
-        bs, c = self.config.block_size, self.config
-        tokens = -(-self.context // bs) * bs * c.concurrency
-        per = kv_token_bytes(self.desc, self.costs[i].kv_dtype) * n_layers
-        return tokens * per / c.kv_memory_fraction
-
-    def base_bytes(self, i: int, a: int, b: int) -> float:
-        """Weights and activations of layers [a, b) on device i."""
-        last, c = b == self.desc.n_layers, self.costs[i]
-        act = c.activation_bytes(self.config.max_num_batched_tokens, self.config.max_num_seqs, last)
-        return c.weights_bytes(a, b, a == 0, last) + act
-
-    def fits(self, i: int, a: int, b: int) -> bool:
-        return self.base_bytes(i, a, b) + self.kv_need(i, b - a) <= self.budgets[i]
-
-    def _decode_prefix(self, i: int, m: int, replay: bool) -> list[float]:
-        """Running sums of device i's decode layer times at m sequences (cached)."""
-        if (i, m, replay) not in self._prefix:
-            out = [0.0]
-            for t in self.costs[i].decode_layer_seconds(m, self.ctx, replay):
-                out.append(out[-1] + t)
-            self._prefix[i, m, replay] = out
-        return self._prefix[i, m, replay]
-
-    @cached_property
-    def contention(self) -> list[float]:
-        """How much slower each device streams its weights while the stages on the other shares
-        of its GPU stream theirs: MPS shares split the SMs but not the memory. Alone each draws
-        a fraction of the card's bandwidth (measured shares: `bw_fraction`; derived ones: the
-        sqrt(share) law of shares.py), together they draw it once: the factor is the sum of
-        the fractions, at least 1. (H200, 70% + 30% shares: 1.19 measured, 1.385 by the law;
-        with derived profiles the 30% stage took 7.30 ms a step at 16 streams, 1.44x its
-        alone-priced 5.08 ms, part of which was the law's overrating of that share.) 1 for a
-        whole device. (Not base_device: "#2" devices, a device listed twice, had their rates
-        divided already; two cards of one spec share nothing.)"""
-        from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
-
-        bases = [parse_share(d).base if is_share(d) else d for d in (c.dev.id for c in self.costs)]
-        fractions = [c.dev.bw_fraction or bandwidth_fraction(c.dev.sm_share) for c in self.costs]
-        return [max(1.0, sum(f for b, f in zip(bases, fractions) if b == mine)) for mine in bases]
-
-    def stage_s(self, i: int, a: int, b: int, m: int, overlap: bool | None = None) -> float:
-        """Device i's decode step over layers [a, b) at m sequences, its hand-off included.
-        `overlap` (default: whether m sequences are one of several micro-batches in flight):
-        the other stages run at the same time, so shares of one GPU contend (`contention`)."""
-        c, n = self.costs[i], self.desc.n_layers
-        # Pipeline stages replay decode CUDA graphs of their layers as the one-process engine
-        # does (hetero/dist/worker.py), unless --enforce-eager (DeviceCost.graphs).
-        prefix = self._decode_prefix(i, m, True)
-        work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
-        if overlap is None:
-            overlap = m < self.config.concurrency
-        if overlap:
-            work *= self.contention[i]
-        t = c.step_seconds(b - a, work, c.eager(m, True), seqs=m) + hop_seconds(c.dev, a, b, n)
-        if b < n and i + 1 < len(self.costs):
-            t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
-        return t
-
-    def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
-        """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
-        replays a CUDA graph on device i (cuda_graph.DecodeGraphs.fits)."""
-        from hetero.engine.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
-        from hetero.engine.paged_meta import ROW_TILE
-
-        c = self.costs[i]
-        if not c.graphs or c.dev.is_cpu or n > self.config.cuda_graph_max_tokens:
-            return False
-        tile = ROW_TILE if n > self.config.max_num_seqs else 1  # a bucket past the decode rows
-        return seqs * chunk_row_context(n / seqs, cached, tile) <= PROMPT_ROW_CONTEXT
-
-    def prefill_s(self, i: int, a: int, b: int, tokens: int) -> float:
-        """Stage i's time for one prompt of `tokens` tokens, in budget-sized chunks."""
-        chunks = prompt_chunks(1, tokens, self.config.max_num_batched_tokens)
-        return sum(self.chunk_s(i, a, b, n, cached, 1) for n, cached, _, _ in chunks)
-
-    def chunk_s(
-        self, i: int, a: int, b: int, n: int, cached: int, rows: int, overlap: bool = False
-    ) -> float:
-        """Stage i's step over layers [a, b) of n prompt tokens of `rows` prompts after `cached`
-        tokens (each), its hand-off included; `overlap`: other stages run meanwhile (as in
-        stage_s: shares of one GPU contend)."""
-        c, last = self.costs[i], b == self.desc.n_layers
-        work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
-        work += c.head_seconds(rows) if last else 0.0
-        if overlap:
-            work *= self.contention[i]
-        replay = self._replays_prompt(i, n, cached, rows)  # as a decode step's replay
-        if replay:
-            work += (b - a) * c.replay_layer_seconds(n)
-        t = c.step_seconds(b - a, work, not replay, seqs=rows)
-        t += hop_seconds(c.dev, a, b, self.desc.n_layers)
-        if not last and i + 1 < len(self.costs):
-            t += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
-        return t
-
-    def burst_ttft_s(self, used: list[tuple[int, int, int]], micro: int) -> float:
-        """Mean time to first token of `concurrency` prompts arriving together (burst.py).
-        With several groups the stages work at once, and shares of one GPU contend."""
-        cfg = self.config
-
-        def chunk(k: int, n: int, cached: int, rows: int) -> float:
-            i, a, b = used[k]
-            return self.chunk_s(i, a, b, n, cached, rows, overlap=micro > 1)
-
-        firsts = burst_first_tokens(
-            len(used), micro, cfg.concurrency, cfg.prompt_len, cfg.max_num_batched_tokens, chunk
-        )
-        return sum(firsts) / len(firsts)
 
 
 def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
@@ -194,14 +80,22 @@ def _pick_mode(
 ):
     """Device `dev`'s costs in its fastest weights mode (compact: its smallest); `ram`: the
     layers whose experts stay in RAM, and the host that multiplies them."""
-    graphs = not cfg.enforce_eager
+    graphs = not cfg.engine.enforce_eager
     costs = [
-        DeviceCost(desc, dev, m, kv, graphs, cfg.max_num_seqs, *ram)
+        DeviceCost(desc, dev, m, kv, graphs, cfg.engine.scheduler.max_num_seqs, *ram)
         for m in _modes(dev, cfg.weights)
     ]
     if compact:
         return min(costs, key=lambda c: c.weights_bytes(0, desc.n_layers, True, True))
     return min(costs, key=lambda c: sum(c.decode_layer_seconds(1, cfg.prompt_len)))
+
+
+def _reason(setup: Setup, i: int) -> str:
+    """Why stage i runs its weights mode, for the plan's report."""
+    c = setup.costs[i]
+    if len(_modes(c.dev, setup.config.weights)) == 1:
+        return "asked" if setup.config.weights != "auto" else "the only mode here"
+    return "most compact (the fastest did not fit)" if setup.compact else "fastest that fits"
 
 
 def _attempts(
@@ -217,19 +111,20 @@ def _attempts(
     if ram and gpus:  # the GPUs take the layers, the first CPU's RAM the chosen experts
         host = DeviceCost(desc, expert_host(cpus), "quant", "fp16")
         for compact in (False, True):
+            kv = cfg.engine.kv_dtype
             costs = [
-                _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.kv_dtype), compact, (ram, host))
-                for d in gpus
+                _pick_mode(desc, d, cfg, kv_dtype_for(d, kv), compact, (ram, host)) for d in gpus
             ]
-            yield _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in gpus])
+            yield Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in gpus], compact)
         return
     groups = [gpus, gpus + cpus] if gpus and cpus and not cfg.use_all_devices else [gpus + cpus]
     for group in groups if spill else groups[:1]:
         for compact in (False, True):
             costs = [
-                _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.kv_dtype), compact) for d in group
+                _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.engine.kv_dtype), compact)
+                for d in group
             ]
-            yield _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in group])
+            yield Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in group], compact)
 
 
 def _context(desc: ModelDesc, cfg: PlanConfig) -> int:
@@ -264,8 +159,6 @@ def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Pla
         found, last = _place_with(desc, devices, cfg, context, ram)
     if found is not None:
         return found
-    from hetero.planner.refusal import explain
-
     raise PlanError(explain(last))
 
 
@@ -276,23 +169,27 @@ def _place_with(
     context: int,
     ram: int,
     spill: bool = True,
-) -> tuple[Plan | None, _Setup | None]:
+) -> tuple[Plan | None, Setup | None]:
     """The fastest plan that fits with the experts of the first `ram` layers in RAM (None),
     and the last setup tried (for the refusal's numbers); spill: the CPUs may take the last
     layers when the GPUs cannot hold them."""
-    last: _Setup | None = None
+    last: Setup | None = None
     for setup in _attempts(desc, devices, cfg, context, ram, spill):
         last = setup
-        if ram and setup.costs[0].ram_expert_bytes() > _budget(setup.costs[0].expert_host.dev, cfg):
+        host = setup.costs[0].expert_host
+        if host is not None and setup.costs[0].ram_expert_bytes() > _budget(host.dev, cfg):
             return None, last  # the RAM cannot hold them either
         n_dev, n = len(setup.costs), desc.n_layers
-        split = search(n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices)
+        split = search(
+            n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices,
+            1 if cfg.in_process else None,
+        )  # fmt: skip
         if split is not None:
             return _build(*_without_idle_shares(setup, split), devices), last
     return None, last
 
 
-def _without_idle_shares(setup: _Setup, split: Split) -> tuple[_Setup, Split]:
+def _without_idle_shares(setup: Setup, split: Split) -> tuple[Setup, Split]:
     """The search priced each stage with every share of its GPU contending (`contention`), also
     those it then left without layers. When it left one idle beside a used share of the same
     card, search again without the idle devices: the stages are priced as they will run."""
@@ -302,7 +199,10 @@ def _without_idle_shares(setup: _Setup, split: Split) -> tuple[_Setup, Split]:
     if [setup.contention[i] for i in used] == narrowed.contention:
         return setup, split
     cfg, n_dev = setup.config, len(narrowed.costs)
-    again = search(n_dev, setup.desc.n_layers, cfg.concurrency, narrowed.fits, narrowed.stage_s)
+    again = search(
+        n_dev, setup.desc.n_layers, cfg.concurrency, narrowed.fits, narrowed.stage_s,
+        max_micro=1 if cfg.in_process else None,
+    )  # fmt: skip
     return (narrowed, again) if again is not None else (setup, split)
 
 
@@ -319,26 +219,26 @@ def place_split(
     context = _context(desc, cfg)
     costs = []
     for i, d in enumerate(devices):
-        kv = kv_dtype_for(d, cfg.kv_dtype)
+        kv = kv_dtype_for(d, cfg.engine.kv_dtype)
         if weights is None or weights[i] == "auto":
             costs.append(_pick_mode(desc, d, cfg, kv, False))
         else:
-            costs.append(DeviceCost(desc, d, weights[i], kv, not cfg.enforce_eager,
-                                    cfg.max_num_seqs))  # fmt: skip
-    setup = _Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in devices])
-    micro = min(cfg.concurrency, len(ranges))
+            costs.append(DeviceCost(desc, d, weights[i], kv, not cfg.engine.enforce_eager,
+                                    cfg.engine.scheduler.max_num_seqs))  # fmt: skip
+    setup = Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in devices])
+    micro = 1 if cfg.in_process else min(cfg.concurrency, len(ranges))
     m = -(-cfg.concurrency // micro)
     times = [setup.stage_s(i, a, b, m) for i, (a, b) in enumerate(ranges)]
     cycle = max(sum(times), micro * max(times))
     return _build(setup, Split(tuple(ranges), micro, m, cycle), devices)
 
 
-def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
+def _stage(setup: Setup, i: int, a: int, b: int, m: int) -> StagePlan:
     c, cfg = setup.costs[i], setup.config
     dev, last = c.dev, b == setup.desc.n_layers
-    per_block = kv_token_bytes(setup.desc, c.kv_dtype) * (b - a) * cfg.block_size
+    per_block = kv_token_bytes(setup.desc, c.kv_dtype) * (b - a) * cfg.engine.block_size
     left = setup.budgets[i] - setup.base_bytes(i, a, b)
-    room = int(max(left, 0) * cfg.kv_memory_fraction // per_block)
+    room = int(max(left, 0) * cfg.engine.kv_memory_fraction // per_block)
     dominant = max(
         (t for layer in setup.desc.layers[a:b] for t in layer if t.is_matrix),
         key=lambda t: t.nbytes,
@@ -361,10 +261,13 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
         has_head=last,
         weight_bytes=int(c.weights_bytes(a, b, a == 0, last)),
         activation_bytes=int(
-            c.activation_bytes(cfg.max_num_batched_tokens, cfg.max_num_seqs, last)
+            c.activation_bytes(
+                cfg.engine.scheduler.max_num_batched_tokens, cfg.engine.scheduler.max_num_seqs, last
+            )
         ),
         memory_budget=int(setup.budgets[i]),
         kv_room_blocks=room,
+        weights_reason=_reason(setup, i),
         single_step_s=setup.stage_s(i, a, b, 1, overlap=False),  # one stream: stages take turns
         prefill_s=setup.prefill_s(i, a, b, cfg.prompt_len),
         base_device=base_device(dev.id),
@@ -373,13 +276,13 @@ def _stage(setup: _Setup, i: int, a: int, b: int, m: int) -> StagePlan:
     )
 
 
-def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
+def _build(setup: Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
     cfg, desc = setup.config, setup.desc
     used = [(i, a, b) for i, (a, b) in enumerate(split.ranges) if b > a]
     stages = [_stage(setup, i, a, b, split.m) for i, a, b in used]
     blocks = min(s.kv_room_blocks for s in stages)
     stages = [_with_blocks(s, blocks, desc, cfg) for s in stages]
-    per_seq = -(-setup.context // cfg.block_size)
+    per_seq = -(-setup.context // cfg.engine.block_size)
     used_ids = {s.device for s in stages}
     return Plan(
         model=desc.name,
@@ -389,19 +292,22 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         context=setup.context,
         prompt_len=cfg.prompt_len,
         output_len=cfg.output_len,
-        block_size=cfg.block_size,
+        block_size=cfg.engine.block_size,
         microbatches=split.micro,
         single_stream_tok_s=1.0 / sum(s.single_step_s for s in stages),
         aggregate_tok_s=cfg.concurrency / split.cycle_s,
         ttft_s=sum(s.prefill_s for s in stages),
         ttft_burst_s=setup.burst_ttft_s(used, split.micro),
-        max_context=min(desc.config.context_length, blocks // cfg.concurrency * cfg.block_size),
+        max_context=min(
+            desc.config.context_length, blocks // cfg.concurrency * cfg.engine.block_size
+        ),
         max_concurrency=blocks // per_seq,
         model_path=desc.source,
         unused_devices=tuple(
             d.id for d in devices if d.id not in used_ids and d.id != _host_id(setup)
         ),
         notes=_notes(stages, devices, cfg, _host_id(setup)),
+        in_process=cfg.in_process,
         experts_in_ram=setup.costs[0].ram_experts,
         expert_device=_host_id(setup),
         expert_ram_bytes=int(setup.costs[0].ram_expert_bytes()),
@@ -409,13 +315,13 @@ def _build(setup: _Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
     )
 
 
-def _host_id(setup: _Setup) -> str:
+def _host_id(setup: Setup) -> str:
     host = setup.costs[0].expert_host
     return "" if host is None or not setup.costs[0].ram_experts else host.dev.id
 
 
 def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) -> StagePlan:
-    per_block = kv_token_bytes(desc, s.kv_dtype) * s.n_layers * cfg.block_size
+    per_block = kv_token_bytes(desc, s.kv_dtype) * s.n_layers * cfg.engine.block_size
     return replace(s, num_kv_blocks=blocks, kv_bytes=blocks * per_block)
 
 
@@ -441,6 +347,6 @@ def _notes(
             "it (a pipeline only adds hand-offs); a higher --concurrency may use them"
         )
     asked = {s.kv_dtype for s in stages}
-    if cfg.kv_dtype in ("auto", "fp8") and "fp16" in asked:
+    if cfg.engine.kv_dtype in ("auto", "fp8") and "fp16" in asked:
         notes.append("fp16 KV where the device has no FP8 hardware (CPU, CUDA below 8.9)")
     return tuple(notes)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetero.config import check_cpu_moe
+from hetero.config import RuntimeConfig, check_cpu_moe
 from hetero.engine.config import EngineConfig
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
@@ -35,15 +35,16 @@ class PlanConfig:
         (None: the model's context length, at most DEFAULT_CONTEXT_CAP).
     prompt_len / output_len: the workload whose TTFT and decode speed are predicted (decode
         reads prompt_len + output_len / 2 tokens of context on average).
+    engine: the engine the plan is for: its KV dtype (engine/config.py's kv_dtype_rule, as
+        the engine applies it per device), block size, KV share of the free memory, batch
+        limits, and CUDA graphs (enforce_eager: decode steps pay the host's launch time;
+        cuda_graph_max_tokens: prompt chunks of up to that many tokens replay graphs).
     weights: "auto" (per device the fastest mode that fits, CPUs choosing among exact modes),
-        or a RuntimeConfig weights mode to force everywhere it applies.
-    kv_dtype: "auto" (fp8 where the device has FP8 hardware, else fp16, as the engine picks) or
-        fp8/fp16/bf16/fp32; fp8 asked of a GPU without FP8 falls back to fp16.
-    enforce_eager: plan for an engine run with --enforce-eager (no CUDA graphs: decode steps
-        pay the host's launch time).
-    cuda_graph_max_tokens: the engine's option of that name: prompt chunks of up to this many
-        tokens (and within cuda_graph.PROMPT_ROW_CONTEXT) replay graphs instead of running
-        eagerly.
+        or a RuntimeConfig weights mode to force everywhere it applies (or per device).
+    in_process: the stages run in one process, one after the other (a GPU's layers, then the
+        CPU's: the local executor's segments, llama.cpp's -ngl): no hand-offs between stage
+        processes and no micro-batches in flight; prompt steps of at least
+        `offload_min_tokens` tokens run the CPU's matmuls on the GPU, weights streamed.
     use_all_devices: give every device at least one layer (to test a split where one device
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
@@ -59,15 +60,11 @@ class PlanConfig:
     context: int | None = None
     prompt_len: int = 128
     output_len: int = 128
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    weights: str = "auto"
-    kv_dtype: str = "auto"
-    kv_memory_fraction: float = 0.9
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    weights: str = RuntimeConfig.weights
+    in_process: bool = False
+    offload_min_tokens: int = RuntimeConfig.offload_min_tokens
     use_all_devices: bool = False
-    enforce_eager: bool = False
-    cuda_graph_max_tokens: int = EngineConfig.cuda_graph_max_tokens
     margin: float = 0.05
     gpu_margin_bytes: int = 768 << 20
     cpu_margin_bytes: int = 2 << 30
@@ -76,16 +73,12 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         check_cpu_moe(self.cpu_moe, self.n_cpu_moe)
-        for name in ("concurrency", "prompt_len", "output_len", "block_size"):
+        for name in ("concurrency", "prompt_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.context is not None and self.context < 2:
             raise ValueError(f"context must be >= 2, got {self.context}")
-        if self.kv_dtype not in ("auto", "fp8", "fp16", "bf16", "fp32"):
-            raise ValueError(f"kv_dtype must be auto, fp8, fp16, bf16 or fp32: {self.kv_dtype!r}")
-        modes = ("auto", "dense", "quant", "fp16", "int4", "int8", "bf16", "qdot")
-        if self.weights not in modes:
-            raise ValueError(f"weights must be one of {', '.join(modes)}: {self.weights!r}")
+        RuntimeConfig(weights=self.weights)  # one mode, or DEVICE=MODE pairs: its own check
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
@@ -112,6 +105,7 @@ class StagePlan:
     activation_bytes: int = 0
     memory_budget: int = 0  # usable bytes after the safety margin
     kv_room_blocks: int = 0  # blocks this device alone could hold (the pool is the stages' min)
+    weights_reason: str = ""  # why this weights mode: asked, fastest that fits, or most compact
     single_step_s: float = 0.0  # one decode step of one sequence
     prefill_s: float = 0.0  # this stage's share of one prompt's prefill
     # A share of a GPU ("cuda:0@70%:32GB"): the torch device to run on, the SM percentage its
@@ -151,6 +145,7 @@ class Plan:
     expert_device: str = ""
     expert_ram_bytes: int = 0
     expert_bytes: int = 0  # all the experts' bytes (0: not a mixture-of-experts model)
+    in_process: bool = False  # the stages run one after the other in one process (segments)
     version: int = PLAN_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -205,15 +200,6 @@ def base_device(dev_id: str) -> str:
     """The device a stage runs on: "cuda:0" for the share "cuda:0@70%:32GB", "cpu" for "cpu#2"
     (the second stage of a CPU listed twice)."""
     return dev_id.split("@")[0].split("#")[0]
-
-
-def plan_devices(model_path: str | Path, devices: list[str], config: PlanConfig | None = None):
-    """The plan of a GGUF file over named devices of this machine (profiled on first use, then
-    cached): what a pipeline given --devices without a split starts from."""
-    from hetero.planner.model_desc import describe
-    from hetero.planner.resolve import resolve_devices
-
-    return plan(describe(str(model_path)), resolve_devices(devices), config or PlanConfig())
 
 
 def plan(model: ModelDesc, profiles: list[DeviceProfile], config: PlanConfig) -> Plan:

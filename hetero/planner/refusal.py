@@ -27,7 +27,9 @@ def explain(setup) -> str:
     if split is None:
         need = min(
             c.weights_bytes(0, n, True, True)
-            + c.activation_bytes(cfg.max_num_batched_tokens, cfg.max_num_seqs, True)
+            + c.activation_bytes(
+                cfg.engine.scheduler.max_num_batched_tokens, cfg.engine.scheduler.max_num_seqs, True
+            )
             for c in setup.costs
         )
         short = max(need - offered, 0.0)
@@ -37,19 +39,21 @@ def explain(setup) -> str:
             f"the safety margin ({names}): short by {short / GB:.2f} GB"
             + ("" if short else " (no contiguous split fits each device)")
         )
-    per_seq = -(-setup.context // cfg.block_size) * cfg.block_size
+    per_seq = -(-setup.context // cfg.engine.block_size) * cfg.engine.block_size
     need = sum(
         kv_token_bytes(desc, c.kv_dtype) * (b - a) * per_seq * cfg.concurrency
         for c, (a, b) in zip(setup.costs, split.ranges)
     )
-    blocks = setup.context // cfg.block_size
-    tokens = _largest(lambda k: _fits(setup, k, cfg.block_size)) * cfg.block_size
-    max_context = _largest(lambda k: _fits(setup, cfg.concurrency, k * cfg.block_size), blocks)
+    blocks = setup.context // cfg.engine.block_size
+    tokens = _largest(lambda k: _fits(setup, k, cfg.engine.block_size)) * cfg.engine.block_size
+    max_context = _largest(
+        lambda k: _fits(setup, cfg.concurrency, k * cfg.engine.block_size), blocks
+    )
     max_concurrency = _largest(lambda k: _fits(setup, k, setup.context))
     return (
         f"context {setup.context} x concurrency {cfg.concurrency} needs {need / GB:.2f} GB of KV; "
         f"after the weights at most {tokens} tokens fit ({names}): max context at concurrency "
-        f"{cfg.concurrency} is {max_context * cfg.block_size}, max concurrency at context "
+        f"{cfg.concurrency} is {max_context * cfg.engine.block_size}, max concurrency at context "
         f"{setup.context} is {max_concurrency}"
     )
 

@@ -20,7 +20,7 @@ def _stage_row(s) -> list[str]:
     return [
         s.device,
         f"{s.layer_start}-{s.layer_end - 1} ({s.n_layers})",
-        s.weights,
+        s.weights + (f" ({s.weights_reason})" if s.weights_reason else ""),
         f"{s.weight_bytes / GB:.2f}",
         str(s.num_kv_blocks),
         f"{s.kv_bytes / GB:.2f}",
@@ -42,6 +42,13 @@ def format_plan(p: Plan) -> str:
     ]
     rows = [_stage_row(s) for s in p.stages]
     lines = [f"plan for {p.model} ({p.n_layers} layers)", *_table(header, rows)]
+    if len(p.stages) > 1:
+        lines.append(
+            "runs in one process: each stage's layers in turn (prompt steps stream the CPU's "
+            "matmuls to the GPU)"
+            if p.in_process
+            else f"runs as a pipeline of {len(p.stages)} stage processes"
+        )
     lines += [
         f"single stream: {p.single_stream_tok_s:.1f} tok/s",
         f"concurrency {p.concurrency}: {p.aggregate_tok_s:.1f} tok/s aggregate "

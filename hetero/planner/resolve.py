@@ -11,53 +11,57 @@ The machine is measured only when a name refers to it, so a dry run over specs m
 from __future__ import annotations
 
 from collections import Counter
+from typing import Protocol
 
+import torch
+
+from hetero.config import device_key
 from hetero.planner.device import DeviceProfile
 from hetero.planner.plan import PlanError
 from hetero.planner.shares import derive_share, is_share, parse_share
+from hetero.planner.specs import load_spec
 
 
-class _Machine:
-    """This machine's profiles, measured (or read from the cache) on first use."""
-
-    def __init__(self, refresh: bool, progress: bool):
-        self.refresh, self.progress = refresh, progress
-        self._profiles: list[DeviceProfile] | None = None
+class Machine(Protocol):
+    """This machine's devices, as the profiler knows them (profiler/machine.py: ThisMachine)."""
 
     @property
     def profiles(self) -> list[DeviceProfile]:
-        if self._profiles is None:
-            from hetero.planner.profile import machine_profiles
-
-            self._profiles = machine_profiles(self.refresh, self.progress)
-        return self._profiles
+        """Measured profiles of the devices present (measured on first use, then cached)."""
 
     @property
     def present(self) -> list[str]:
         """Ids of the devices here now (enumerated, not measured)."""
-        from hetero.planner.profile import live_devices
 
-        return [d.id for d in live_devices()]
+    def shares(self) -> dict[str, DeviceProfile]:
+        """Measured shares of its GPUs (`hetero profile --share`), by share id."""
 
-    def get(self, dev_id: str) -> DeviceProfile | None:
-        if dev_id not in self.present:
-            return None
-        return next((p for p in self.profiles if p.id == dev_id), None)
+    def profiled_elsewhere(self, dev_id: str) -> DeviceProfile | None:
+        """A device of that id in a cached profile of another configuration of this machine."""
+
+
+def _get(machine: Machine | None, dev_id: str) -> DeviceProfile | None:
+    if dev_id not in _machine(machine, dev_id).present:
+        return None
+    return next((p for p in machine.profiles if p.id == dev_id), None)
+
+
+def _machine(machine: Machine | None, name: str) -> Machine:
+    if machine is None:
+        raise PlanError(f"{name} is a device of this machine: planning for it needs its profile")
+    return machine
 
 
 def _is_machine_name(name: str) -> bool:
     return name == "cpu" or name.startswith("cuda")
 
 
-def _machine_device(machine: _Machine, name: str) -> DeviceProfile:
-    from hetero.dist.stages import device_key
-    from hetero.planner.profile import profiled_elsewhere
-
+def _machine_device(machine: Machine | None, name: str) -> DeviceProfile:
     name = device_key(name)
-    found = machine.get(name)
+    found = _get(machine, name)
     if found is not None:
         return found
-    gone = profiled_elsewhere(name)
+    gone = machine.profiled_elsewhere(name)
     present = ", ".join(machine.present)
     if gone is not None:
         raise PlanError(
@@ -67,33 +71,27 @@ def _machine_device(machine: _Machine, name: str) -> DeviceProfile:
     raise PlanError(f"no device {name} on this machine (present: {present})")
 
 
-def _base(machine: _Machine, name: str) -> DeviceProfile:
+def _base(machine: Machine | None, name: str) -> DeviceProfile:
     if _is_machine_name(name):
         return _machine_device(machine, name)
-    from hetero.planner.specs import load_spec
-
     return load_spec(name)
 
 
-def _share(machine: _Machine, name: str) -> DeviceProfile:
+def _share(machine: Machine | None, name: str) -> DeviceProfile:
     share = parse_share(name)
     if _is_machine_name(share.base):
-        from hetero.planner.profile import cached_shares
-
-        measured = cached_shares().get(share.id)
+        measured = _machine(machine, name).shares().get(share.id)
         if measured is not None:
             free = _machine_device(machine, share.base).memory_free
             return measured.replace(memory_free=free)
     return derive_share(_base(machine, share.base), share)
 
 
-def resolve_devices(
-    names: list[str] | None, refresh: bool = False, progress: bool = True
-) -> list[DeviceProfile]:
-    """Profiles for `names` in the order given (None: every device of this machine)."""
-    machine = _Machine(refresh, progress)
+def resolve_devices(names: list[str] | None, machine: Machine | None = None) -> list[DeviceProfile]:
+    """Profiles for `names` in the order given (None: every device of `machine`). Datasheet
+    specs and their shares need no machine: a dry run over them measures nothing."""
     if not names:
-        return machine.profiles
+        return _machine(machine, "every device").profiles
     out = []
     for name in names:
         name = name.strip()
@@ -162,8 +160,6 @@ def shared_by(p: DeviceProfile, k: int) -> DeviceProfile:
     """One of k stage processes on device p: 1/k of its memory; on a CPU the pipeline gives each
     of the k processes threads // k of the threads the profile was measured with, on a GPU the k
     processes take turns (no MPS). Rates scale by that share; host overheads do not."""
-    import torch
-
     threads = torch.get_num_threads()
     f = max(1, threads // k) / threads if p.is_cpu else 1.0 / k
     matmul = {key: r.scaled(f, f) for key, r in p.matmul.items()}

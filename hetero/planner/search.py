@@ -88,12 +88,14 @@ def search(
     fits: Callable[[int, int, int], bool],
     stage_s: Callable[[int, int, int, int], float],
     use_all: bool = False,
+    max_micro: int | None = None,
 ) -> Split | None:
     """The split with the shortest cycle at `concurrency`, or None when no split fits
-    (`use_all`: only splits that give every device a layer)."""
+    (`use_all`: only splits that give every device a layer; `max_micro`: at most that many
+    micro-batches in flight, 1 where the stages run one after the other in one process)."""
     best_split: Split | None = None
     for k in range(n_dev if use_all else 1, n_dev + 1):
-        micro = min(concurrency, k)
+        micro = min(concurrency, k, max_micro or k)
         m = -(-concurrency // micro)
 
         def cost(i: int, a: int, b: int, m: int = m) -> float:

@@ -15,7 +15,7 @@ is derived from the whole GPU's profile:
 
 A measured share also records the fraction of the card's bandwidth its decode kernels draw alone
 (`with_bw_fraction`), which prices how shares of one card slow each other when their stages
-overlap (placement._Setup.contention); a derived share uses sqrt(s) there too.
+overlap (setup.Setup.contention); a derived share uses sqrt(s) there too.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def with_bw_fraction(share: DeviceProfile, machine: list[DeviceProfile]) -> Devi
     rate over its whole GPU's in `machine` (unchanged when that GPU or the rates are missing).
     On the H200 the 70% and 30% shares read 0.785 and 0.408 of the card this way (the copy:
     0.92 and 0.61; sqrt(share): 0.84 and 0.55): overlapped, the planner prices them 1.19x
-    slower than alone (placement._Setup.contention)."""
+    slower than alone (setup.Setup.contention)."""
     base = next((p for p in machine if p.id == parse_share(share.id).base), None)
     if base is None:
         return share

@@ -25,12 +25,22 @@ from hetero.planner.device import DeviceProfile, MatmulRate
 #   prefill: dequantize + cuBLAS at T = 512 / the measured matmul rate (54-57%)
 #   attention: KV bytes/s of the decode attention / copy bandwidth (torch reference path)
 # The CPU rows come from the 2-core development machine (BENCHMARKS.md, cpu_linear): fbgemm fp16
-# streams weights at ~60% of copy bandwidth at T = 1; fp32 MKL at ~80%.
+# streams weights at ~60% of copy bandwidth at T = 1; fp32 MKL at ~80%; the qdot kernels (GGUF
+# blocks times int8 activations, kernels/cpu_qdot.c) read at ~70% and multiply int8 at about
+# twice the fp32 rate (AVX2 maddubs; VNNI does more).
 ACHIEVED: dict[str, dict[str, float]] = {
     "cuda": dict(
         copy=0.9, quant_decode=0.5, dense_decode=0.8, matmul=0.8, prefill=0.55, attention=0.3
     ),
-    "cpu": dict(copy=0.7, fp16_decode=0.6, dense_decode=0.8, matmul=0.3, attention=0.15),
+    "cpu": dict(
+        copy=0.7,
+        fp16_decode=0.6,
+        qdot_decode=0.7,
+        qdot_prefill=2.0,
+        dense_decode=0.8,
+        matmul=0.3,
+        attention=0.15,
+    ),
 }
 # Host overheads of an engine step (scheduler, metadata, launches, small ops). Eager steps
 # (prefill; decode under --enforce-eager), from this project's engine on the H200: 40 tok/s for
@@ -117,6 +127,7 @@ def from_spec(dev_id: str, spec: dict[str, Any]) -> DeviceProfile:
 def _matmul(kind: str, ach: dict, copy: float, flops: float, spec: dict) -> dict[str, MatmulRate]:
     if kind == "cpu":
         return {
+            "qdot": MatmulRate("cpu-qdot", copy * ach["qdot_decode"], flops * ach["qdot_prefill"]),
             "fp16": MatmulRate("fbgemm-fp16", copy * ach["fp16_decode"], flops),
             "dense": MatmulRate("torch", copy * ach["dense_decode"], flops),
         }

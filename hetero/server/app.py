@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -22,11 +23,14 @@ SERVER_KEYS = (
     "port",
     "api_key",
     "served_model_name",
+    "aliases",
+    "strict_model_name",
     "max_request_bytes",
     "shutdown_grace",
     "log_level",
     "engine_process",
     "stream_interval_ms",
+    "embedding_model",
 )
 
 
@@ -54,6 +58,19 @@ class AutoOrMs(click.ParamType):
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
 @click.option("--served-model-name", default=None, help="model name for clients (default: file)")
+@click.option(
+    "--alias",
+    "aliases",
+    multiple=True,
+    help="another name the model answers to, listed in /v1/models (repeatable)",
+)
+@click.option(
+    "--strict-model-name/--no-strict-model-name",
+    default=False,
+    show_default=True,
+    help="refuse (404) requests naming another model; by default any name is served by the one "
+    "model loaded",
+)
 @click.option(
     "--config",
     "config_path",
@@ -99,6 +116,13 @@ class AutoOrMs(click.ParamType):
     "in one event (0: each engine step's tokens at once; auto: 0 while at most 8 requests run, "
     "20 ms beyond, so that HTTP keeps up with a fast engine at many streams)",
 )
+@click.option(
+    "--embedding-model",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="GGUF that answers /v1/embeddings (default: the served model), loaded in the server "
+    "process on the same device",
+)
 @engine_options
 @click.pass_context
 def serve_cli(ctx: click.Context, config_path: str | None, **values) -> None:
@@ -129,10 +153,10 @@ def serve_cli(ctx: click.Context, config_path: str | None, **values) -> None:
 
 def _serve(model_path, server: dict, engine_options: dict) -> int:
     # torch and the engine load here, once the command line is known to be good.
-    from hetero.llm import build_configs
+    from hetero.factory import LaunchConfig
     from hetero.server.daemon import serve
     from hetero.server.state import ServerSettings
 
-    engine_config, runtime = build_configs(**engine_options)
-    settings = ServerSettings(model_path, **server, engine_config=engine_config, runtime=runtime)
+    launch = LaunchConfig.from_options(**engine_options)
+    settings = ServerSettings(model_path, **server, launch=launch)
     return asyncio.run(serve(settings))

@@ -23,6 +23,8 @@ import aiohttp
 import click
 
 from hetero.bench import BenchResult, Timeline
+from hetero.gguf_loader import load_gguf
+from hetero.models import resolve_model
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict, line: Timeline) -> None:
@@ -141,8 +143,6 @@ def main(
 ) -> None:
     """Throughput and TTFT of the daemon at URL; MODEL (default: the default model) gives the
     vocabulary size for the random prompts."""
-    from hetero.gguf_loader import load_gguf
-    from hetero.models import resolve_model
 
     vocab = load_gguf(resolve_model(model)).config.vocab_size
     if warmup:

@@ -19,7 +19,13 @@ except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard libra
 
 
 def _kind_ok(param: click.Parameter, value: Any) -> bool:
-    """TOML already types its values: require the one the option takes (no "8" for 8)."""
+    """TOML already types its values: require the one the option takes (no "8" for 8); a
+    repeatable option takes an array of them."""
+    if getattr(param, "multiple", False):
+        if not isinstance(value, list):
+            return False
+        single = click.Option(["--x"], type=param.type)
+        return all(_kind_ok(single, v) for v in value)
     t = param.type
     kinds = getattr(t, "toml_kinds", None)  # an option's own type that takes several
     if kinds is not None:

@@ -18,12 +18,14 @@ import sys
 
 from aiohttp import web
 
-from hetero.server import infill, openai_api
+from hetero.server import anthropic_api, embeddings, infill, openai_api, tokenize
+from hetero.server.anthropic_protocol import error_body as anthropic_error
 from hetero.server.protocol import ApiError, error_body
-from hetero.server.state import STATE, ServerSettings, ServerState
+from hetero.server.state import STATE, ServerSettings, ServerState, add_ignored_header
 
 log = logging.getLogger("hetero.server")
-PROTECTED = ("/v1/", "/infill")
+# Everything but /health and /metrics needs the key; the API answers with and without /v1.
+PUBLIC = ("/health", "/metrics")
 DRAIN_TAIL_S = 10.0  # after the grace period: time for handlers to tell their clients why
 # With the engine on a thread (--no-engine-process), it and the event loop share the GIL. With
 # Python's default 5 ms switch interval a thread that wants it back (the loop with tokens to send,
@@ -33,7 +35,11 @@ DRAIN_TAIL_S = 10.0  # after the grace period: time for handlers to tell their c
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def _error_response(status: int, message: str, code: str | int | None = None) -> web.Response:
+def _error_response(
+    request: web.Request, status: int, message: str, code: str | int | None = None
+) -> web.Response:
+    if request.path.startswith(anthropic_api.PATHS):  # Anthropic's clients read its shape
+        return web.json_response(anthropic_error(status, message), status=status)
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return web.json_response(error_body(message, kind, None, code), status=status)
 
@@ -53,23 +59,26 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
         return response
     except ApiError as e:
         status = e.status
-        response = web.json_response(e.body(), status=e.status)
+        if request.path.startswith(anthropic_api.PATHS):
+            response = _error_response(request, e.status, e.message)
+        else:
+            response = web.json_response(e.body(), status=e.status)
         if e.status == 401:
             response.headers["WWW-Authenticate"] = "Bearer"
         return response
     except web.HTTPRequestEntityTooLarge as e:
         status = e.status
         limit = request.app[STATE].settings.max_request_bytes
-        return _error_response(413, f"the request body is larger than {limit} bytes", 413)
+        return _error_response(request, 413, f"the request body is larger than {limit} bytes", 413)
     except web.HTTPException as e:  # routing: 404, 405
         status = e.status
-        return _error_response(e.status, f"{e.reason}: {request.method} {request.path}")
+        return _error_response(request, e.status, f"{e.reason}: {request.method} {request.path}")
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away (nginx's code for it)
         raise
     except Exception:
         log.exception("error while serving %s %s", request.method, request.path)
-        return _error_response(500, "internal server error (see the server's log)")
+        return _error_response(request, 500, "internal server error (see the server's log)")
     finally:
         request.app[STATE].metrics.http[(_endpoint(request), status)] += 1
 
@@ -77,7 +86,7 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     key = request.app[STATE].settings.api_key
-    if key and request.path.startswith(PROTECTED):
+    if key and request.path not in PUBLIC:
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else None
         given = given or request.headers.get("X-Api-Key")
@@ -110,13 +119,20 @@ def create_app(state: ServerState) -> web.Application:
         client_max_size=state.settings.max_request_bytes,
     )
     app[STATE] = state
+    app.on_response_prepare.append(add_ignored_header)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", openai_api.models)
-    app.router.add_get("/v1/models/{model:.+}", openai_api.model)  # names may hold slashes
-    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
-    app.router.add_post("/v1/completions", openai_api.completions)
+    for prefix in ("/v1", ""):  # clients configured with a base URL without /v1 work too
+        app.router.add_get(f"{prefix}/models", openai_api.models)
+        app.router.add_get(f"{prefix}/models/{{model:.+}}", openai_api.model)  # names hold "/"
+        app.router.add_post(f"{prefix}/chat/completions", openai_api.chat_completions)
+        app.router.add_post(f"{prefix}/completions", openai_api.completions)
+        app.router.add_post(f"{prefix}/embeddings", embeddings.embeddings)
+        app.router.add_post(f"{prefix}/messages", anthropic_api.messages)
+        app.router.add_post(f"{prefix}/messages/count_tokens", anthropic_api.count_tokens)
     app.router.add_post("/infill", infill.infill)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     return app
 
 

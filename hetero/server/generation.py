@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from hetero.engine.async_engine import AsyncEngine, Pace
-from hetero.engine.engine import TokenLogprob
-from hetero.engine.output import TextStream
+from hetero.engine.output import TokenLogprob
+from hetero.frontdoor.thread import AsyncEngine, Pace
 from hetero.sampling import SamplingParams
 from hetero.server.metrics import Metrics, SequenceClock
+from hetero.text_stream import TextStream
 
 
 @dataclass

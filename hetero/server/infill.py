@@ -27,12 +27,11 @@ from hetero.server.protocol import (
     Field,
     bad,
     check_fields,
-    check_model,
     context_error,
     make_params,
 )
 from hetero.server.sse import EventStream, first_event, stopped_message
-from hetero.server.state import STATE, read_body
+from hetero.server.state import STATE, ignore_fields, read_body
 from hetero.tokenizer import FimTokens
 
 INFILL_FIELDS: dict[str, Field] = {
@@ -226,8 +225,8 @@ def indent_cut(text: str, n_indent: int) -> int | None:
 async def infill(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request)
-    check_fields(body, INFILL_FIELDS)
-    check_model(body, state.served_name)
+    ignore_fields(request, check_fields(body, INFILL_FIELDS))
+    state.model_for(body)
     engine, ae = state.require_ready()
     tok = ae.tokenizer
     require_fim(tok)

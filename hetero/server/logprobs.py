@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from hetero.engine.engine import TokenLogprob
+from hetero.engine.output import TokenLogprob
 
 FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this for impossible tokens
 

@@ -1,10 +1,9 @@
 """The server's metrics in Prometheus' text format (exposition format 0.0.4).
 
 Counters and histograms are updated on the event loop's thread only (handlers), so they need no
-lock. Gauges of the engine (queue, KV blocks, prefix cache) are rendered from the engine's
-objects where the engine runs, when /metrics is scraped (`engine_gauge_lines`): on the engine
-thread's objects (plain integer reads, which it may change a moment later but never leaves torn),
-or in the engine process, which sends the lines back (core_process.py).
+lock. The engine's own gauges (queue, KV blocks, tiers, steps, speculation) are a snapshot the
+engine takes where it runs when /metrics is scraped (Engine.gauges, an EngineGauges); this module
+only formats them (`engine_lines`).
 """
 
 from __future__ import annotations
@@ -13,10 +12,8 @@ import bisect
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hetero.engine.engine import Engine
+from hetero.engine.stats import EngineGauges, TierGauges
 
 # Seconds. TTFT spans queueing and prefill (long on a CPU); ITL is one decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -66,8 +63,8 @@ class Metrics:
         self.prefix_queries += prompt_tokens
         self.prefix_hits += cached_tokens
 
-    def render(self, engine_lines: list[str] | None, status: str) -> str:
-        """The whole page; `engine_lines` from `engine_gauge_lines` (None: no engine yet)."""
+    def render(self, engine: EngineGauges | None, status: str) -> str:
+        """The whole page; `engine`: the engine's gauges (None: no engine yet)."""
         lines: list[str] = []
         add = _Writer(lines)
         add.gauge(
@@ -102,7 +99,8 @@ class Metrics:
         add.histogram("hetero_inter_token_latency_seconds", "time between tokens", self.itl)
         add.histogram("hetero_e2e_request_latency_seconds", "whole request latency", self.e2e)
         self._prefix_cache(add)
-        lines += engine_lines or []
+        if engine is not None:
+            lines += engine_lines(engine)
         return "\n".join(lines) + "\n"
 
     def _prefix_cache(self, add: _Writer) -> None:
@@ -120,52 +118,46 @@ class Metrics:
         add.gauge("hetero_prefix_cache_hit_rate", "hits / queries since start", [("", rate)])
 
 
-def engine_gauge_lines(engine: Engine) -> list[str]:
-    """The engine's gauges and counters in the exposition format (run where the engine is)."""
+def engine_lines(g: EngineGauges) -> list[str]:
+    """The engine's gauges and counters in the exposition format."""
     lines: list[str] = []
-    _engine_gauges(_Writer(lines), engine)
+    add = _Writer(lines)
+    add.gauge("hetero_num_requests_waiting", "sequences queued", [("", g.waiting)])
+    add.gauge("hetero_num_requests_running", "sequences running", [("", g.running)])
+    add.counter("hetero_num_preemptions_total", "preemptions", [("", g.preemptions)])
+    # the pool on the model's device; the RAM/disk tiers add their own rows
+    tier = f'tier="{g.pool_tier}"'
+    total, used = g.blocks_total, g.blocks_total - g.blocks_free
+    add.gauge("hetero_kv_blocks_total", "KV blocks in the pool", [(tier, total)])
+    add.gauge("hetero_kv_blocks_used", "KV blocks held by requests", [(tier, used)])
+    add.gauge(
+        "hetero_kv_blocks_cached",
+        "free KV blocks still holding a cached prefix",
+        [(tier, g.blocks_cached)],
+    )
+    add.gauge("hetero_kv_cache_usage_ratio", "share of the pool held by requests",
+              [(tier, used / total)])  # fmt: skip
+    if g.tiers is not None:
+        _tier_lines(add, g.tiers)
+    add.counter("hetero_engine_steps_total", "engine steps", [("", g.steps)])
+    add.counter("hetero_engine_tokens_total", "tokens computed by steps", [("", g.tokens)])
+    add.counter("hetero_engine_busy_seconds_total", "time in steps", [("", g.busy_s)])
+    # the other steps ran prompt tokens (prefill chunks, alone or beside decodes)
+    add.counter("hetero_engine_decode_steps_total", "decode-only steps", [("", g.decode_steps)])
+    add.counter(
+        "hetero_engine_decode_seconds_total", "time in decode-only steps", [("", g.decode_s)]
+    )
+    add.counter(
+        "hetero_engine_graph_steps_total", "steps replayed from CUDA graphs", [("", g.graph_steps)]
+    )
+    add.counter("hetero_engine_restarts_total", "executor restarts after a failure",
+                [("", g.restarts)])  # fmt: skip
+    _speculation(add, g.spec_proposed, g.spec_accepted)
     return lines
 
 
-def _engine_gauges(add: _Writer, engine: Engine) -> None:
-    sched, bm = engine.scheduler, engine.block_manager
-    add.gauge("hetero_num_requests_waiting", "sequences queued", [("", sched.num_waiting)])
-    add.gauge("hetero_num_requests_running", "sequences running", [("", sched.num_running)])
-    add.counter("hetero_num_preemptions_total", "preemptions", [("", sched.num_preemptions)])
-    # One tier today: the pool on the model's device. The RAM/disk tiers add their own rows.
-    tier = f'tier="{"gpu" if str(engine.runtime.device).startswith("cuda") else "cpu"}"'
-    total, free, cached = bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks
-    add.gauge("hetero_kv_blocks_total", "KV blocks in the pool", [(tier, total)])
-    add.gauge("hetero_kv_blocks_used", "KV blocks held by requests", [(tier, total - free)])
-    add.gauge(
-        "hetero_kv_blocks_cached", "free KV blocks still holding a cached prefix", [(tier, cached)]
-    )
-    add.gauge(
-        "hetero_kv_cache_usage_ratio",
-        "share of the pool held by requests",
-        [(tier, (total - free) / total)],
-    )
-    if engine.kv_tiers is not None:
-        _tier_gauges(add, engine)
-    stats = engine.stats
-    add.counter("hetero_engine_steps_total", "engine steps", [("", stats.steps)])
-    add.counter("hetero_engine_tokens_total", "tokens computed by steps", [("", stats.tokens)])
-    add.counter("hetero_engine_busy_seconds_total", "time in steps", [("", stats.busy_s)])
-    # the other steps ran prompt tokens (prefill chunks, alone or beside decodes)
-    add.counter("hetero_engine_decode_steps_total", "decode-only steps", [("", stats.decode[0])])
-    add.counter(
-        "hetero_engine_decode_seconds_total", "time in decode-only steps", [("", stats.decode[2])]
-    )
-    add.counter(
-        "hetero_engine_graph_steps_total", "steps replayed from CUDA graphs", [("", stats.graphed)]
-    )
-    _speculation(add, engine)
-
-
-def _speculation(add: _Writer, engine: Engine) -> None:
+def _speculation(add: _Writer, proposed: int, accepted: int) -> None:
     """Speculative decoding's guesses (zeros when it is off)."""
-    spec = getattr(engine, "spec", None)
-    proposed, accepted = (0, 0) if spec is None else (spec.proposed, spec.accepted)
     add.counter("hetero_spec_proposed_tokens_total", "tokens guessed", [("", proposed)])
     add.counter(
         "hetero_spec_accepted_tokens_total", "guessed tokens the model accepted", [("", accepted)]
@@ -174,23 +166,21 @@ def _speculation(add: _Writer, engine: Engine) -> None:
     add.gauge("hetero_spec_acceptance_rate", "accepted / proposed since start", [("", rate)])
 
 
-def _tier_gauges(add: _Writer, engine: Engine) -> None:
-    """The RAM and disk tiers of the KV cache (kv_tiers.py): size, hits, moves, restore time."""
-    tiers, plan = engine.kv_tiers.tiers, engine.kv_tiers.plan
-    st = tiers.stats
-    rows = [('tier="ram"', len(tiers.ram))]
-    totals = [('tier="ram"', plan.ram_slots)]
-    if tiers.disk is not None:
-        rows.append(('tier="disk"', len(tiers.disk)))
-        totals.append(('tier="disk"', tiers.disk.cap_files))
+def _tier_lines(add: _Writer, t: TierGauges) -> None:
+    """The RAM and disk tiers of the KV cache: size, hits, moves, restore time."""
+    rows = [('tier="ram"', t.ram_blocks)]
+    totals = [('tier="ram"', t.ram_slots)]
+    if t.disk_blocks is not None:
+        rows.append(('tier="disk"', t.disk_blocks))
+        totals.append(('tier="disk"', t.disk_slots))
     add.gauge("hetero_kv_tier_blocks_total", "KV blocks a lower tier can hold", totals)
     add.gauge("hetero_kv_tier_blocks_cached", "KV blocks a lower tier holds", rows)
     add.counter(
         "hetero_kv_tier_hits_total",
         "prefix-hit blocks served, by the tier they were in",
-        [(f'tier="{t}"', n) for t, n in sorted(st.hits.items())],
+        [(f'tier="{k}"', n) for k, n in sorted(t.hits.items())],
     )
-    moves = sorted(st.bytes_moved.items())
+    moves = sorted(t.bytes_moved.items())
     add.counter(
         "hetero_kv_tier_bytes_moved_total",
         "KV bytes copied between tiers",
@@ -199,16 +189,16 @@ def _tier_gauges(add: _Writer, engine: Engine) -> None:
     add.counter(
         "hetero_kv_tier_blocks_moved_total",
         "KV blocks copied between tiers",
-        [(f'direction="{d}"', st.blocks_moved[d]) for d, _ in moves],
+        [(f'direction="{d}"', t.blocks_moved[d]) for d, _ in moves],
     )
     add.counter(
         "hetero_kv_tier_dropped_blocks_total",
         "evicted KV blocks no lower tier could take",
-        [("", st.dropped)],
+        [("", t.dropped)],
     )
-    add.counter("hetero_kv_restores_total", "prefix restores finished", [("", st.restores)])
+    add.counter("hetero_kv_restores_total", "prefix restores finished", [("", t.restores)])
     add.counter(
-        "hetero_kv_restore_seconds_total", "time restores took, summed", [("", st.restore_s)]
+        "hetero_kv_restore_seconds_total", "time restores took, summed", [("", t.restore_s)]
     )
 
 

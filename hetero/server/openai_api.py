@@ -13,34 +13,36 @@ from typing import Any
 
 from aiohttp import web
 
-from hetero.chat_template import ChatTemplateError
 from hetero.server import logprobs as lp
-from hetero.server.generation import Event, Job
+from hetero.server.chat_request import chat_prompt, openai_input
+from hetero.server.chat_response import chat_body, finished_or_503, stream_chat
+from hetero.server.generation import Job
 from hetero.server.infill import fim_prompt
 from hetero.server.protocol import (
     CHAT_FIELDS,
     CHAT_UNSUPPORTED,
     COMPLETION_FIELDS,
-    MAX_PROMPTS,
-    ApiError,
     bad,
     check_fields,
     check_model,
+    check_structured_outputs,
     include_usage,
     make_params,
+    prompt_list,
     resolve_max_tokens,
     sampling_kwargs,
 )
 from hetero.server.sse import EventStream, engine_errors, first_event, stopped_message
-from hetero.server.state import STATE, ServerState, read_body
+from hetero.server.state import STATE, ServerState, ignore_fields, read_body
+from hetero.structured_outputs import StructuredOutputsParams
 
 # -- /v1/models ----------------------------------------------------------------------------------
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     engine, _ = state.require_ready()
     return {
-        "id": state.served_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "hetero",
@@ -50,14 +52,18 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    """GET /v1/models: one card per name the model answers to (its own, then --alias names)."""
+    state = request.app[STATE]
+    cards = [_model_card(state, name) for name in state.model_names]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}: the served model's card, or OpenAI's 404."""
+    """GET /v1/models/{model}: the card of a served name, or OpenAI's 404 (a card is a claim that
+    the name exists, so this is strict whatever --strict-model-name says)."""
     state = request.app[STATE]
-    check_model({"model": request.match_info["model"]}, state.served_name)
-    return web.json_response(_model_card(state))
+    name = check_model({"model": request.match_info["model"]}, state.model_names, strict=True)
+    return web.json_response(_model_card(state, name))
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
@@ -72,20 +78,18 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return top or 0
 
 
-def _json_mode(body: dict[str, Any]) -> bool:
-    """Whether `response_format` asks for JSON: `text`; `json_object` under OpenAI's rules; or
-    `json_schema`, of which the output's being one JSON object is enforced, not the schema's
-    properties. JSON output is grammar-constrained (engine/json_mask.py) and ends with its object.
-    """
+def _response_format(body: dict[str, Any]) -> StructuredOutputsParams | None:
+    """What `response_format` asks for: `text` (nothing); `json_object` under OpenAI's rules;
+    `json_schema`, whose schema the output is held to. The output is grammar-constrained
+    (engine/grammar_mask.py) and ends with its JSON value."""
     fmt = body.get("response_format")
     if fmt is None:
-        return False
+        return None
     kind = fmt.get("type")
     if kind == "text":
-        return False
+        return None
     if kind == "json_schema":
-        _check_json_schema(fmt.get("json_schema"))
-        return True
+        return StructuredOutputsParams(json=_json_schema(fmt.get("json_schema")))
     if kind != "json_object":
         raise bad(
             f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
@@ -99,152 +103,86 @@ def _json_mode(body: dict[str, Any]) -> bool:
             "of type 'json_object'.",
             param="messages",
         )
-    return True
+    return StructuredOutputsParams(json_object=True)
 
 
-def _check_json_schema(spec: Any) -> None:
+def _json_schema(spec: Any) -> dict | bool:
     param = "response_format.json_schema"
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise bad(f"'{param}' must be an object with a string 'name'", param=param)
     schema = spec.get("schema", {})
-    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+    if not isinstance(schema, (dict, bool)):
+        raise bad(f"'{param}.schema' must be a JSON Schema (an object)", param=param)
+    return schema
+
+
+async def _check_constraint(state: ServerState, kw: dict[str, Any], param: str) -> None:
+    """Compile the request's constraint off the loop (a large schema takes milliseconds)."""
+    so = kw.get("structured_outputs")
+    if so is not None:
+        await state.off_loop(check_structured_outputs, so, param)
+
+
+async def _constrain(
+    state: ServerState,
+    body: dict[str, Any],
+    kw: dict[str, Any],
+    forced: StructuredOutputsParams | None,
+) -> None:
+    """The chat's output constraint: `response_format`, vLLM's `structured_outputs`, or the
+    grammar of a call that `tool_choice` forces (at most one of them)."""
+    so = _response_format(body)
+    if so is not None and "structured_outputs" in kw:
         raise bad(
-            f"'{param}.schema' must describe an object (type 'object'): the output is "
-            "constrained to one JSON object",
-            param=param,
+            "give 'response_format' or 'structured_outputs', not both", param="response_format"
         )
-
-
-def _chat_prompt(tokenizer, messages: list, add_generation_prompt: bool) -> list[int]:
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except ChatTemplateError as e:
-        raise bad(str(e), param="messages") from e
-    return tokenizer.encode(text)
+    kw["structured_outputs"] = so or kw.get("structured_outputs")
+    param = "response_format" if so else "structured_outputs"
+    if forced is not None:
+        if kw["structured_outputs"] is not None:
+            raise bad(
+                f"tool_choice {body['tool_choice']!r} forces a tool call, whose arguments follow "
+                f"the tool's schema; '{param}' cannot constrain the same answer",
+                param=param,
+            )
+        kw["structured_outputs"], param = forced, "tools"
+    await _check_constraint(state, kw, param)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request)
-    check_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
-    check_model(body, state.served_name)
+    ignored = check_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
+    model = state.model_for(body)
     engine, ae = state.require_ready()
     kw = sampling_kwargs(body)
     logprobs = _chat_logprobs(body)
     if logprobs is not None:
         kw["logprobs"] = logprobs
-    add_prompt = body.get("add_generation_prompt")
-    add_prompt = True if add_prompt is None else add_prompt
+    chat = openai_input(body)
     # the template's rendering checks the messages, before JSON mode reads their content
-    ids = await state.off_loop(_chat_prompt, ae.tokenizer, body["messages"], add_prompt)
-    if _json_mode(body):
-        kw["json_object"] = True
+    prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat)
+    ignore_fields(request, ignored + chat.ignored)
+    if prompt.special_tokens and body.get("skip_special_tokens") is None:
+        kw["skip_special_tokens"] = False  # the format's markers are control tokens
+    await _constrain(state, body, kw, prompt.constraint)
     param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     max_tokens = resolve_max_tokens(
-        body.get(param), len(ids), engine.max_model_len, state.pool_tokens,
+        body.get(param), len(prompt.ids), engine.max_model_len, state.pool_tokens,
         requested_param=param,
     )  # fmt: skip
     params = make_params(kw, max_tokens)
-    job = Job(ae, ae.tokenizer, state.metrics, [ids], params, "chatcmpl", state.pace)
+    job = Job(ae, ae.tokenizer, state.metrics, [prompt.ids], params, "chatcmpl", state.pace)
     with state.in_flight():
         if body.get("stream"):
-            return await _stream_chat(request, state, job, include_usage(body), logprobs)
+            usage = include_usage(body)
+            return await stream_chat(request, state, job, usage, logprobs, prompt.format, model)
         with engine_errors():
             await job.run()
-        return web.json_response(_chat_body(state, job, logprobs))
-
-
-def _finished_or_503(job: Job) -> None:
-    if job.error is not None:
-        tokens = job.usage().completion_tokens
-        raise ApiError(503, stopped_message(job.error, tokens), code="aborted")
-
-
-def _chat_body(state: ServerState, job: Job, logprobs: int | None) -> dict[str, Any]:
-    _finished_or_503(job)
-    tok = state.tokenizer
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.stream.out.text},
-            "logprobs": lp.chat(tok, c.stream.out.logprobs) if logprobs is not None else None,
-            "finish_reason": c.stream.out.finish_reason,
-        }
-        for c in job.choices
-    ]
-    return {
-        "id": job.id,
-        "object": "chat.completion",
-        "created": job.created,
-        "model": state.served_name,
-        "choices": choices,
-        "usage": job.usage().body(),
-    }
-
-
-async def _stream_chat(
-    request: web.Request, state: ServerState, job: Job, usage: bool, logprobs: int | None
-) -> web.StreamResponse:
-    head = {
-        "id": job.id,
-        "object": "chat.completion.chunk",
-        "created": job.created,
-        "model": state.served_name,
-    }
-    tok = state.tokenizer
-    started: set[int] = set()
-
-    def chunk(index: int, delta: dict, event: Event | None) -> dict[str, Any]:
-        logs = lp.chat(tok, event.logprobs) if event and logprobs is not None else None
-        reason = event.finish_reason if event else None
-        choice = {"index": index, "delta": delta, "logprobs": logs, "finish_reason": reason}
-        return {**head, "choices": [choice]}
-
-    async with aclosing(job.events()) as events:
-        event = await first_event(events)
-        sse = await EventStream.open(request)
-        while event is not None:
-            if event.error:
-                await sse.send_error(stopped_message(event.error, job.usage().completion_tokens))
-                return await sse.done()
-            if event.index not in started:
-                started.add(event.index)
-                await sse.send(chunk(event.index, {"role": "assistant", "content": ""}, None))
-            if event.delta or event.finish_reason or (logprobs is not None and event.logprobs):
-                delta = {"content": event.delta} if event.delta else {}
-                await sse.send(chunk(event.index, delta, event))
-            event = await anext(events, None)
-    if usage:
-        await sse.send({**head, "choices": [], "usage": job.usage().body()})
-    return await sse.done()
+        return web.json_response(chat_body(state, job, logprobs, prompt.format, model))
 
 
 # -- /v1/completions -----------------------------------------------------------------------------
-
-
-def _prompt_list(prompt: Any, vocab_size: int) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes -> a list of prompts, each a string or token ids."""
-    if isinstance(prompt, str):
-        items: list = [prompt]
-    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise bad("'prompt' must not be empty", param="prompt")
-    if len(items) > MAX_PROMPTS:
-        raise bad(f"at most {MAX_PROMPTS} prompts are allowed in one request", param="prompt")
-    for p in items:
-        ok_ids = isinstance(p, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
-        )
-        if not (isinstance(p, str) or ok_ids) or (isinstance(p, list) and not p):
-            raise bad(
-                "'prompt' must be a string, an array of strings, or (arrays of) token ids in "
-                f"[0, {vocab_size})",
-                param="prompt",
-            )
-    return items
 
 
 def _encode_prompts(tokenizer, items: Sequence[str | list[int]], suffix: str | None) -> list:
@@ -274,15 +212,16 @@ def _completion_checks(body: dict[str, Any]) -> None:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request)
-    check_fields(body, COMPLETION_FIELDS)
-    check_model(body, state.served_name)
+    ignore_fields(request, check_fields(body, COMPLETION_FIELDS))
+    model = state.model_for(body)
     engine, ae = state.require_ready()
     _completion_checks(body)
     kw = sampling_kwargs(body)
     if body.get("logprobs") is not None:
         kw["logprobs"] = body["logprobs"]
+    await _check_constraint(state, kw, "structured_outputs")
     tok = ae.tokenizer
-    items = _prompt_list(body["prompt"], tok.vocab_size)
+    items = prompt_list(body["prompt"], tok.vocab_size)
     prompts = await state.off_loop(_encode_prompts, tok, items, body.get("suffix"))
     requested = body.get("max_tokens") or 16  # the legacy API's default
     limits = (engine.max_model_len, state.pool_tokens)
@@ -295,18 +234,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = [_echo_text(tok, p) for p in items] if body.get("echo") else None
     with state.in_flight():
         if body.get("stream"):
-            return await _stream_completion(request, state, job, echo, include_usage(body))
+            usage = include_usage(body)
+            return await _stream_completion(request, state, job, echo, usage, model)
         with engine_errors():
             await job.run()
-        return web.json_response(_completion_body(state, job, echo))
+        return web.json_response(_completion_body(state, job, echo, model))
 
 
 def _echo_text(tokenizer, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-def _completion_body(state: ServerState, job: Job, echo: list[str] | None) -> dict[str, Any]:
-    _finished_or_503(job)
+def _completion_body(
+    state: ServerState, job: Job, echo: list[str] | None, model: str
+) -> dict[str, Any]:
+    finished_or_503(job)
     tok = state.tokenizer
     choices = []
     for c in job.choices:
@@ -325,20 +267,25 @@ def _completion_body(state: ServerState, job: Job, echo: list[str] | None) -> di
         "id": job.id,
         "object": "text_completion",
         "created": job.created,
-        "model": state.served_name,
+        "model": model,
         "choices": choices,
         "usage": job.usage().body(),
     }
 
 
 async def _stream_completion(
-    request: web.Request, state: ServerState, job: Job, echo: list[str] | None, usage: bool
+    request: web.Request,
+    state: ServerState,
+    job: Job,
+    echo: list[str] | None,
+    usage: bool,
+    model: str,
 ) -> web.StreamResponse:
     head = {
         "id": job.id,
         "object": "text_completion",
         "created": job.created,
-        "model": state.served_name,
+        "model": model,
     }
     tok = state.tokenizer
     offsets = {c.index: len(echo[c.prompt]) if echo else 0 for c in job.choices}

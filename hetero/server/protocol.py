@@ -1,13 +1,16 @@
 """Request validation for the OpenAI-compatible API, and OpenAI's JSON error shape.
 
 Every body is checked against a table of the fields an endpoint knows before anything runs:
-types (null is accepted for every optional field, as OpenAI does), OpenAI's ranges, fields
-OpenAI would reject ("Unrecognized request argument supplied"), and fields OpenAI knows but this
-server does not implement (a clear 400 instead of silently different behaviour). The vLLM
+types (null is accepted for every optional field, as OpenAI does) and OpenAI's ranges. Fields the
+table does not know are accepted and ignored, as vLLM and llama.cpp do (clients add fields with
+every release: `verbosity`, `cache_prompt` ...): `check_fields` returns their names, which the
+server logs once and names in the `X-Hetero-Ignored-Fields` response header. Fields that would
+change the output in a way this server cannot honour (audio, web search) are a clear 400. The vLLM
 extensions `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens` and `include_stop_str_in_output` are accepted too (clients pass them as
-`extra_body`). Range checks that `SamplingParams` already makes stay there; its ValueError,
-which names the field, becomes a 400 with that field as `param`.
+`extra_body`), and so are vLLM's `min_tokens` and `structured_outputs` (json, json_object, regex,
+choice or grammar: hetero.structured_outputs). Range checks that `SamplingParams` already makes
+stay there; its ValueError, which names the field, becomes a 400 with that field as `param`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetero.sampling import MAX_LOGPROBS, SamplingParams
+from hetero.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's bound on n
 MAX_STOP = 64  # IDE clients send many stop strings; bound the work they ask for
@@ -81,6 +85,7 @@ _KIND_NAMES = {
     "stop": "a string or an array of strings",
     "prompt": "a string, an array of strings, an array of token ids or an array of arrays of ids",
     "int_array": "an array of integers",
+    "tool_choice": "a string ('none', 'auto' or 'required') or an object",
 }
 
 
@@ -107,6 +112,8 @@ def _kind_ok(kind: str, v: object) -> bool:
         return isinstance(v, list) and all(_is_int(t) for t in v)
     if kind == "prompt":
         return isinstance(v, (str, list))  # the shape inside is checked by completion_prompts
+    if kind == "tool_choice":
+        return isinstance(v, (str, dict))  # the values are checked with the tools
     raise AssertionError(kind)
 
 
@@ -138,9 +145,11 @@ SAMPLING_FIELDS: dict[str, Field] = {
     "stop_token_ids": Field("int_array"),
     "skip_special_tokens": Field("boolean"),
     "include_stop_str_in_output": Field("boolean"),
+    "min_tokens": Field("integer", 0),
+    "structured_outputs": Field("object"),
 }
 # Fields of OpenAI's API that carry no meaning for one local model; accepted and not used.
-IGNORED = ("user", "service_tier", "store", "metadata", "parallel_tool_calls")
+IGNORED = ("user", "service_tier", "store", "metadata", "prediction")
 
 CHAT_FIELDS: dict[str, Field] = SAMPLING_FIELDS | {
     "messages": Field("array", required=True),
@@ -152,19 +161,22 @@ CHAT_FIELDS: dict[str, Field] = SAMPLING_FIELDS | {
     "service_tier": Field("string"),
     "store": Field("boolean"),
     "metadata": Field("object"),
+    "prediction": Field("object"),  # predicted outputs only speed OpenAI up; the text is the same
+    "tools": Field("array"),
+    "tool_choice": Field("tool_choice"),
     "parallel_tool_calls": Field("boolean"),
+    "reasoning_effort": Field("string"),
+    "chat_template_kwargs": Field("object"),
 }
-# OpenAI chat fields that would change the output in ways this server cannot honour.
+# Fields that would change the output in ways this server cannot honour: a 400, never ignored.
+UNSUPPORTED: tuple[str, ...] = ()
 CHAT_UNSUPPORTED = (
-    "tools",
-    "tool_choice",
-    "functions",
+    *UNSUPPORTED,
+    "functions",  # the deprecated form of tools: answered with function_call, not tool_calls
     "function_call",
     "audio",
-    "modalities",
-    "prediction",
+    "modalities",  # only ["text"] passes
     "web_search_options",
-    "reasoning_effort",
 )
 
 COMPLETION_FIELDS: dict[str, Field] = SAMPLING_FIELDS | {
@@ -204,17 +216,20 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 def check_fields(
-    body: Mapping[str, Any], table: Mapping[str, Field], unsupported: tuple[str, ...] = ()
-) -> None:
-    """Types, ranges, required and unknown fields of `body` against `table`."""
+    body: Mapping[str, Any], table: Mapping[str, Field], unsupported: tuple[str, ...] = UNSUPPORTED
+) -> list[str]:
+    """Types, ranges and required fields of `body` against `table`; returns the names of the
+    fields the table does not know (accepted and ignored)."""
+    ignored = []
     for key, value in body.items():
         if key in unsupported:
-            if value is None or value == [] or (key == "tool_choice" and value == "none"):
+            if value is None or value == [] or (key == "modalities" and value == ["text"]):
                 continue
             raise bad(f"'{key}' is not supported by this server", param=key)
         spec = table.get(key)
         if spec is None:
-            raise bad(f"Unrecognized request argument supplied: {key}", param=key)
+            ignored.append(key)
+            continue
         if value is None:
             continue
         if not _kind_ok(spec.kind, value):
@@ -229,6 +244,7 @@ def check_fields(
     for key, spec in table.items():
         if spec.required and body.get(key) is None:
             raise bad(f"Missing required parameter: '{key}'.", param=key)
+    return ignored
 
 
 def _bounds(spec: Field) -> str:
@@ -242,16 +258,50 @@ def _bounds(spec: Field) -> str:
     return f"outside the range [{num(spec.lo)}, {num(spec.hi)}]"
 
 
-def check_model(body: Mapping[str, Any], served_name: str) -> None:
-    """`model` may be left out; when given it must name the served model (404 otherwise)."""
+def prompt_list(
+    value: Any, vocab_size: int, param: str = "prompt", limit: int = MAX_PROMPTS
+) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes (a string, strings, token ids, arrays of token ids) -> a list
+    of prompts, each a string or token ids (`prompt` of /v1/completions, `input` of
+    /v1/embeddings)."""
+    if isinstance(value, str):
+        items: list = [value]
+    elif value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        items = [value]
+    else:
+        items = list(value)
+    if not items:
+        raise bad(f"'{param}' must not be empty", param=param)
+    if len(items) > limit:
+        raise bad(f"at most {limit} prompts are allowed in '{param}'", param=param)
+    for p in items:
+        ok_ids = isinstance(p, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
+        )
+        if not (isinstance(p, str) or ok_ids) or (isinstance(p, list) and not p):
+            raise bad(
+                f"'{param}' must be a string, an array of strings, or (arrays of) token ids in "
+                f"[0, {vocab_size})",
+                param=param,
+            )
+    return items
+
+
+def check_model(body: Mapping[str, Any], names: tuple[str, ...], strict: bool = False) -> str:
+    """The name to answer with: the one asked for when it is one of the served `names` (the first
+    is the model's own, the others aliases), the model's own otherwise. Any name is served by the
+    one model loaded, as llama.cpp does, unless `strict` (then other names are OpenAI's 404)."""
     model = body.get("model")
-    if model is not None and model != served_name:
+    if model in names:
+        return model
+    if model is not None and strict:
         raise ApiError(
             404,
-            f"The model `{model}` does not exist. This server serves `{served_name}`.",
+            f"The model `{model}` does not exist. This server serves `{names[0]}`.",
             param="model",
             code="model_not_found",
         )
+    return names[0]
 
 
 # -- sampling parameters --------------------------------------------------------------------------
@@ -271,6 +321,7 @@ _PASSED = (
     "stop_token_ids",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "min_tokens",
 )
 
 
@@ -283,7 +334,9 @@ def sampling_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
         if len(kw["stop"]) > MAX_STOP:
             raise bad(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
     if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported by this server", param="logit_bias")
+        kw["logit_bias"] = _logit_bias(body["logit_bias"])
+    if body.get("structured_outputs") is not None:
+        kw["structured_outputs"] = _structured_outputs(body["structured_outputs"])
     options = body.get("stream_options")
     if options is not None:
         if not body.get("stream"):
@@ -295,6 +348,40 @@ def sampling_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
         if extra:
             raise bad(f"Unrecognized stream option: {sorted(extra)[0]}", param="stream_options")
     return kw
+
+
+def _logit_bias(bias: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON keys are strings) to biases; values are checked by
+    SamplingParams, ids against the vocabulary by the engine."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError as e:
+            msg = f"'logit_bias' keys must be token ids, got {key!r}"
+            raise bad(msg, param="logit_bias") from e
+    return out
+
+
+def _structured_outputs(spec: Mapping[str, Any]) -> StructuredOutputsParams:
+    unknown = set(spec) - {"json", "json_object", "regex", "choice", "grammar"}
+    if unknown:
+        raise bad(
+            f"Unrecognized structured_outputs field: {sorted(unknown)[0]}",
+            param="structured_outputs",
+        )
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as e:
+        raise bad(str(e), param="structured_outputs") from e
+
+
+def check_structured_outputs(so: StructuredOutputsParams, param: str) -> None:
+    """400 naming `param` when the constraint does not compile (a bad schema or grammar)."""
+    try:
+        so.check()
+    except ValueError as e:
+        raise bad(str(e), param=param) from e
 
 
 def include_usage(body: Mapping[str, Any]) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hetero.engine.async_engine import EngineDeadError
+from hetero.frontdoor.thread import EngineDeadError
 from hetero.server.generation import Event
 from hetero.server.protocol import ApiError, bad, error_body
 
@@ -40,6 +40,10 @@ class EventStream:
 
     async def send(self, obj: Any) -> None:
         await self.response.write(f"data: {dumps(obj)}\n\n".encode())
+
+    async def send_named(self, event: str, obj: Any) -> None:
+        """An event with a name line (Anthropic's streams name every event)."""
+        await self.response.write(f"event: {event}\ndata: {dumps(obj)}\n\n".encode())
 
     async def send_error(self, message: str, status: int = 503) -> None:
         """An error event (the OpenAI clients raise it as an APIError with this message)."""

@@ -1,9 +1,9 @@
 """What the daemon holds while it runs: settings, the engine (once loaded), metrics, counters.
 
-The engine runs either in its own process (core_client.EngineProcess: the engine's loop and the
-event loop each have an interpreter) or on a thread of this one (AsyncEngine). Both answer the
-same calls; handlers see `EngineInfo` (context length, pool size) and the tokenizer, which lives
-here in both cases: text stays at the edge.
+The engine runs either in its own process (frontdoor.client.EngineProcess: the engine's loop and
+the event loop each have an interpreter) or on a thread of this one (frontdoor.thread.AsyncEngine).
+Both are an EngineClient (frontdoor/protocol.py); handlers see `EngineInfo` (context length, pool
+size) and the tokenizer, which lives here in both cases: text stays at the edge.
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from hetero.config import RuntimeConfig
-from hetero.engine.async_engine import AsyncEngine
-from hetero.engine.config import EngineConfig
-from hetero.engine.core_client import EngineLoadError, EngineProcess
-from hetero.engine.core_wire import EngineInfo
-from hetero.engine.engine import Engine
+from hetero.engine.stats import EngineGauges
+from hetero.factory import LaunchConfig
+from hetero.frontdoor.client import EngineProcess
+from hetero.frontdoor.protocol import EngineClient, EngineLoadError
+from hetero.frontdoor.thread import AsyncEngine
+from hetero.frontdoor.wire import EngineInfo
+from hetero.launch import build_engine
 from hetero.server.metrics import Metrics
-from hetero.server.protocol import ApiError, parse_json
+from hetero.server.protocol import ApiError, check_model, parse_json
+from hetero.tokenizer import Tokenizer
 
 log = logging.getLogger("hetero.server")
 T = TypeVar("T")
@@ -41,11 +43,14 @@ class ServerSettings:
     port: int = 8080
     api_key: str | None = None
     served_model_name: str | None = None
+    # More names the model answers to (listed in /v1/models); with strict_model_name, a request
+    # naming any other model is a 404 (by default any name is served by the one model loaded).
+    aliases: tuple[str, ...] = ()
+    strict_model_name: bool = False
     max_request_bytes: int = 8 * 2**20
     shutdown_grace: float = 30.0
-    engine_config: EngineConfig = field(default_factory=EngineConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    # The engine in its own process (core_client.py) or on a thread of this one (AsyncEngine).
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    # The engine in its own process (frontdoor/client.py) or on a thread of this one.
     # The process is the default on every device: on the GPU it is what lets HTTP keep up with the
     # engine (the engine's step and the per-token HTTP work stop sharing one GIL); on a 2-core CPU
     # it measured as fast as the thread or a little faster, at the same CPU time per token.
@@ -53,10 +58,17 @@ class ServerSettings:
     # Milliseconds a stream waits after sending before it sends again (its tokens of that time go
     # as one event); None: auto (see ServerState.pace).
     stream_interval_ms: float | None = None
+    # A GGUF that answers /v1/embeddings in place of the served model (embeddings.OwnEmbedder).
+    embedding_model: Path | None = None
 
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model_path.stem
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The served name first, then the aliases (each once)."""
+        return tuple(dict.fromkeys((self.served_name, *self.aliases)))
 
 
 # --stream-interval-ms auto: every step's tokens go out at once while few requests stream; past
@@ -74,10 +86,12 @@ class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.served_name = settings.served_name
+        self.model_names = settings.model_names
         self.status = "loading"
         self.error: str | None = None
         self.engine: EngineInfo | None = None
-        self.ae: AsyncEngine | EngineProcess | None = None
+        self.ae: EngineClient | None = None
+        self.embedder = None  # embeddings.OwnEmbedder of --embedding-model, once loaded
         self.engine_died = asyncio.Event()  # the engine process ended without being asked
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -95,6 +109,13 @@ class ServerState:
                 await self._load_process()
             else:
                 await self._load_thread()
+            if self.settings.embedding_model is not None:
+                from hetero.server.embeddings import OwnEmbedder
+
+                s = self.settings
+                self.embedder = await asyncio.to_thread(
+                    OwnEmbedder, s.embedding_model, s.launch.runtime
+                )
         except Exception as e:
             named = isinstance(e, EngineLoadError)  # its message names the error already
             self.status, self.error = "failed", str(e) if named else f"{type(e).__name__}: {e}"
@@ -105,11 +126,9 @@ class ServerState:
     async def _load_process(self) -> None:
         """The engine loads in its process; the tokenizer meanwhile here (it reads the GGUF's
         metadata only)."""
-        from hetero.tokenizer import Tokenizer
-
         s = self.settings
         tokenizer = await asyncio.to_thread(Tokenizer.from_gguf, s.model_path)
-        self.ae = EngineProcess(s.model_path, s.engine_config, s.runtime, tokenizer, self._died)
+        self.ae = EngineProcess(s.model_path, s.launch, tokenizer, self._died)
         await self.ae.start()
 
     def _died(self, reason: str) -> None:
@@ -124,8 +143,8 @@ class ServerState:
         def work() -> None:
             try:
                 s = self.settings
-                engine = Engine(s.model_path, s.engine_config, s.runtime, progress=True)
-                engine.constraints.prepare()  # JSON mode's token tries, off the engine thread
+                engine = build_engine(s.model_path, s.launch, progress=True)
+                engine.constraints.warm()  # the grammars' vocabulary, off the engine thread
                 result: Any = engine
             except BaseException as e:  # reported to the loop, which fails the daemon
                 result = e
@@ -139,7 +158,7 @@ class ServerState:
 
     # -- serving -----------------------------------------------------------------------------
 
-    def require_ready(self) -> tuple[EngineInfo, AsyncEngine | EngineProcess]:
+    def require_ready(self) -> tuple[EngineInfo, EngineClient]:
         if self.status == "ready" and self.engine is not None and self.ae is not None:
             return self.engine, self.ae
         if self.status == "failed" and self.engine is not None:  # it was up: the engine died
@@ -159,18 +178,18 @@ class ServerState:
         """Tokens of KV one request can hold at most: the whole pool."""
         return self.engine.pool_tokens
 
-    async def engine_gauges(self) -> list[str] | None:
-        """The engine's /metrics lines (None before it is loaded or after it died)."""
+    async def engine_gauges(self) -> EngineGauges | None:
+        """The engine's gauges (None before it is loaded or after it died)."""
         if self.engine is None or self.ae is None:
             return None
-        return await self.ae.gauge_lines()
+        return await self.ae.gauges()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (chat templates, encoding) on the tokenizer threads."""
         return await asyncio.get_running_loop().run_in_executor(self.tok_pool, fn, *args)
 
     def pace(self) -> float:
-        """Seconds a stream waits after one event before it takes the next (async_engine.paced)."""
+        """Seconds a stream waits after one event before it takes the next (stream.paced)."""
         ms = self.settings.stream_interval_ms
         if ms is not None:
             return ms / 1e3
@@ -203,8 +222,33 @@ class ServerState:
             self.ae.close(timeout)
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
 
+    def model_for(self, body: dict[str, Any]) -> str:
+        """The name to answer `body` with (protocol.check_model: a 404 only under strict names)."""
+        return check_model(body, self.model_names, self.settings.strict_model_name)
+
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
+IGNORED_HEADER = "X-Hetero-Ignored-Fields"
+_logged_ignored: set[str] = set()
+
+
+def ignore_fields(request: web.Request, names: list[str]) -> None:
+    """Fields of the request that are accepted and not used: logged once per name for the life of
+    the server, and named in the answer's X-Hetero-Ignored-Fields header."""
+    if not names:
+        return
+    request["ignored_fields"] = names
+    new = [n for n in names if n not in _logged_ignored]
+    if new:
+        _logged_ignored.update(new)
+        log.info("ignoring request fields this server does not use: %s", ", ".join(new))
+
+
+async def add_ignored_header(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: streams send their headers before the handler returns."""
+    names = request.get("ignored_fields")
+    if names:
+        response.headers[IGNORED_HEADER] = ", ".join(names)
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from hetero.engine.spec.draft import DraftSpeculator
+from hetero.engine.spec.speculator import NgramSpeculator
+
 if TYPE_CHECKING:
-    from hetero.config import RuntimeConfig
-    from hetero.engine.engine import Engine
+    from hetero.engine.config import EngineConfig
+    from hetero.engine.executor import Executor, ExecutorInfo
     from hetero.engine.spec.adapt import AdaptConfig
-    from hetero.engine.spec.speculator import NgramSpeculator
 
 
 # "auto" guesses only while at most this many requests decode (engine/config.py says why)
@@ -30,42 +32,47 @@ SPEC_AUTO_MAX_DECODES = 4
 SPEC_CUDA_VERIFY_COST = {"quant": 1.55, "dense": 1.1}
 
 
-def verify_cost(runtime: RuntimeConfig) -> float:
+def verify_cost(info: ExecutorInfo) -> float:
     """A verify step's cost in plain steps where it matters (1.0: priced in proportion, as on a
     CPU, where a step's time grows with its rows and the acceptance rule alone decides)."""
-    if not runtime.device.startswith("cuda"):
+    if not info.device.startswith("cuda"):
         return 1.0
-    return SPEC_CUDA_VERIFY_COST.get(runtime.weights_mode(), 1.0)
+    return SPEC_CUDA_VERIFY_COST.get(info.weights, 1.0)
 
 
-def priced(adapt: AdaptConfig, runtime: RuntimeConfig) -> AdaptConfig:
+def priced(adapt: AdaptConfig, info: ExecutorInfo) -> AdaptConfig:
     """The per-request control for the engine's device: where a verify step costs more than a
     plain one but the same whatever its rows (CUDA: the tensor-core kernels take T = 3 .. 16 in
     the same time, and the graph bucket pads the rows anyway), guesses must pay for the step
     (min_gain) and a rejection does not shrink k (a shorter guess would save nothing)."""
-    cost = verify_cost(runtime)
+    cost = verify_cost(info)
     if cost <= 1.0:
         return adapt
     return replace(adapt, min_gain=cost - 1.0, k_min=adapt.k_max)
 
 
-def ngram_speculator(engine: Engine, max_decodes: int | None) -> NgramSpeculator:
-    """N-gram guesses, the control priced for the engine's device (priced)."""
-    from hetero.engine.spec.speculator import NgramSpeculator
-
-    spec = NgramSpeculator(engine.config.num_speculative_tokens)
+def ngram_speculator(
+    config: EngineConfig, info: ExecutorInfo, max_decodes: int | None
+) -> NgramSpeculator:
+    """N-gram guesses, the control priced for the executor's device (priced)."""
+    spec = NgramSpeculator(config.num_speculative_tokens)
     spec.max_decodes = max_decodes
-    spec.adapt = priced(spec.adapt, engine.runtime)
+    spec.adapt = priced(spec.adapt, info)
     return spec
 
 
-def make_speculator(engine: Engine):
-    """The speculator an engine's config asks for, or None when speculation is off."""
-    mode = engine.config.speculative
-    if mode == "off":
+def make_speculator(
+    config: EngineConfig, info: ExecutorInfo, params: dict, draft: Executor | None = None
+):
+    """The speculator the config asks for, or None when speculation is off or the executor
+    samples elsewhere (a pipeline samples in its last stage: plain decode steps there).
+    `params`: the engine's live map of request id -> SamplingParams; `draft`: the draft
+    model's executor (speculative "draft")."""
+    mode = config.speculative
+    if mode == "off" or info.samples:
         return None
     if mode in ("ngram", "auto"):
-        return ngram_speculator(engine, SPEC_AUTO_MAX_DECODES if mode == "auto" else None)
-    from hetero.engine.spec.draft import DraftSpeculator
-
-    return DraftSpeculator(engine)
+        return ngram_speculator(config, info, SPEC_AUTO_MAX_DECODES if mode == "auto" else None)
+    if draft is None:
+        raise ValueError("speculative 'draft' needs the draft model's executor")
+    return DraftSpeculator(config, draft, params)

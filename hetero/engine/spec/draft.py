@@ -20,18 +20,14 @@ from __future__ import annotations
 import torch
 
 from hetero.engine.block_manager import BlockManager
-from hetero.engine.kv_cache import KVPool, size_pool
+from hetero.engine.executor import Executor, Step
 from hetero.engine.request import Request
-from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.engine.spec.speculator import Speculator
 from hetero.engine.spec.verify import accept_draft, accept_sampled, draft_rule
-from hetero.model.llama import load_model
 from hetero.rng import gumbel, random_keys
 from hetero.sampling import make_batch
 from hetero.sampling_filters import probabilities
-
-DRAFT_KV_FRACTION = 0.1  # of the memory free after the draft's weights, before the target's KV
 
 
 def check_same_vocab(target_tok, draft_tok, draft_path: str) -> None:
@@ -50,25 +46,19 @@ def check_same_vocab(target_tok, draft_tok, draft_path: str) -> None:
 
 
 class DraftSpeculator(Speculator):
-    def __init__(self, engine) -> None:
-        from hetero.tokenizer import Tokenizer
-
-        cfg = engine.config
-        super().__init__(cfg.num_speculative_tokens)
-        gguf, self.model = load_model(cfg.draft_model, engine.runtime)
-        check_same_vocab(engine.tokenizer, Tokenizer.from_gguf(gguf.reader), cfg.draft_model)
-        n_layers, dev = len(self.model.layer_range), engine.runtime.device
-        size = size_pool(
-            gguf.config, n_layers, cfg.block_size, engine.kv_dtype, dev, DRAFT_KV_FRACTION
-        )
-        pool = KVPool(gguf.config, n_layers, size.num_blocks, cfg.block_size, engine.kv_dtype, dev)
-        self.bm = BlockManager(size.num_blocks, cfg.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, pool)
-        self.params = engine.params  # request id -> SamplingParams (the engine's live map)
+    def __init__(self, config, draft: Executor, params: dict) -> None:
+        """`draft`: the draft model's executor (one device, its own KV pool; hetero/launch.py
+        builds it and checks its vocabulary); `params`: the engine's live map of request id ->
+        SamplingParams."""
+        super().__init__(config.num_speculative_tokens)
+        self.draft = draft
+        self.bm = BlockManager(draft.info.num_blocks, config.block_size, False)
+        self.params = params
         self.mirrors: dict[str, Request] = {}
         self.q: dict[str, list[torch.Tensor]] = {}  # request id -> [V] draft distribution rows
-        self.gen = torch.Generator(device=dev)
-        self.gen.manual_seed(0 if cfg.seed is None else cfg.seed)
+        self.gen = torch.Generator(device=draft.info.device)
+        self.gen.manual_seed(0 if config.seed is None else config.seed)
+        self._steps = 0
 
     # -- proposing -------------------------------------------------------------------------------
 
@@ -113,7 +103,9 @@ class DraftSpeculator(Speculator):
             )
             for m in batch
         ]
-        logits, _ = self.runner.run(SchedulerOutput(sched))
+        self.draft.submit(Step(self._steps, SchedulerOutput(sched)))
+        self._steps += 1
+        logits = self.draft.collect().logits
         params = [self.params[m.request_id] for m in batch]
         state = make_batch(
             params,

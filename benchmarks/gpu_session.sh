@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# hetero and llama.cpp side by side on one CUDA machine, on the same files, in stages that each
+# fit a 10-minute slot (run them back to back while the machine is warm: the peer's build and the
+# model files stay in /tmp and bench_out/ between calls):
+#
+#   setup    start building llama.cpp's CUDA tools in the background (setsid: the build goes on
+#            after the call returns), install carried wheels, write the 8B files (hetero synth),
+#            the GPU tests of the split and the graphs
+#   gemv     the single-token GEMV suite (gpu_gemv_suite.sh): every Stream-K variant checked
+#            and timed, the winners a tuning table (bench_out/gemv/winners.json)
+#   peer     llama-bench on the same files: 8B Q4_K_M and Q6_K all on the GPU (pp512, tg128),
+#            Q4_K_M with 24 of 32 layers on the GPU (-ngl 24 -t 16), CPU only (-ngl 0 -t 16
+#            -nopo 1: its prompt on the CPU too); llama-batched-bench at 1/16/64 streams
+#   gpu      hetero on the GPU: decode 1 and 64 streams, prompt 512 (gpu_engine.py), without
+#            and with the gemv suite's table installed (the registry then picks Stream-K)
+#   split    hetero with 24 of 32 layers on the GPU, the rest on the CPU (-ngl 24, 16 threads):
+#            decode 1 stream, prompt 512, 16 streams aggregate
+#   cpu      hetero on the CPU alone, 16 threads: decode 1 stream, prompt 512
+#
+#   STAGES="setup peer" benchmarks/gpu_session.sh OUTDIR
+#       PY (python3); PEER_SRC (.peer/llama.cpp); Q4, Q6 (bench_out/llama3-8b-{q4_k_m,q6_k}.gguf)
+#
+# Every stage has a timeout; a stage that fails is reported and the next runs. Logs and JSON go to
+# OUTDIR; the last lines printed are a summary of each stage.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench_out/session}
+PY=${PY:-python3}
+STAGES=${STAGES:-setup}
+PEER_SRC=${PEER_SRC:-.peer/llama.cpp}
+BUILD=/tmp/llbuild
+Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
+Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
+mkdir -p "$OUT" bench_out
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+
+stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
+  local name=$1 secs=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (TIMED OUT)')"
+}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+bench() { "$PY" -m hetero.cli bench "$@" --speculative off --num-kv-blocks 4096; }
+rows() { grep -E "^(random|output|TTFT|ITL|KV|ceilings|decode|prefill|a decode|kernels)" "$1" \
+  || tail -5 "$1"; }
+
+if has setup; then
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
+  lscpu | grep -E "^(Model name|CPU\(s\)|Flags)" | cut -c1-160
+  if [ ! -x "$BUILD/bin/llama-bench" ]; then
+    setsid bash -c "cmake -S $PEER_SRC -B $BUILD -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \
+      && cmake --build $BUILD -j16 --target llama-bench llama-batched-bench" \
+      >/tmp/llbuild.log 2>&1 < /dev/null &
+    echo "peer build started in the background (/tmp/llbuild.log)"
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+  stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
+    --quant q4_k_m; [ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b --quant q6_k"
+  ls -la bench_out/*.gguf
+  stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/execution/test_segments.py tests/execution/test_cuda_graph.py
+  tail -3 "$OUT/gpu_tests.log"
+fi
+
+if has gemv; then
+  STAGES=suite BUDGET=${BUDGET:-240} bash benchmarks/gpu_gemv_suite.sh bench_out/gemv | tail -40
+  cp bench_out/gemv/*.json bench_out/gemv/suite.log "$OUT/" 2>/dev/null
+fi
+
+if has peer; then
+  for _ in $(seq 60); do [ -x "$BUILD/bin/llama-batched-bench" ] && break; sleep 5; done
+  tail -2 /tmp/llbuild.log
+  LB="$BUILD/bin/llama-bench -r 3 -o json"
+  stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_split 200 $LB -m "$Q4" -ngl 24 -t 16 -fa 1 -p 512 -n 128
+  stage peer_cpu 240 $LB -m "$Q4" -ngl 0 -t 16 -nopo 1 -p 512 -n 64
+  stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
+    -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,16,64
+  for f in peer_gpu_q4 peer_gpu_q6 peer_split peer_cpu; do
+    "$PY" -c "import json,sys; [print('$f', r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1))
+      for r in json.load(open('$OUT/$f.log'))]" 2>/dev/null || tail -3 "$OUT/$f.log"
+  done
+  grep -E "^\|" "$OUT/peer_batched.log" | tail -5
+fi
+
+if has gpu; then
+  TABLE=kernels/gemv_tuning_$("$PY" -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())").json
+  WINNERS=${WINNERS:-bench_out/gemv/winners.json}
+  for run in base sk; do
+    if [ $run = sk ]; then [ -f "$WINNERS" ] || continue; cp "$WINNERS" "$TABLE"; fi
+    prefill=""; [ $run = base ] && prefill=512
+    stage gpu_${run}_q4 200 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1,64 \
+      --prefill "$prefill" --json "$OUT/gpu_${run}_q4.json"
+    rows "$OUT/gpu_${run}_q4.log"
+    stage gpu_${run}_q6 150 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill "" \
+      --json "$OUT/gpu_${run}_q6.json"
+    rows "$OUT/gpu_${run}_q6.log"
+    rm -f "$TABLE"  # a table is checked in by a commit, not left behind by a benchmark
+  done
+fi
+
+if has split; then
+  stage split_1 240 bench "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 --input-len 512 \
+    --output-len 128
+  rows "$OUT/split_1.log"
+  stage split_16 200 bench "$Q4" --device cuda -ngl 24 --threads 16 -c 16 -n 16 \
+    --input-len 128 --output-len 64
+  rows "$OUT/split_16.log"
+fi
+
+if has cpu; then
+  stage cpu_1 300 bench "$Q4" --device cpu --threads 16 -c 1 -n 2 --input-len 512 \
+    --output-len 64
+  rows "$OUT/cpu_1.log"
+fi

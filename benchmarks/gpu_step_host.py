@@ -1,0 +1,159 @@
+"""Where a decode step's time goes outside the kernels: the host's share of each step, phase by
+phase, against the device's time.
+
+    python benchmarks/gpu_step_host.py MODEL.gguf [--batches 1,64] [--steps 50] [--context 512]
+        [--json OUT.json]
+
+BENCHMARKS.md's profile put ~0.8 ms of the 4.7 ms batch-1 Q4_K_M step (Llama-3-8B) outside the
+kernels. Two things sit there: the gaps between the ~440 kernels the decode graph replays (a
+graph node's launch latency, ~1-2 us each), and the host's serial work between replays, while
+the GPU idles: the scheduler, filling the graph's static buffers (tensors built on the host and
+copied to the device one by one), the sampler (its per-step parameter tensors, a copy each),
+`.tolist()` (the step's one sync) and the postprocessing.
+
+This wraps the engine's phases with timers (the engine's code is not changed): host seconds of
+each phase (perf_counter), and device seconds of the graph replay and of the sampler (CUDA
+events). Per batch size it prints the median of each over --steps decode steps:
+
+    wall              engine.step(), synced
+    graph_gpu         the decode graph's device time (its kernels and the gaps between them)
+    host phases       schedule, fill (static buffers), replay (the launch call), sample_host
+                      (make_batch, the sampler's launches, tolist), update
+    exposed           wall - graph_gpu - sampler_gpu: what the GPU spends idle each step
+
+Compare graph_gpu with gpu_step_profile.py's kernel sum to split in-graph gaps from kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_step_profile import to_decode  # noqa: E402
+
+from hetero.config import RuntimeConfig  # noqa: E402
+from hetero.engine import engine as engine_mod  # noqa: E402
+from hetero.engine import step_sampling  # noqa: E402
+from hetero.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
+from hetero.engine.engine import Engine  # noqa: E402
+from hetero.factory import LaunchConfig  # noqa: E402
+from hetero.launch import build_engine  # noqa: E402
+
+
+class PhaseTimer:
+    """Host seconds of wrapped calls, and device seconds between recorded event pairs."""
+
+    def __init__(self) -> None:
+        self.host: dict[str, list[float]] = defaultdict(list)
+        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
+
+    def wrap(self, owner, attr: str, name: str, device_time: bool = False) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            pair = None
+            if device_time:
+                pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                pair[0].record()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.host[name].append(time.perf_counter() - t0)
+            if pair is not None:
+                pair[1].record()
+                self.events[name].append(pair)
+            return out
+
+        setattr(owner, attr, timed)
+
+    def device(self, name: str) -> list[float]:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in self.events[name]]
+
+    def clear(self) -> None:
+        self.host.clear()
+        self.events.clear()
+
+
+def instrument(engine: Engine, timer: PhaseTimer) -> None:
+    runner = engine.executor.runner
+    graphs = runner.graphs
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.scheduler, "update", "update")
+    timer.wrap(engine_mod, "sample_logits", "sample_host")
+    timer.wrap(engine, "sampler", "sampler", device_time=True)  # (a call, not a method lookup)
+    timer.wrap(step_sampling, "make_batch", "make_batch")
+    timer.wrap(step_sampling, "sampled_lists", "tolist")
+    if graphs is None:
+        timer.wrap(runner, "run", "eager_forward", device_time=True)
+        return
+    timer.wrap(graphs, "_fill", "fill")
+    for g in graphs.graphs.values():  # each bucket's graph: its launch and device time
+        timer.wrap(g, "replay", "replay", device_time=True)
+
+
+def measure(
+    engine: Engine, timer: PhaseTimer, batch: int, context: int, steps: int
+) -> dict[str, float]:
+    to_decode(engine, batch, context)
+    timer.clear()
+    walls = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    med = {"wall": statistics.median(walls)}
+    for name, vals in timer.host.items():
+        med[name] = statistics.median(vals)
+    for name in timer.events:
+        med[name + "_gpu"] = statistics.median(timer.device(name))
+    gpu = med.get("replay_gpu", med.get("eager_forward_gpu", 0.0)) + med.get("sampler_gpu", 0.0)
+    med["exposed"] = med["wall"] - gpu
+    for r in list(engine.scheduler.running):
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--kv-dtype", default="fp8", choices=["fp8", "fp16", "bf16"])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    sched = SchedulerConfig(
+        max_num_seqs=max(batches), max_num_batched_tokens=2048,
+        max_model_len=args.context + 64 + 2 * args.steps + 16,
+    )  # fmt: skip
+    cfg = EngineConfig(
+        kv_dtype=args.kv_dtype, scheduler=sched, enable_prefix_caching=False, speculative="off"
+    )  # fmt: skip
+    rt = RuntimeConfig(device="cuda", weights="quant")
+    engine = build_engine(args.model, LaunchConfig(cfg, rt))
+    timer = PhaseTimer()
+    instrument(engine, timer)
+    results = {}
+    for b in batches:
+        med = measure(engine, timer, b, args.context, args.steps)
+        results[b] = med
+        print(f"B={b}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""What the engine counts, and the snapshot of it that /metrics shows.
+
+`EngineStats` is updated once per step. `EngineGauges` is a plain snapshot of the engine's
+queues, KV pool and counters, taken where the engine runs (its thread or its process) and sent
+to the server, which only formats it (server/metrics.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EngineStats:
+    """Counters the bench and the server's /metrics read.
+
+    Decode-only steps are also counted apart, plain ones and verify ones (some request carried
+    guesses; rows: tokens computed), so a benchmark can price a verify step against a plain one.
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+        self.busy_s = 0.0
+        self.decode = [0, 0, 0.0]  # plain decode steps: steps, rows, seconds
+        self.verify = [0, 0, 0.0]  # decode steps with guesses: steps, rows, seconds
+        self.graphed = 0  # steps run through the CUDA graphs' static buffers (cuda_graph.py)
+
+    def record(self, out, seconds: float, graphed: bool = False) -> None:
+        self.steps += 1
+        self.graphed += graphed
+        self.tokens += out.num_batched_tokens
+        self.busy_s += seconds
+        sched = out.scheduled
+        if all(s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids) for s in sched):
+            kind = self.verify if any(s.spec_ids for s in sched) else self.decode
+            kind[0] += 1
+            kind[1] += out.num_batched_tokens
+            kind[2] += seconds
+
+
+@dataclass(frozen=True)
+class TierGauges:
+    """The RAM and disk tiers of the KV cache (kv_tiers/): size, hits, moves, restore time."""
+
+    ram_blocks: int
+    ram_slots: int
+    disk_blocks: int | None  # None: no disk tier
+    disk_slots: int | None
+    hits: dict[str, int]  # tier -> prefix-hit blocks served from it
+    bytes_moved: dict[str, int]  # direction -> bytes
+    blocks_moved: dict[str, int]  # direction -> blocks
+    dropped: int
+    restores: int
+    restore_s: float
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    waiting: int
+    running: int
+    preemptions: int
+    pool_tier: str  # "gpu" | "cpu": where the KV pool is
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    steps: int
+    tokens: int
+    busy_s: float
+    decode_steps: int
+    decode_s: float
+    graph_steps: int
+    spec_proposed: int
+    spec_accepted: int
+    restarts: int = 0
+    tiers: TierGauges | None = None

@@ -1,0 +1,339 @@
+"""CUDA graphs for decode steps (and short prompt chunks): captured once per batch size at
+start, replayed per step.
+
+A decode step of a small batch launches a few hundred kernels whose work is microseconds each;
+the host, not the GPU, would bound it. Captured, the step is one graph launch.
+
+A graph replays fixed shapes from fixed addresses, so the step's inputs live in static buffers
+sized for the largest captured batch:
+
+    tokens, positions, slots [Bmax] int64; block_tables [Bmax, max_blocks] int32;
+    seq_lens [Bmax] int32; q_start_loc [Bmax + 1] int32 (0, 1, 2, ...: one query a sequence)
+
+A step of n rows runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
+largest captured); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and seq_len 0
+(attention gives 0), their logits dropped. Steps with more rows than the largest bucket, a
+context past max_blocks or prompt rows past PROMPT_ROW_CONTEXT (below) run eagerly.
+
+A speculative verify step (engine/spec/) fits too: a decode with guesses g_1 .. g_k at position p
+is k + 1 rows, each a one-query decode of the same sequence:
+
+    row i (0 <= i <= k)   token t_i (t_0 the last known token, then the guesses)
+                          position p + i, slot of p + i, the request's block table,
+                          seq_len p + i + 1
+
+Each layer writes the KV of all rows (kv_write, one launch) before any row attends (the attention
+launch after it), so row i attends over the prefix and t_0 .. t_i: exactly the causal attention
+the eager step's prefill kernel gives the k + 1 queries. Its logits rows come back in that order,
+what spec/verify.py reads.
+
+Prompt chunks fit the same way (max_rows > max_batch adds larger buckets for them): a chunk of
+m prompt tokens at positions p .. p + m - 1 is m one-query rows with seq_len p + i + 1, so a step
+that admits a few short prompts beside running decodes (or one prompt of up to max_rows tokens)
+replays a graph instead of paying an eager step's host launches (~0.5 ms a layer on the H200: a
+mixed step cost ten decode steps). In the buckets past max_batch (those only prompt rows reach)
+the rows of a chunk attend in tiles of row_tile rows (paged_meta.RowTiles: decode_lens and
+tile_lens [Bmax], two more static buffers), each tile reading its keys once, as the eager prefill
+kernel reads them for a tile of queries; elsewhere each row reads its whole context. A step fits
+only while its prompt rows read at most PROMPT_ROW_CONTEXT row-positions in all (a 512-token
+prompt alone: 5k in tiles, 131k row by row); longer contexts (a chunk after a long cached
+prefix) run eagerly, where their device work outweighs the launches anyway.
+Only the rows that produce a token reach the output projection: their indices go in one more
+static buffer, logit_rows [L] (L = min(bucket, max_batch), padding rows pointing at row 0).
+
+A pipeline stage after the first starts from the previous stage's hidden states, so it has one
+more static buffer, hidden [Bmax, C]; a stage before the last returns its hidden states [n, C]
+instead of logits (the model's layer range decides both). Sending and receiving them stay
+outside the graph.
+
+Without capture (a CPU, or graphs turned off) `run` takes the same static-buffer path eagerly:
+that is how the padding and bucketing are tested on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hetero.execution.kv_pool import KVPool
+from hetero.execution.paged_meta import (
+    ROW_TILE,
+    RowTiles,
+    TensorMeta,
+    decode_slots_from_tables,
+    split_row_tiles,
+)
+from hetero.execution.runner import PagedAttention, PagedMeta
+from hetero.kernels import select
+from hetero.kernels.registry import chosen as chosen_kernels
+from hetero.model.forward_batch import ForwardBatch
+from hetero.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+MAX_SPEC_ROWS = 64  # graph rows speculation may add beyond max_num_seqs (graph_rows)
+PROMPT_ROW_CONTEXT = 1 << 18  # row-positions a step's prompt rows may read in a graph (fits)
+
+
+def batch_buckets(max_batch: int, max_rows: int = 0) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself: [1, 2, 4, ..., max_batch]; then, for
+    steps with prompt rows, the powers of two past it up to max_rows, and max_rows itself."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    top = max(max_batch, max_rows)
+    return sorted({*(1 << i for i in range(top.bit_length()) if 1 << i < top), max_batch, top})
+
+
+def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int = 0) -> int:
+    """Rows of the largest graph: one per sequence; with speculation (spec_tokens guesses at most
+    a request), room for a few requests' guesses too where max_num_seqs alone leaves little,
+    within the step's token budget and at most MAX_SPEC_ROWS (graphs cost capture time and
+    memory; the scheduler's default of 256 sequences already leaves 256 rows)."""
+    rows = max_num_seqs
+    if spec_tokens:
+        rows = max(rows, min(max_num_seqs * (1 + spec_tokens), MAX_SPEC_ROWS))
+    return min(rows, max(max_num_batched_tokens, max_num_seqs))
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds n sequences (None: more than the largest)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def _is_decode(s: ScheduledRequest) -> bool:
+    """One known token (the last), then any guesses: a row each, no prefill chunk."""
+    return s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids)
+
+
+def chunk_row_context(m: float, p: float, tile: int = 1) -> float:
+    """Row-positions a chunk of m prompt tokens after p cached ones reads as one-query rows:
+    p + 1, p + 2, ... p + m (the planner asks with average chunk sizes). With its rows in tiles
+    of `tile` (paged_meta.RowTiles), each tile reads up to its last row's context once, and the
+    chunk's first tile - 1 rows read their own (the most that can share a tile with other rows:
+    the chunk starting one row past a tile's start)."""
+    if tile <= 1:
+        return m * p + m * (m + 1) / 2
+    lead = min(m, tile - 1)
+    n = math.ceil((m - lead) / tile)  # tiles; the last one ends at the chunk's last row
+    tiles = n * p + (n - 1) * lead + tile * n * (n - 1) / 2 + m if n else 0
+    return chunk_row_context(lead, p) + tiles
+
+
+def prompt_row_context(sched: list[ScheduledRequest], tile: int = 1) -> float:
+    """Row-positions the prompt rows of a step read as one-query rows (in tiles of `tile`)."""
+    return sum(
+        chunk_row_context(s.num_new_tokens, s.start_pos, tile) for s in sched if not _is_decode(s)
+    )
+
+
+def _check_kernels(device: torch.device) -> bool:
+    """Whether attention is the reference (which reads per-position slots, derived here from the
+    tables). Other kernels must read the tensor metadata and skip slot -1 (the Triton ones do);
+    a kernel that reads the host lists would see none and attend to nothing."""
+    for op in ("paged_attention", "kv_write"):
+        impl = select(op, device)
+        if not (impl.is_reference or impl.name == "triton"):
+            raise ValueError(
+                f"{op} kernel {impl.name!r} reads host lists: the static decode buffers need "
+                "the Triton kernels or the references"
+            )
+    return select("paged_attention", device).is_reference
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: KVPool,
+        max_batch: int,
+        max_model_len: int,
+        max_rows: int = 0,
+        row_tile: int = ROW_TILE,
+    ):
+        """max_batch: the most rows that produce a token (sequences, plus guesses); max_rows:
+        the most rows of a step with prompt chunks (0: decode steps only); row_tile: rows of a
+        prompt chunk that attend together in the buckets past max_batch (paged_meta.RowTiles)."""
+        self.model, self.pool = model, pool
+        self.device = pool.k.device
+        self.max_batch = max_batch
+        self.buckets = batch_buckets(max_batch, max_rows)
+        self.block_size = pool.block_size
+        self.max_blocks = -(-max_model_len // pool.block_size)
+        bmax, dev = self.buckets[-1], self.device
+        self.tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.slots = torch.full((bmax,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(bmax, self.max_blocks, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
+        self.row_tile = row_tile
+        self.decode_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)  # RowTiles
+        self.tile_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
+        self.q_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
+        self.logit_rows = torch.arange(max_batch, dtype=torch.long, device=dev)
+        self.hidden = None  # [Bmax, C]: the previous stage's activations (a later stage only)
+        if not model.is_first:
+            dtype = model.runtime.torch_dtype()
+            self.hidden = torch.zeros(bmax, model.config.d_model, dtype=dtype, device=dev)
+        self.scale = model.config.head_dim**-0.5
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._ref_attention = _check_kernels(self.device)
+        self.steps = 0  # steps run through the static buffers (replayed or not)
+        self.rows_run = 0  # their rows (sequences, guesses, prompt tokens)
+        self.prompt_steps = 0  # those of them with prompt rows
+        self.tiled_rows = 0  # prompt rows that attended in row tiles
+
+    def fits(self, out: SchedulerOutput) -> bool:
+        """A step these buffers hold: decodes (each one known token, plus its guesses) and prompt
+        chunks, within the largest bucket, the logits rows, the block table and the prompt rows'
+        context budget."""
+        sched, cap = out.scheduled, self.max_blocks * self.block_size
+        n = sum(s.num_new_tokens for s in sched)
+        if not 0 < n <= self.buckets[-1]:
+            return False
+        if any(s.start_pos + s.num_new_tokens > cap for s in sched):
+            return False
+        producing = sum(1 + len(s.spec_ids) for s in sched if s.produces_token)
+        b = bucket_for(n, self.buckets)
+        return producing <= self._logit_count(b) and (
+            prompt_row_context(sched, self._tile(b)) <= PROMPT_ROW_CONTEXT
+        )
+
+    def _tile(self, b: int) -> int:
+        """Rows a prompt chunk attends in together in bucket b (1: each row alone)."""
+        return self.row_tile if b > self.max_batch else 1
+
+    def _logit_count(self, b: int) -> int:
+        """Rows of a bucket that reach the output projection (padding included)."""
+        return min(b, self.max_batch)
+
+    def run(
+        self, sched: list[ScheduledRequest], hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [N, V] float32 of the rows that produce a token (one a decoding sequence or a
+        finished prompt, 1 + k for one that speculates k tokens), in the order of `sched`; a
+        pipeline stage before the last gets its hidden states [n, C] of all n rows instead, and
+        a later stage passes the previous one's `hidden`."""
+        n = sum(s.num_new_tokens for s in sched)
+        b = bucket_for(n, self.buckets)
+        produced = self._fill(sched, b)
+        if (hidden is None) != (self.hidden is None):
+            raise ValueError("a pipeline stage after the first (only) takes hidden states")
+        if hidden is not None:  # rows n .. b - 1 keep stale finite values: padding, dropped
+            self.hidden[:n].copy_(hidden)
+        self.steps += 1
+        self.rows_run += n
+        self.prompt_steps += not all(_is_decode(s) for s in sched)
+        keep = produced if self.model.is_last else n
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:keep].clone()  # the graph's buffer is rewritten next replay
+        return self._forward(b)[:keep]
+
+    def _fill(self, sched: list[ScheduledRequest], b: int) -> int:
+        """Host values of the step into the static buffers, rows n .. b - 1 as padding; returns
+        how many rows produce a token (their indices lead logit_rows)."""
+        bs = self.block_size
+        tokens, positions, produce = [], [], []
+        tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
+        chunk_ids = torch.full((b,), -1, dtype=torch.long)  # each prompt row's chunk
+        row = 0
+        for i, s in enumerate(sched):
+            pos, m = s.start_pos, s.num_new_tokens
+            known = m - len(s.spec_ids)  # 1 for a decode, the chunk's tokens for a prompt
+            tokens += [*s.req.tokens(pos, pos + known), *s.spec_ids]
+            positions += range(pos, pos + m)
+            table = s.req.block_table[: (pos + m - 1) // bs + 1]
+            tables[row : row + m, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            if not _is_decode(s):
+                chunk_ids[row : row + m] = i
+            row += m
+            if s.produces_token:
+                produce += range(row - 1 - len(s.spec_ids), row)
+        pad = b - row
+        lc = self._logit_count(b)
+        self.logit_rows[:lc].copy_(
+            torch.tensor(produce + [0] * (lc - len(produce)), dtype=torch.long), non_blocking=True
+        )
+        pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
+        lens = torch.where(torch.arange(b) < row, pos_t + 1, 0).to(torch.int32)
+        blocks = tables.gather(
+            1, (pos_t // bs)[:, None].to(torch.long).clamp_max(self.max_blocks - 1)
+        )
+        slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
+        fills = [
+            (torch.tensor(tokens + [0] * pad, dtype=torch.long), self.tokens),
+            (pos_t, self.positions),
+            (slots, self.slots),
+            (lens, self.seq_lens),
+            (tables, self.block_tables),
+        ]
+        if self._tile(b) > 1:  # only these buckets' attention reads the tiles (_forward)
+            decode_lens, tile_lens = split_row_tiles(lens, chunk_ids, self.row_tile)
+            self.tiled_rows += int((tile_lens > 0).sum())
+            fills += [(decode_lens, self.decode_lens), (tile_lens, self.tile_lens)]
+        for host, static in fills:
+            static[:b].copy_(host, non_blocking=True)
+        return len(produce)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The model over the first b rows of the static buffers: [b, V] float32."""
+        bs = self.block_size
+        meta = PagedMeta(list(range(b)), [1] * b, [])
+        meta.tensors = TensorMeta(
+            self.block_tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1,
+            self.max_blocks * bs, bs,
+        )  # fmt: skip
+        if self._tile(b) > 1:  # a bucket for prompt rows: their chunks attend as tiles
+            meta.tensors.tiles = RowTiles(self.decode_lens[:b], self.tile_lens[:b], self.row_tile)
+        if self._ref_attention:  # the reference reads per-position slots; padding rows mask out
+            tables, lens = self.block_tables[:b], self.seq_lens[:b]
+            meta.decode_slots, meta.decode_mask = decode_slots_from_tables(tables, lens, bs)
+        first = self.model.layer_range.start
+        attn = PagedAttention(self.pool, first, self.slots[:b], meta, self.scale)
+        batch = ForwardBatch(self.positions[:b], self.logit_rows[: self._logit_count(b)], attn)
+        hidden = None if self.hidden is None else self.hidden[:b]
+        return self.model(self.tokens[:b], batch, hidden)
+
+    def capture(self) -> DecodeGraphs:
+        """Record one graph per bucket, largest first (the smaller ones reuse its memory pool).
+        Each is run once eagerly first: Triton compiles, lazily made buffers exist outside."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for b in reversed(self.buckets):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            # the capture stream must be on this device: torch's default one is made once, on
+            # whichever device was current first, and would capture nothing of this one's work
+            with torch.cuda.graph(graph, pool=mempool, stream=side):
+                self.outputs[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        return self
+
+
+def capture_decode_graphs(
+    model: LlamaModel, pool: KVPool, max_batch: int, max_model_len: int, max_rows: int = 0
+) -> DecodeGraphs | None:
+    """Graphs for the scheduler's batch sizes (and steps with prompt rows up to max_rows), or
+    None (logged) where capture fails: the engine then runs every step eagerly, as with
+    --enforce-eager."""
+    log.info("kernels on %s: %s", pool.k.device, chosen_kernels(pool.k.device))
+    try:
+        return DecodeGraphs(model, pool, max_batch, max_model_len, max_rows).capture()
+    except (RuntimeError, ValueError) as e:
+        log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+        return None

@@ -1,0 +1,148 @@
+"""The model runner: one scheduler step -> one forward pass over all scheduled tokens.
+
+Tokens of all scheduled requests go back to back into one [T] batch (decodes and prefill chunks
+mixed); the paged attention backend knows where each request's queries start and which slots
+hold its context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hetero.execution.kv_pool import KVPool
+from hetero.execution.paged_meta import TensorMeta, tensor_meta
+from hetero.kernels import select
+from hetero.model.forward_batch import ForwardBatch
+from hetero.model.llama import LlamaModel
+
+
+@dataclass
+class PagedMeta:
+    q_starts: list[int]  # first row of each sequence's queries in the [T] batch
+    q_lens: list[int]
+    ctx_slots: list[torch.Tensor]  # [ctx_len] slots of positions 0 .. ctx_len - 1, per sequence
+    decode_slots: torch.Tensor | None = None  # [B, Lmax] when every sequence has one query
+    decode_mask: torch.Tensor | None = None  # [B, Lmax] True where a slot is real
+    tensors: TensorMeta | None = None  # block tables etc. for the Triton kernels (paged_meta.py)
+    native_flat: tuple | None = None  # the C attention's arrays, made at the first layer
+
+
+class PagedAttention:
+    """The ForwardBatch attention backend of one step: write the new KV, attend over pages."""
+
+    def __init__(
+        self, pool: KVPool, first_layer: int, slots: torch.Tensor, meta: PagedMeta, scale: float
+    ):
+        self.pool, self.first, self.slots, self.meta, self.scale = (
+            pool,
+            first_layer,
+            slots,
+            meta,
+            scale,
+        )
+        self._attend = select("paged_attention", pool.k.device).fn
+
+    def __call__(self, layer: int, q, k, v, window: int = 0, sinks=None) -> torch.Tensor:
+        i = layer - self.first
+        self.pool.write(i, self.slots, k, v)
+        if window or sinks is not None:  # gpt-oss: kernels/paged_sinks.py
+            attend = select("paged_attention_sinks", self.pool.k.device).fn
+            return attend(q, *self.pool.layer(i), self.meta, self.scale, window, sinks)
+        return self._attend(q, *self.pool.layer(i), self.meta, self.scale)
+
+
+def _context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
+    blocks = torch.tensor(table[: -(-ctx_len // block_size)], dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx_len]
+
+
+def build_meta(
+    scheduled: list[ScheduledRequest], block_size: int, tensors: bool = True
+) -> tuple[torch.Tensor, PagedMeta]:
+    """Slots of the new tokens [T] and the per-sequence attention metadata (with `tensors`, the
+    block-table form the Triton kernels read, too)."""
+    meta = PagedMeta([], [], [])
+    new_slots, row = [], 0
+    for s in scheduled:
+        ctx = _context_slots(s.req.block_table, s.start_pos + s.num_new_tokens, block_size)
+        meta.q_starts.append(row)
+        meta.q_lens.append(s.num_new_tokens)
+        meta.ctx_slots.append(ctx)
+        new_slots.append(ctx[s.start_pos :])
+        row += s.num_new_tokens
+    if scheduled and all(n == 1 for n in meta.q_lens):
+        lmax = max(c.shape[0] for c in meta.ctx_slots)
+        slots = torch.zeros(len(scheduled), lmax, dtype=torch.long)
+        mask = torch.zeros(len(scheduled), lmax, dtype=torch.bool)
+        for b, c in enumerate(meta.ctx_slots):
+            slots[b] = c[0]  # padding reads a written slot: masked out, but never NaN bytes
+            slots[b, : c.shape[0]] = c
+            mask[b, : c.shape[0]] = True
+        meta.decode_slots, meta.decode_mask = slots, mask
+    if tensors:
+        ctx_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
+        tables = [s.req.block_table for s in scheduled]
+        meta.tensors = tensor_meta(tables, ctx_lens, meta.q_lens, block_size)
+    return torch.cat(new_slots), meta
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool):
+        self.model, self.pool = model, pool
+        self.device = torch.device(model.runtime.device)
+        self.scale = model.config.head_dim**-0.5
+        self.graphs = None  # DecodeGraphs (cuda_graph.py): replays decode-only steps
+        self.replayed = False  # whether the last step ran through the graphs' buffers
+        # only the Triton attention reads the block-table tensors: skip building them elsewhere
+        self.tensor_meta = select("paged_attention", self.device).name == "triton"
+
+    def run(
+        self, out: SchedulerOutput, hidden: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Logits [N, V] float32 for the scheduled requests whose step produces a token: one
+        row each, or 1 + len(spec_ids) rows (the last token's, then each guess's) when it
+        speculates; `producing` lists those requests in row order.
+
+        A pipeline stage after the first passes the previous stage's hidden states [T, C]; a
+        stage before the last gets its own hidden states [T, C] back instead of logits.
+        """
+        self.pool.copy_blocks(out.copies)
+        self.replayed = self.graphs is not None and self.graphs.fits(out)
+        if self.replayed:
+            producing = [s for s in out.scheduled if s.produces_token]
+            return self.graphs.run(out.scheduled, hidden), producing
+        sched = out.scheduled
+        tokens, positions, last_rows, producing = [], [], [], []
+        row = 0
+        for s in sched:
+            known = s.num_new_tokens - len(s.spec_ids)
+            tokens.extend(s.req.tokens(s.start_pos, s.start_pos + known))
+            tokens.extend(s.spec_ids)
+            positions.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
+            row += s.num_new_tokens
+            if s.produces_token:
+                last_rows.extend(range(row - 1 - len(s.spec_ids), row))
+                producing.append(s)
+        slots, meta = build_meta(sched, self.pool.block_size, self.tensor_meta)
+        dev = self.device
+        meta.ctx_slots = [c.to(dev) for c in meta.ctx_slots]
+        if meta.decode_slots is not None:
+            meta.decode_slots, meta.decode_mask = (
+                meta.decode_slots.to(dev),
+                meta.decode_mask.to(dev),
+            )
+        if meta.tensors is not None:
+            meta.tensors = meta.tensors.to(dev)
+        attn = PagedAttention(
+            self.pool, self.model.layer_range.start, slots.to(dev), meta, self.scale
+        )
+        batch = ForwardBatch(
+            torch.tensor(positions, device=dev),
+            torch.tensor(last_rows, dtype=torch.long, device=dev),
+            attn,
+        )
+        logits = self.model(torch.tensor(tokens, device=dev), batch, hidden)
+        return logits, producing

@@ -1,0 +1,212 @@
+"""From options to an engine: where the layers go, then the factory.
+
+    --split cuda:0=0-19,cpu=20-31   pipeline stages as given (one process each)
+    --devices cuda:0,cpu            the planner's split over these devices as pipeline stages
+                                    (profiled once, cached), or an even split when one repeats
+    --plan plan.json                a saved plan (`hetero plan -o`): in one process when it was
+                                    planned so (a GPU and the CPU), else as pipeline stages
+    --n-gpu-layers N                a GPU's first N layers, the rest on the CPU, one process
+    none of them                    on a CPU: the whole model there; with a GPU: the planner's
+                                    placement over it and the CPU, in one process (all on the
+                                    GPU when it holds the model and its KV)
+
+Stages that will run here must name devices present now: a plan made on another machine, or
+before a GPU went away, is refused in one line before any stage starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from hetero.config import PipelineConfig, device_key
+from hetero.engine.engine import Engine
+from hetero.factory import LaunchConfig, assemble
+from hetero.gguf_loader import load_gguf
+from hetero.models import resolve_model
+from hetero.pipeline.stages import (
+    StageSpec,
+    even_split,
+    parse_devices,
+    parse_split,
+    stages_from_plan,
+)
+from hetero.pipeline.worker import StageArgs, stage_main
+from hetero.planner.model_desc import describe
+from hetero.planner.plan import Plan, PlanConfig, check_present
+from hetero.planner.plan import plan as make_plan
+from hetero.planner.resolve import resolve_devices
+from hetero.profiler.machine import ThisMachine, live_devices
+
+log = logging.getLogger("hetero.pipeline")
+
+
+def build_engine(
+    model: str | Path | None = None,
+    launch: LaunchConfig | None = None,
+    progress: bool = False,
+    loaded=None,
+) -> Engine:
+    """The engine for `model` (None: the default model) as `launch` places it. `loaded`: a model
+    already in memory (load_model's pair), shared instead of loaded again (one device only)."""
+    launch = launch or LaunchConfig()
+    # a model already loaded names its own file (no default model needed beside it)
+    path = loaded[0].path if loaded is not None and not model else resolve_model(model)
+    if loaded is None:
+        launch = placed(path, launch)
+    stages = None
+    if launch.pipeline.enabled:
+        n_layers = load_gguf(path).config.n_layers
+        stages = resolve_stages(path, n_layers, launch.pipeline, plan_config(launch))
+        local = set(range(len(stages))) - launch.pipeline.remote_ranks()
+        require_present([stages[r] for r in sorted(local)])
+    return assemble(path, launch, stages, progress, loaded)
+
+
+def plan_config(launch: LaunchConfig, in_process: bool = False) -> PlanConfig:
+    """What the planner must plan for: this launch's KV, weights and batch limits."""
+    rt = launch.runtime
+    return PlanConfig(
+        engine=launch.engine,
+        weights=rt.weights,
+        in_process=in_process,
+        offload_min_tokens=rt.offload_min_tokens,
+    )
+
+
+def placed(path: str | Path, launch: LaunchConfig) -> LaunchConfig:
+    """The launch with its placement settled: a plan file that runs in one process becomes the
+    runtime's -ngl; with nothing asked (no --split, --plan, --devices, --n-gpu-layers) and a
+    GPU present, the planner places the model over it and the CPU, as llama.cpp's automatic
+    fit does: all on the GPU when it holds the model beside its KV, else its first layers there
+    and the rest on the CPU, each device in the weights mode the plan chose."""
+    pc, rt = launch.pipeline, launch.runtime
+    if pc.plan and not (pc.devices or pc.split):
+        plan = _plan_file(pc.plan)
+        if plan is not None and plan.in_process:
+            return _running(launch, plan, reason=f"the plan {pc.plan}")
+        return launch
+    device = rt.resolved().device
+    if pc.enabled or rt.n_gpu_layers is not None or not device.startswith("cuda"):
+        return launch
+    profiles = resolve_devices([device_key(device), "cpu"], ThisMachine())
+    plan = make_plan(describe(str(path)), profiles, plan_config(launch, in_process=True))
+    return _running(launch, plan, reason="the planner's split for the devices here")
+
+
+def _plan_file(path: str) -> Plan | None:
+    """A `hetero plan -o` file (None for a hand-written stage list)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--plan {path}: cannot read it as a JSON plan ({e})") from e
+    return Plan.load(path) if isinstance(data, dict) and "version" in data else None
+
+
+def _running(launch: LaunchConfig, plan: Plan, reason: str) -> LaunchConfig:
+    """The launch running `plan` in this process: its GPU stage's layers on the GPU (-ngl), the
+    CPU stage's on the CPU, each device in the plan's weights mode."""
+    gpu = [s for s in plan.stages if not s.base_device.startswith("cpu")]
+    cpu = [s for s in plan.stages if s.base_device.startswith("cpu")]
+    if len(gpu) > 1 or len(cpu) > 1:
+        raise ValueError("an in-process plan holds one GPU stage and one CPU stage at most")
+    weights = ",".join(f"{device_key(s.base_device)}={s.weights}" for s in plan.stages)
+    device = gpu[0].base_device if gpu else "cpu"
+    n_gpu = gpu[0].n_layers if gpu and cpu else None
+    where = ", ".join(f"{s.base_device} layers {s.layer_start}-{s.layer_end - 1} ({s.weights})"
+                      for s in plan.stages)  # fmt: skip
+    log.info("placement: %s; %s (%.1f tok/s, TTFT %.2f s predicted)", where, reason,
+             plan.single_stream_tok_s, plan.ttft_s)  # fmt: skip
+    rt = replace(launch.runtime, device=device, n_gpu_layers=n_gpu, weights=weights)
+    return replace(launch, runtime=rt, pipeline=replace(launch.pipeline, plan=None))
+
+
+def resolve_stages(
+    model_path: str | Path, n_layers: int, pc: PipelineConfig, config: PlanConfig | None = None
+) -> list[StageSpec] | None:
+    """The stages the options ask for; None when none of them is given (one process)."""
+    asked = (("--devices", pc.devices), ("--split", pc.split), ("--plan", pc.plan))
+    given = [name for name, value in asked if value]
+    if len(given) > 1 and given != ["--devices", "--split"]:
+        raise ValueError(f"give only one of {' and '.join(given)}")
+    if pc.split:
+        stages = parse_split(pc.split, n_layers)
+        if pc.devices and [s.device for s in stages] != parse_devices(pc.devices):
+            raise ValueError(
+                f"--devices {pc.devices} disagrees with the devices of --split {pc.split}"
+            )
+        return stages
+    if pc.plan:
+        return load_plan(pc.plan, n_layers)
+    if pc.devices:
+        return planned_split(model_path, parse_devices(pc.devices), n_layers, config)
+    return None
+
+
+def load_plan(path: str | Path, n_layers: int) -> list[StageSpec]:
+    """Stages of a saved plan: a `hetero plan -o` file through the planner's own reader (which
+    checks it), or a hand-written {"stages": [{"device", "layer_start", "layer_end"}, ...]}."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--plan {path}: cannot read it as a JSON plan ({e})") from e
+    if isinstance(data, dict) and "version" in data:
+        return stages_from_plan(Plan.load(path), n_layers)
+    if not isinstance(data, dict) or "stages" not in data:
+        raise ValueError(f"--plan {path}: expected a JSON object with a 'stages' list")
+    return stages_from_plan(data, n_layers)
+
+
+def planned_split(
+    model_path: str | Path, devices: list[str], n_layers: int, config: PlanConfig | None = None
+) -> list[StageSpec]:
+    """--devices without --split: the planner's split (profiling the devices, cached), or an
+    even split when a device repeats (cpu,cpu: the planner plans one stage per device)."""
+    if len(set(map(device_key, devices))) < len(devices):
+        log.info(
+            "pipeline: %s repeats a device; %d layers split evenly", ",".join(devices), n_layers
+        )
+        return even_split(devices, n_layers)
+    profiles = resolve_devices(devices, ThisMachine())
+    result = make_plan(describe(str(model_path)), profiles, config or PlanConfig())
+    log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
+    return stages_from_plan(result, n_layers)
+
+
+def require_present(stages: list[StageSpec]) -> None:
+    """The stages to start on this host must name its devices."""
+    check_present([device_key(s.device) for s in stages], [d.id for d in live_devices()])
+
+
+# -- `hetero stage`: one pipeline stage started by hand on another host -----------------------
+
+
+def remote_stage_args(model: str | None, rank: int, options: dict) -> StageArgs:
+    """A stage listed in the engine's --remote-stages, started here instead: the same model
+    file, the same split (--split or --plan: both sides must agree on every stage's layers) and
+    KV options, joining the engine's process group at --dist-init. It serves until the engine
+    stops the pipeline, then exits 0; it exits 1 when a peer dies, so a supervisor (systemd
+    Restart=always) brings it back for the engine's restart."""
+    launch = LaunchConfig.from_options(**options)
+    pc = launch.pipeline
+    if not pc.dist_init:
+        raise ValueError("--dist-init tcp://HOST:PORT (the engine host's) is required")
+    if not (pc.split or pc.plan):
+        raise ValueError("give the engine's --split or --plan, so both sides agree on the layers")
+    path = resolve_model(model)
+    stages = resolve_stages(path, load_gguf(path).config.n_layers, pc)
+    if not 0 < rank < len(stages):
+        raise ValueError(
+            f"--rank {rank}: the pipeline has stages 0-{len(stages) - 1}, and 0 runs beside the "
+            "engine"
+        )
+    return StageArgs(
+        rank, tuple(stages), pc.dist_init, str(path), launch.runtime, launch.engine, pc, True
+    )
+
+
+def run_remote_stage(model: str | None, rank: int, options: dict) -> None:
+    """Serve as stage `rank` until the pipeline stops (exits the process)."""
+    stage_main(remote_stage_args(model, rank, options))

@@ -1,0 +1,187 @@
+"""One attempt of the planner: the devices taking part, their costs, and what a stage costs.
+
+`Setup.stage_s` prices a stage's decode step, `chunk_s` a prompt chunk's, `burst_ttft_s` the
+mean TTFT of prompts arriving together; in one process (PlanConfig.in_process) stages hand off
+nothing and a CPU stage's prompt matmuls may run on the GPU (offload_to, offloaded_layer_s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from hetero.execution.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
+from hetero.execution.paged_meta import ROW_TILE
+from hetero.planner.burst import burst_first_tokens, prompt_chunks
+from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
+from hetero.planner.model_desc import ModelDesc
+from hetero.planner.plan import PlanConfig
+from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
+
+
+@dataclass
+class Setup:
+    """One attempt: the devices taking part and their costs."""
+
+    desc: ModelDesc
+    config: PlanConfig
+    context: int
+    costs: list[DeviceCost]
+    budgets: list[float]
+    compact: bool = False  # each device in its most compact mode (the fastest did not fit)
+    _prefix: dict[tuple[int, int, bool], list[float]] = field(default_factory=dict)
+
+    @property
+    def ctx(self) -> float:  # average context a decode reads
+        return self.config.prompt_len + self.config.output_len / 2
+
+    def kv_need(self, i: int, n_layers: int) -> float:
+        bs, c = self.config.engine.block_size, self.config
+        tokens = -(-self.context // bs) * bs * c.concurrency
+        per = kv_token_bytes(self.desc, self.costs[i].kv_dtype) * n_layers
+        return tokens * per / c.engine.kv_memory_fraction
+
+    def base_bytes(self, i: int, a: int, b: int) -> float:
+        """Weights and activations of layers [a, b) on device i."""
+        last, c = b == self.desc.n_layers, self.costs[i]
+        act = c.activation_bytes(
+            self.config.engine.scheduler.max_num_batched_tokens,
+            self.config.engine.scheduler.max_num_seqs,
+            last,
+        )
+        return c.weights_bytes(a, b, a == 0, last) + act
+
+    def fits(self, i: int, a: int, b: int) -> bool:
+        return self.base_bytes(i, a, b) + self.kv_need(i, b - a) <= self.budgets[i]
+
+    def _decode_prefix(self, i: int, m: int, replay: bool) -> list[float]:
+        """Running sums of device i's decode layer times at m sequences (cached)."""
+        if (i, m, replay) not in self._prefix:
+            out = [0.0]
+            for t in self.costs[i].decode_layer_seconds(m, self.ctx, replay):
+                out.append(out[-1] + t)
+            self._prefix[i, m, replay] = out
+        return self._prefix[i, m, replay]
+
+    @cached_property
+    def contention(self) -> list[float]:
+        """How much slower each device streams its weights while the stages on the other shares
+        of its GPU stream theirs: MPS shares split the SMs but not the memory. Alone each draws
+        a fraction of the card's bandwidth (measured shares: `bw_fraction`; derived ones: the
+        sqrt(share) law of shares.py), together they draw it once: the factor is the sum of
+        the fractions, at least 1. (H200, 70% + 30% shares: 1.19 measured, 1.385 by the law;
+        with derived profiles the 30% stage took 7.30 ms a step at 16 streams, 1.44x its
+        alone-priced 5.08 ms, part of which was the law's overrating of that share.) 1 for a
+        whole device. (Not base_device: "#2" devices, a device listed twice, had their rates
+        divided already; two cards of one spec share nothing.)"""
+
+        bases = [parse_share(d).base if is_share(d) else d for d in (c.dev.id for c in self.costs)]
+        fractions = [c.dev.bw_fraction or bandwidth_fraction(c.dev.sm_share) for c in self.costs]
+        return [max(1.0, sum(f for b, f in zip(bases, fractions) if b == mine)) for mine in bases]
+
+    def stage_s(self, i: int, a: int, b: int, m: int, overlap: bool | None = None) -> float:
+        """Device i's decode step over layers [a, b) at m sequences, its hand-off included.
+        `overlap` (default: whether m sequences are one of several micro-batches in flight):
+        the other stages run at the same time, so shares of one GPU contend (`contention`)."""
+        c, n = self.costs[i], self.desc.n_layers
+        # Pipeline stages replay decode CUDA graphs of their layers as the one-process engine
+        # does (its stage worker), unless --enforce-eager (DeviceCost.graphs).
+        prefix = self._decode_prefix(i, m, True)
+        work = prefix[b] - prefix[a] + (c.head_seconds(m) if b == n else 0.0)
+        if overlap is None:
+            overlap = m < self.config.concurrency
+        if overlap:
+            work *= self.contention[i]
+        t = c.step_seconds(b - a, work, c.eager(m, True), seqs=m) + self.hop_s(i, a, b)
+        if b < n and i + 1 < len(self.costs):
+            t += transfer_seconds(c.dev, self.costs[i + 1].dev, m, self.desc.config.d_model)
+        return t
+
+    def hop_s(self, i: int, a: int, b: int) -> float:
+        """Stage i's hand-off between stage processes (none in one process)."""
+        if self.config.in_process:
+            return 0.0
+        return hop_seconds(self.costs[i].dev, a, b, self.desc.n_layers)
+
+    def offload_to(self, i: int, n: int) -> int | None:
+        """The GPU stage that runs CPU stage i's matmuls in a prompt step of n tokens (in one
+        process, from offload_min_tokens on: execution/offload.py), or None."""
+        cfg = self.config
+        if not (cfg.in_process and cfg.offload_min_tokens and n >= cfg.offload_min_tokens):
+            return None
+        if not self.costs[i].dev.is_cpu:
+            return None
+        return next((j for j, c in enumerate(self.costs) if not c.dev.is_cpu), None)
+
+    def offloaded_layer_s(self, i: int, j: int, layer: int, n: int, cached: int, rows: int):
+        """CPU layer `layer`'s prompt step with its matmuls on GPU j: attention on the CPU; the
+        weights cross PCIe while the GPU multiplies the previous ones (the slower of the two);
+        each matmul's input goes over and its output back."""
+        cpu, gpu = self.costs[i], self.costs[j]
+        attn = cpu.prefill_layer_seconds(n, cached, rows)[layer] - cpu._layer_matmuls(layer, n)
+        h2d = gpu.dev.h2d_gbs or gpu.dev.link_gbs(cpu.dev)
+        stream = cpu.weights_bytes(layer, layer + 1, False, False) / (h2d * 1e9)
+        matmuls = [t for t in self.desc.layers[layer] if t.is_matrix]
+        acts = sum(n * (t.shape[0] + t.shape[1]) for t in matmuls) * 4 / (h2d * 1e9)
+        return attn + max(stream, gpu._layer_matmuls(layer, n)) + acts
+
+    def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
+        """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
+        replays a CUDA graph on device i (cuda_graph.DecodeGraphs.fits)."""
+        c = self.costs[i]
+        if not c.graphs or c.dev.is_cpu or n > self.config.engine.cuda_graph_max_tokens:
+            return False
+        tile = (
+            ROW_TILE if n > self.config.engine.scheduler.max_num_seqs else 1
+        )  # a bucket past the decode rows
+        return seqs * chunk_row_context(n / seqs, cached, tile) <= PROMPT_ROW_CONTEXT
+
+    def prefill_s(self, i: int, a: int, b: int, tokens: int) -> float:
+        """Stage i's time for one prompt of `tokens` tokens, in budget-sized chunks."""
+        chunks = prompt_chunks(1, tokens, self.config.engine.scheduler.max_num_batched_tokens)
+        return sum(self.chunk_s(i, a, b, n, cached, 1) for n, cached, _, _ in chunks)
+
+    def chunk_s(
+        self, i: int, a: int, b: int, n: int, cached: int, rows: int, overlap: bool = False
+    ) -> float:
+        """Stage i's step over layers [a, b) of n prompt tokens of `rows` prompts after `cached`
+        tokens (each), its hand-off included; `overlap`: other stages run meanwhile (as in
+        stage_s: shares of one GPU contend)."""
+        c, last = self.costs[i], b == self.desc.n_layers
+        gpu = self.offload_to(i, n)
+        if gpu is None:
+            work = sum(c.prefill_layer_seconds(n, cached, rows)[a:b])
+        else:
+            work = sum(
+                self.offloaded_layer_s(i, gpu, layer, n, cached, rows) for layer in range(a, b)
+            )
+        work += c.head_seconds(rows) if last else 0.0
+        if overlap:
+            work *= self.contention[i]
+        replay = self._replays_prompt(i, n, cached, rows)  # as a decode step's replay
+        if replay:
+            work += (b - a) * c.replay_layer_seconds(n)
+        t = c.step_seconds(b - a, work, not replay, seqs=rows)
+        t += self.hop_s(i, a, b)
+        if not last and i + 1 < len(self.costs):
+            t += transfer_seconds(c.dev, self.costs[i + 1].dev, n, self.desc.config.d_model)
+        return t
+
+    def burst_ttft_s(self, used: list[tuple[int, int, int]], micro: int) -> float:
+        """Mean time to first token of `concurrency` prompts arriving together (burst.py).
+        With several groups the stages work at once, and shares of one GPU contend."""
+        cfg = self.config
+
+        def chunk(k: int, n: int, cached: int, rows: int) -> float:
+            i, a, b = used[k]
+            return self.chunk_s(i, a, b, n, cached, rows, overlap=micro > 1)
+
+        firsts = burst_first_tokens(
+            len(used),
+            micro,
+            cfg.concurrency,
+            cfg.prompt_len,
+            cfg.engine.scheduler.max_num_batched_tokens,
+            chunk,
+        )
+        return sum(firsts) / len(firsts)

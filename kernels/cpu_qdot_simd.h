@@ -1,0 +1,200 @@
+/* The dot kernels of qdot: one slice of a 16-row tile against `tt` activation rows.
+ *
+ * Written once over a few vector macros, defined per instruction set below (the build makes one
+ * library per set: kernels/native.py). A vector holds VR rows x 4 weights (AVX-512: 16 rows,
+ * AVX2: 8, NEON: 4), so a 16-row tile is 16 / VR slices; the 4 activation bytes of a chunk are
+ * broadcast to every row:
+ *   DOT(part, w, y)      u8 codes x s8 activations, 4 products a row added: AVX-512 VNNI
+ *                        vpdpbusd into int32; AVX2 vpmaddubsw into int16 pairs (flushed to int32
+ *                        every `flush` chunks, before they can saturate); NEON sdot into int32
+ *   FLUSH(acc, part, s)  acc += part * s (the sub-block scale), exact in int32
+ *   PAIRDOT(acc, m, b)   acc += m_2j * b_2j + m_2j+1 * b_2j+1 (int16 pairs: offsets x sums)
+ * Integer sums are exact (bounds in cpu_qtypes.h); floats enter once a unit (dk, dm, dy).
+ */
+#ifndef HETERO_CPU_QDOT_SIMD_H
+#define HETERO_CPU_QDOT_SIMD_H
+#include <string.h>
+
+#include "cpu_qtypes.h"
+
+#define ALWAYS inline __attribute__((always_inline))
+
+static ALWAYS int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define QDOT_ISA 3
+#define VR 16
+#define TT 8
+typedef __m512i vi;
+typedef __m512 vf;
+#define VI_ZERO() _mm512_setzero_si512()
+#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VI_SET1(v) _mm512_set1_epi32(v)
+#define VI_ADD(a, b) _mm512_add_epi32(a, b)
+#define DOT(part, w, y) _mm512_dpbusd_epi32(part, w, y)
+#define DOTS(sgn, part, w, y) DOT(part, w, y)
+#define FLUSH(acc, part, s) _mm512_add_epi32(acc, _mm512_mullo_epi32(part, s))
+#define FLUSH1(acc, part) _mm512_add_epi32(acc, part)
+#define SCALE(p) VI_LOAD(p)
+#define PAIRDOT(acc, m, b) _mm512_dpwssd_epi32(acc, m, b)
+#define FLUSH_EVERY(flush, cps) (cps)
+#define VF_LOAD(p) _mm512_loadu_ps((const float *)(p))
+#define VF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define VF_SET1(v) _mm512_set1_ps(v)
+#define VF_CVT(v) _mm512_cvtepi32_ps(v)
+#define VF_MUL(a, b) _mm512_mul_ps(a, b)
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define QDOT_ISA 2
+#define VR 8
+#define TT 4
+typedef __m256i vi;
+typedef __m256 vf;
+#define VI_ZERO() _mm256_setzero_si256()
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_SET1(v) _mm256_set1_epi32(v)
+#define VI_ADD(a, b) _mm256_add_epi32(a, b)
+#define DOT(part, w, y) _mm256_add_epi16(part, _mm256_maddubs_epi16(w, y))
+/* Q8_0's signed codes: |w| x (y with w's sign), one chunk per flush (2 * 128 * 127 fits) */
+#define DOTS(sgn, part, w, y)                                                                    \
+    ((sgn) ? _mm256_add_epi16(part, _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),               \
+                                                         _mm256_sign_epi8(y, w)))              \
+           : DOT(part, w, y))
+#define FLUSH(acc, part, s) _mm256_add_epi32(acc, _mm256_madd_epi16(part, s))
+#define FLUSH1(acc, part) _mm256_add_epi32(acc, _mm256_madd_epi16(part, _mm256_set1_epi16(1)))
+/* int32 scales -> (s, s) int16 pairs, the form vpmaddwd multiplies the pair sums by */
+#define SCALE(p) pair16(VI_LOAD(p))
+static ALWAYS vi pair16(vi s) {
+    return _mm256_or_si256(_mm256_slli_epi32(s, 16), _mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)));
+}
+#define PAIRDOT(acc, m, b) _mm256_add_epi32(acc, _mm256_madd_epi16(m, b))
+#define FLUSH_EVERY(flush, cps) ((flush) < (cps) ? (flush) : (cps))
+#define VF_LOAD(p) _mm256_loadu_ps((const float *)(p))
+#define VF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define VF_SET1(v) _mm256_set1_ps(v)
+#define VF_CVT(v) _mm256_cvtepi32_ps(v)
+#define VF_MUL(a, b) _mm256_mul_ps(a, b)
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#define QDOT_ISA 1
+#define VR 4
+#define TT 8
+typedef int32x4_t vi;
+typedef float32x4_t vf;
+#define VI_ZERO() vdupq_n_s32(0)
+#define VI_LOAD(p) vld1q_s32((const int32_t *)(const void *)(p))
+#define VI_SET1(v) vdupq_n_s32(v)
+#define VI_ADD(a, b) vaddq_s32(a, b)
+/* sdot is signed x signed: codes 0..63 and Q8_0's int8 both read as int8 */
+#define DOT(part, w, y) vdotq_s32(part, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(y))
+#define DOTS(sgn, part, w, y) DOT(part, w, y)
+#define FLUSH(acc, part, s) vmlaq_s32(acc, part, s)
+#define FLUSH1(acc, part) vaddq_s32(acc, part)
+#define SCALE(p) VI_LOAD(p)
+static ALWAYS vi pairdot(vi acc, vi m, vi b) {
+    const int16x8_t m16 = vreinterpretq_s16_s32(m), b16 = vreinterpretq_s16_s32(b);
+    const int32x4_t lo = vmull_s16(vget_low_s16(m16), vget_low_s16(b16));
+    return vaddq_s32(acc, vpaddq_s32(lo, vmull_high_s16(m16, b16)));
+}
+#define PAIRDOT(acc, m, b) pairdot(acc, m, b)
+#define FLUSH_EVERY(flush, cps) (cps)
+#define VF_LOAD(p) vld1q_f32((const float *)(const void *)(p))
+#define VF_STORE(p, v) vst1q_f32(p, v)
+#define VF_SET1(v) vdupq_n_f32(v)
+#define VF_CVT(v) vcvtq_f32_s32(v)
+#define VF_MUL(a, b) vmulq_f32(a, b)
+#define VF_FMA(a, b, c) vfmaq_f32(c, a, b)
+#else
+#define QDOT_ISA 0
+#define TT 4
+#endif
+
+#ifdef VR
+#define VI_BCAST(p) VI_SET1(load_i32(p))
+
+/* K-quant units tiles[0 .. nu) (KTILE_BYTES apart) times rows t < tt: activation bytes at
+ * y + t * ys (the first unit's), scales dy[t * ds + u], sums per 16 bs[t * bss + 16 u + j];
+ * adds into out[t * 16 + row] for the VR rows of `slice`. */
+static ALWAYS void kdot(int tt, int nsub, int flush, const uint8_t *tiles, int nu, int slice,
+                        const int8_t *y, int64_t ys, const float *dy, int64_t ds,
+                        const int16_t *bs, int64_t bss, float *out) {
+    const int cps = 64 / nsub, fe = FLUSH_EVERY(flush, cps), r0 = slice * VR;
+    (void)flush;
+    vf f[TT];
+    for (int t = 0; t < tt; t++) f[t] = VF_LOAD(out + t * QR + r0);
+    for (int u = 0; u < nu; u++) {
+        const uint8_t *tl = tiles + (int64_t)u * KTILE_BYTES;
+        const int8_t *yu = y + 256 * u;
+        vi acc[TT], part[TT];
+        for (int t = 0; t < tt; t++) acc[t] = part[t] = VI_ZERO();
+        for (int s = 0; s < nsub; s++) {
+            const vi sc = SCALE(tl + KTILE_SC + 4 * (QR * s + r0));
+            for (int c = 0; c < cps; c++) {
+                const int ch = s * cps + c;
+                const vi w = VI_LOAD(tl + 64 * ch + 4 * r0);
+                for (int t = 0; t < tt; t++) part[t] = DOT(part[t], w, VI_BCAST(yu + t * ys + 4 * ch));
+                if ((c + 1) % fe) continue;
+                for (int t = 0; t < tt; t++) {
+                    acc[t] = FLUSH(acc[t], part[t], sc);
+                    part[t] = VI_ZERO();
+                }
+            }
+        }
+        const vf dk = VF_LOAD(tl + KTILE_DK + 4 * r0), dm = VF_LOAD(tl + KTILE_DM + 4 * r0);
+        for (int t = 0; t < tt; t++) {
+            const int16_t *b = bs + t * bss + 16 * u;
+            vi am = VI_ZERO();
+            for (int j = 0; j < 8; j++)
+                am = PAIRDOT(am, VI_LOAD(tl + KTILE_MN + 4 * (QR * j + r0)), VI_BCAST(b + 2 * j));
+            const vf d = VF_SET1(dy[t * ds + u]);
+            f[t] = VF_FMA(VF_CVT(acc[t]), VF_MUL(dk, d), f[t]);
+            f[t] = VF_FMA(VF_CVT(am), VF_MUL(dm, d), f[t]);
+        }
+    }
+    for (int t = 0; t < tt; t++) VF_STORE(out + t * QR + r0, f[t]);
+}
+
+/* Legacy units (LTILE_BYTES apart), 32 weights each: the same contract as kdot, with the
+ * type's integer offset `off` times the block sums and its float offsets m. */
+static ALWAYS void ldot(int tt, int flush, int sgn, const uint8_t *tiles, int nu, int slice,
+                        const int8_t *y, int64_t ys, const float *dy, int64_t ds,
+                        const int16_t *bs, int64_t bss, int off, int has_m, float *out) {
+    const int fe = FLUSH_EVERY(flush, 8), r0 = slice * VR;
+    (void)flush, (void)sgn;
+    vf f[TT];
+    for (int t = 0; t < tt; t++) f[t] = VF_LOAD(out + t * QR + r0);
+    for (int u = 0; u < nu; u++) {
+        const uint8_t *tl = tiles + (int64_t)u * LTILE_BYTES;
+        const int8_t *yu = y + 32 * u;
+        vi acc[TT], part[TT];
+        for (int t = 0; t < tt; t++) acc[t] = part[t] = VI_ZERO();
+        for (int c = 0; c < 8; c++) {
+            const vi w = VI_LOAD(tl + 64 * c + 4 * r0);
+            for (int t = 0; t < tt; t++)
+                part[t] = DOTS(sgn, part[t], w, VI_BCAST(yu + t * ys + 4 * c));
+            if ((c + 1) % fe) continue;
+            for (int t = 0; t < tt; t++) {
+                acc[t] = FLUSH1(acc[t], part[t]);
+                part[t] = VI_ZERO();
+            }
+        }
+        const vf dv = VF_LOAD(tl + LTILE_D + 4 * r0), mv = VF_LOAD(tl + LTILE_M + 4 * r0);
+        for (int t = 0; t < tt; t++) {
+            const int ysum = bs[t * bss + 2 * u] + bs[t * bss + 2 * u + 1];
+            const float xd = dy[t * ds + u];
+            if (off) acc[t] = VI_ADD(acc[t], VI_SET1(off * ysum));
+            f[t] = VF_FMA(VF_CVT(acc[t]), VF_MUL(dv, VF_SET1(xd)), f[t]);
+            if (has_m) f[t] = VF_FMA(mv, VF_SET1(xd * (float)ysum), f[t]);
+        }
+    }
+    for (int t = 0; t < tt; t++) VF_STORE(out + t * QR + r0, f[t]);
+}
+#endif
+#endif

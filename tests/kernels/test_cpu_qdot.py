@@ -1,0 +1,157 @@
+"""The native qdot CPU kernels against an integer reference built from the GGUF bytes in torch
+(kernels/cpu_qdot_ref.py), for every block type and every instruction-set build this CPU runs
+(AVX-512 VNNI, AVX2 and the plain C build on an AVX-512 machine), and against the exact
+dequantized weights within the activations' rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.kernels import cpu_qdot, native
+from hetero.kernels.cpu_qdot import gguf_bytes, pack, qdot_linear, quantize_x, unpack
+from hetero.kernels.cpu_qdot_ref import quantize_x_reference, reference_terms, split
+from hetero.quant import dequantize, get_quant, random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler builds the kernel")
+
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+VARIANTS = native.supported_variants()
+
+
+def weight(ggml_type: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    qt = get_quant(ggml_type)
+    blocks = random_blocks(ggml_type, n * k // qt.block_size, np.random.default_rng(seed))
+    return torch.from_numpy(blocks).reshape(n, -1)
+
+
+def check_against_reference(x, raw, ggml_type, n, k, y) -> None:
+    ref, size = reference_terms(x, raw, int(get_quant(ggml_type).ggml_type), n, k)
+    # exact integers, then float32 sums of the per-block terms in another order
+    assert ((y.double() - ref).abs() <= 1e-5 * size + 1e-30).all()
+
+
+def test_this_machine_runs_a_simd_build():
+    assert VARIANTS and VARIANTS[-1] == "generic"
+    for v in VARIANTS:
+        assert cpu_qdot.isa(v) == cpu_qdot.ISA_NAMES[native.ISA_CODES[v]]
+
+
+@pytest.mark.parametrize("qb", (32, 256))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_activation_quantization_is_bit_identical_to_torch(variant: str, qb: int):
+    x = torch.randn(7, 512) * torch.logspace(-3, 3, 7)[:, None]
+    x[1] = 0  # an all-zero block: scale 0, codes 0
+    x[2, :32] = torch.arange(32) * (127 / 31) / 127  # values on the half-steps: ties round even
+    x[3, 5] = -1e4  # one outlier sets its block's scale
+    got, want = quantize_x(x, qb, variant), quantize_x_reference(x, qb)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[0].abs().max() <= 127
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_packing_moves_the_gguf_bytes_without_changing_them(ggml_type: str):
+    qt = get_quant(ggml_type)
+    n, k = 21, 512  # n not a multiple of 16: zero rows pad the last group
+    raw = weight(ggml_type, n, k, seed=3)
+    w = pack(raw, qt, n, k)
+    assert w.nbytes == 32 * (k // qt.block_size) * qt.type_size  # two groups of 16 rows
+    assert torch.equal(gguf_bytes(w).reshape(n, -1), raw)
+    assert torch.equal(unpack(w), dequantize(raw, qt.ggml_type, (n, k)))
+    assert cpu_qdot.bytes_per_weight(ggml_type) == qt.type_size / qt.block_size
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_the_integer_split_is_the_dequantization(ggml_type: str):
+    n, k = 5, 512
+    raw = weight(ggml_type, n, k, seed=2)
+    exact = dequantize(raw, get_quant(ggml_type).ggml_type, (n, k)).double()
+    parts = split(raw, int(get_quant(ggml_type).ggml_type), n, k)
+    torch.testing.assert_close(parts.weights(), exact, rtol=1e-6, atol=0)
+    assert int(parts.u.min()) >= (-128 if ggml_type == "Q8_0" else 0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_kernel_equals_integer_reference(ggml_type: str, variant: str):
+    k = 512
+    for n, threads in ((1, 1), (13, 2), (45, 3), (130, 2)):  # N % 16 != 0
+        raw = weight(ggml_type, n, k, seed=n)
+        w = pack(raw, get_quant(ggml_type), n, k)
+        for t in (1, 3, 8, 9, 17):  # within, at and across the register tiles (4 or 8 rows)
+            x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+            check_against_reference(x, raw, ggml_type, n, k, qdot_linear(x, w, threads, variant))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("ggml_type", ("Q4_1", "Q8_0", "Q4_K", "Q6_K"))
+def test_rows_do_not_depend_on_tiles_or_threads(ggml_type: str, variant: str):
+    """Each output row is the same sums in the same order whatever the batch and the split."""
+    n, k = 70, 1024
+    w = pack(weight(ggml_type, n, k, seed=9), get_quant(ggml_type), n, k)
+    x = torch.randn(37, k)
+    one_by_one = torch.cat([qdot_linear(x[i : i + 1], w, 1, variant) for i in range(37)])
+    for threads in (1, 2, 5):
+        assert torch.equal(qdot_linear(x, w, threads, variant), one_by_one)
+    assert qdot_linear(torch.empty(0, k), w, 1, variant).shape == (0, n)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_against_exact_weights_within_activation_rounding(ggml_type: str):
+    """|y - x @ W^T| <= sum_j |w_j| * xd_j / 2: each x_j is off by at most half its block's
+    step, and the weights are the GGUF's exactly."""
+    qt = get_quant(ggml_type)
+    n, k = 37, 512
+    raw = weight(ggml_type, n, k, seed=5)
+    exact = dequantize(raw, qt.ggml_type, (n, k))
+    x = torch.randn(5, k)
+    y = qdot_linear(x, pack(raw, qt, n, k))
+    qb = cpu_qdot.activation_block(ggml_type)
+    step = quantize_x_reference(x, qb)[1].repeat_interleave(qb, dim=1)
+    bound = 0.5 * step @ exact.abs().t() + 1e-5 * (x.abs() @ exact.abs().t())
+    want = x @ exact.t()
+    assert ((y - want).abs() <= bound).all()
+    assert float((y - want).norm() / want.norm()) < 2e-2  # measured 5-8e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_tile_holds_the_integer_split(variant: str):
+    """One unit of 16 rows unpacked by the C code: codes, sub-block scales and offsets equal the
+    torch split of the same GGUF bytes, integer for integer."""
+    for ggml_type in TYPES:
+        qt = get_quant(ggml_type)
+        raw = weight(ggml_type, 16, qt.block_size, seed=7)
+        parts = split(raw, int(qt.ggml_type), 16, qt.block_size)
+        tile = cpu_qdot.unpack_unit(qt.ggml_type, pack(raw, qt, 16, qt.block_size).packed, variant)
+        codes = tile[: qt.block_size * 16].reshape(-1, 16, 4).permute(1, 0, 2).reshape(16, -1)
+        if ggml_type == "Q8_0":  # VNNI's unsigned codes are the int8 codes + 128
+            codes = codes.long() - 128 if variant == "avx512" else codes.view(torch.int8)
+        codes = codes.long()
+        assert torch.equal(codes, parts.u[:, 0]), ggml_type
+        if qt.block_size == 256:
+            nsub = parts.sc.shape[2]
+            sc = tile[4096 : 4096 + 64 * nsub].view(torch.int32).reshape(nsub, 16).t()
+            assert torch.equal(sc.long(), parts.sc[:, 0]), ggml_type
+            mn = tile[5120:5632].view(torch.int16).reshape(8, 16, 2).permute(1, 0, 2)
+            assert torch.equal(mn.reshape(16, 16).long(), parts.off[:, 0]), ggml_type
+            dk = tile[5632:5696].view(torch.float32).double()
+            assert torch.equal(dk, parts.d[:, 0]) and torch.equal(
+                tile[5696:5760].view(torch.float32).double(), parts.dm[:, 0]
+            )
+
+
+def test_the_pool_runs_every_item_once():
+    for n, threads in ((1, 4), (7, 2), (1000, 3), (5000, 8)):
+        used, sums = cpu_qdot.pool_selftest(n, threads)
+        assert sum(sums) == n * (n + 1) // 2
+        assert 1 <= used <= min(threads, n)
+
+
+def test_a_forced_instruction_set_must_be_one_the_cpu_runs(monkeypatch):
+    monkeypatch.setenv("HETERO_CPU_ISA", VARIANTS[-1])
+    assert native.variant() == VARIANTS[-1]
+    monkeypatch.setenv("HETERO_CPU_ISA", "sve2")
+    with pytest.raises(ValueError, match="this CPU runs"):
+        native.variant()

@@ -1,0 +1,98 @@
+"""Which packing each GGUF type gets in the CPU's "qdot" mode, and that the planner prices the
+same: every block type the kernel reads runs qdot on its own bytes (weight error 0), float types
+fp16, a fused q|k|v of mixed types one part per type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from hetero.config import RuntimeConfig
+from hetero.kernels import cpu_qdot
+from hetero.kernels.cpu_linear import pack_error
+from hetero.model.contiguous_kv import ContiguousKV
+from hetero.model.forward_batch import ForwardBatch
+from hetero.model.llama import load_model
+from hetero.planner.cost import DeviceCost
+from hetero.planner.device import DeviceProfile, MatmulRate
+from hetero.planner.model_desc import describe, weight_bytes
+from hetero.quant import get_quant, random_blocks
+from hetero.synth import write_synthetic
+from hetero.synth_shapes import ModelShape
+
+needs_qdot = pytest.mark.skipif(not cpu_qdot.available(), reason="the qdot kernel did not build")
+SHAPE = ModelShape(
+    arch="llama", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=256,
+    vocab_size=384, context_length=256, rope_theta=10000.0, norm_eps=1e-5, tied_embeddings=False,
+)  # fmt: skip
+BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+@needs_qdot
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_every_block_type_runs_on_its_own_bytes(name: str) -> None:
+    shape = (128, 1024)
+    n_blocks = shape[0] * shape[1] // get_quant(name).block_size
+    raw = torch.from_numpy(random_blocks(name, n_blocks, np.random.default_rng(1)))
+    assert pack_error(raw.reshape(shape[0], -1), int(T[name]), shape, "qdot") == 0.0
+    assert cpu_qdot.cpu_scheme(T[name]) == cpu_qdot.cpu_scheme(name) == "qdot"
+    assert cpu_qdot.cpu_scheme("F16") == cpu_qdot.cpu_scheme("BF16") == "fp16"
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("qdot") / "m.gguf", SHAPE, "q4_k_m", False)
+
+
+def _logits(model) -> torch.Tensor:
+    tokens = [5, 17, 99, 3, 250, 42, 7]
+    kv = ContiguousKV(model.config, len(tokens), torch.float32, "cpu")
+    kv.begin(len(tokens))
+    pos = torch.arange(len(tokens))
+    return model(torch.tensor(tokens), ForwardBatch(pos, pos, kv))
+
+
+@needs_qdot
+def test_qdot_mode_packs_each_type_run_as_its_rule_says(q4km) -> None:
+    _, model = load_model(q4km, RuntimeConfig(device="cpu", weights="qdot"))
+    first, last = model.blocks[0].attn.wqkv, model.blocks[1].attn.wqkv
+    assert [p.scheme for p in first.packed_parts] == ["qdot"]  # q, k, v all Q4_K
+    parts = [(p.scheme, p.weight.ggml_type.name, p.out_features) for p in last.packed_parts]
+    assert parts == [("qdot", "Q4_K", 384), ("qdot", "Q6_K", 128)]  # q|k Q4_K, v Q6_K
+    assert model.lm_head.packed.weight.ggml_type.name == "Q6_K"  # Q6_K output
+    _, ref = load_model(q4km, RuntimeConfig(device="cpu", weights="dense", dtype="fp32"))
+    got, want = _logits(model), _logits(ref)
+    assert got.shape == want.shape == (7, SHAPE.vocab_size)
+    # the exact weights, activations rounded to int8 per 256: a small relative error
+    assert (got - want).norm() / want.norm() < 2e-2
+
+
+def test_the_planner_prices_qdot_mode_as_the_loader_packs():
+    desc = describe("synth:llama3-8b:q4_k_m")
+    head = desc.output
+    assert head.ggml_type == "Q6_K"
+    assert weight_bytes(head, "qdot", on_cpu=True) == 210 / 256 * head.params  # its Q6_K blocks
+    q = next(t for t in desc.layers[0] if t.name.endswith("attn_q.weight"))
+    assert weight_bytes(q, "qdot", on_cpu=True) == 144 / 256 * q.params  # its Q4_K blocks
+    qdot, q6k = MatmulRate("qdot", 50.0, 1.0), MatmulRate("qdot", 100.0, 1.0)
+    cpu = DeviceProfile(
+        id="cpu", kind="cpu", name="test", memory_total=64 << 30, memory_free=64 << 30,
+        mem_bw_gbs=100.0, bf16_tflops=1.0, matmul={"qdot": qdot, "qdot:Q6_K": q6k}, attn_gbs=10.0,
+    )  # fmt: skip
+    cost = DeviceCost(desc, cpu, "qdot", "fp16")
+    # a type the profile timed at its own rate, another at the "qdot" (Q4_1) one
+    assert cost.linear_seconds(head, 1) == pytest.approx(210 / 256 * head.params / 100e9)
+    assert cost.linear_seconds(q, 1) == pytest.approx(144 / 256 * q.params / 50e9)
+
+
+def test_cpu_bandwidth_is_streamed_past_the_last_level_cache():
+    from hetero.profiler.measure import cpu_cache_bytes, cpu_stream_bytes
+
+    cache = cpu_cache_bytes()
+    if Path("/sys/devices/system/cpu/cpu0/cache/index0/size").exists():
+        assert cache >= 1 << 20  # read from sysfs: every current CPU's last level holds a MB
+    assert cpu_stream_bytes(96 << 20) == max(96 << 20, 4 * cache)

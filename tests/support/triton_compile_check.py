@@ -1,0 +1,180 @@
+"""Compile the quantized-matmul kernels for a GPU target on any machine, GPU or not.
+
+Triton's interpreter (the CPU tests) runs a kernel's Python, so it never meets the compiler's
+front end: a construct the compiler refuses (a starred item in a tuple display, a constexpr
+name bound twice in an unrolled loop) passes every interpreter test and fails on the first GPU
+launch. Here the launch code itself runs on CPU tensors while `compiling_for(target)` turns each
+`kernel[grid](...)` into a compile for `target` (front end, ptxas: the cubin), so the arguments
+are exactly those of a real launch:
+
+    python -m tests.support.triton_compile_check [--arch 90] [--types Q4_K,Q6_K]
+
+Uses Triton's binder and argument packing (internal API, as of Triton 3.6). Run it in a process
+where TRITON_INTERPRET is unset (the interpreter replaces the kernels when triton is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CompileLog:
+    compiled: list[tuple[str, float]] = field(default_factory=list)  # (kernel, seconds)
+
+
+@contextmanager
+def compiling_for(arch: int = 90, warp_size: int = 32) -> Iterator[CompileLog]:
+    """Within the block, `jit_fn[grid](*args, **kw)` compiles for CUDA sm_<arch> and launches
+    nothing (the callers' outputs stay unwritten)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", arch, warp_size)
+    backend = make_backend(target)
+    log = CompileLog()
+
+    def launcher(fn: JITFunction) -> Callable:
+        def compile_only(*args, **kwargs):
+            kwargs.setdefault("debug", False)
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound, spec, options = binder(*args, **kwargs)
+            options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+            start = time.perf_counter()
+            compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options.__dict__)
+            log.compiled.append((fn.__name__, time.perf_counter() - start))
+
+        return compile_only
+
+    saved = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda self, grid: launcher(self)
+    try:
+        yield log
+    finally:
+        JITFunction.__getitem__ = saved
+
+
+def _weight(ggml_type: str, n: int, k: int):
+    from hetero.kernels.repack import repack
+    from hetero.quant import get_quant, random_blocks
+
+    qt = get_quant(ggml_type)
+    blocks = random_blocks(ggml_type, n * k // qt.block_size, np.random.default_rng(0))
+    return repack(torch.from_numpy(blocks).reshape(n, -1), ggml_type, (n, k))
+
+
+def launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
+    """(name, call) for every kernel qlinear picks and every sweep variant kind, bf16 in."""
+    from hetero.kernels import triton_qmatmul as tq
+    from hetero.kernels import triton_qvariants as tv
+
+    pw = _weight(ggml_type, 64, 512)
+
+    def x(t: int) -> torch.Tensor:
+        return torch.zeros(t, 512, dtype=torch.bfloat16)
+
+    return [
+        ("qgemv", lambda: tq.qgemv(x(1), pw)),
+        ("qgemv_tokens", lambda: tq.qgemv_tokens(x(5), pw)),
+        ("qmm", lambda: tq.qmm(x(8), pw)),
+        ("qdequant", lambda: tq.qdequant(pw, torch.bfloat16)),
+        ("gemv_pipe", lambda: tv.run(x(1), pw, tv.Variant("gemv_pipe", bn=16, ctas=8))),
+        ("tokens_bn16", lambda: tv.run(x(4), pw, tv.Variant("tokens", bn=16))),
+        ("mm_pipe", lambda: tv.run(x(4), pw, tv.Variant("mm_pipe", bt=16, step=128, stages=3))),
+        *streamk_launches(ggml_type),
+    ]
+
+
+def streamk_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
+    """The Stream-K decode kernels (streamk) and their activation quantizer, asm included."""
+    from hetero.kernels import streamk as sk
+    from hetero.kernels.xquant import XLayout, xquant
+
+    pw = _weight_bytes(ggml_type, 64, 512)
+    x = torch.zeros(1, 512, dtype=torch.bfloat16)
+    lay = XLayout(pw.spec.low_bits, pw.spec.group)
+    xq = (torch.zeros(1, 256, dtype=torch.int32), torch.zeros(1, 64, dtype=torch.float32))
+
+    def run(cfg):
+        saved = sk._asm_ok
+        sk._asm_ok = lambda device: True  # compile the PTX a GPU would run
+        try:
+            return sk.qgemv_streamk(x, pw, cfg, xq=xq if cfg.int_dot else None)
+        finally:
+            sk._asm_ok = saved
+
+    from hetero.kernels.xquant import add_rms_norm_xquant, silu_mul_xquant
+
+    w = torch.ones(512)
+    configs = [
+        ("sk_int", sk.StreamKConfig(bn=32)),
+        ("sk_f32", sk.StreamKConfig(bn=32, int_dot=False)),
+        ("sk_rows", sk.StreamKConfig(bn=128, warps=4, rows=True)),
+    ]
+    return [
+        ("xquant", lambda: xquant(x, lay)),
+        ("xquant_norm", lambda: add_rms_norm_xquant(x, x, w, 1e-6, lay)),
+        ("xquant_silu", lambda: silu_mul_xquant(x, x, lay)),
+        # the codebook types run the float decode only (streamk.config_ok refuses the others)
+        *((name, lambda cfg=cfg: run(cfg)) for name, cfg in configs if sk.config_ok(cfg, pw)),
+    ]
+
+
+def _weight_bytes(ggml_type: str, n: int, k: int):
+    """`_weight` with the high plane in the "bytes" arrangement."""
+    from hetero.kernels.repack import repack
+    from hetero.quant import get_quant, random_blocks
+
+    qt = get_quant(ggml_type)
+    blocks = random_blocks(ggml_type, n * k // qt.block_size, np.random.default_rng(0))
+    return repack(torch.from_numpy(blocks).reshape(n, -1), ggml_type, (n, k), "bytes")
+
+
+def check(types: list[str], arch: int = 90, only: set[str] | None = None) -> list[str]:
+    """Compile every launch of `types`; returns the failures ('type name: error')."""
+    failures = []
+    for ggml_type in types:
+        for name, call in launches(ggml_type):
+            if only and name not in only:
+                continue
+            with compiling_for(arch) as log:
+                try:
+                    call()
+                except Exception as e:  # noqa: BLE001  (report every kernel, then fail)
+                    failures.append(f"{ggml_type} {name}: {type(e).__name__}: {e}")
+                    print(f"FAIL {ggml_type:5} {name}: {str(e)[-600:]}", flush=True)
+                    continue
+            secs = sum(s for _, s in log.compiled)
+            print(f"ok   {ggml_type:5} {name:13} {secs:5.1f} s", flush=True)
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetero.kernels.repack import SPECS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90")
+    ap.add_argument("--types", default=",".join(t.name for t in SPECS))
+    ap.add_argument("--kernels", default="", help="comma-separated launch names (default all)")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1: unset it to compile", file=sys.stderr)
+        return 2
+    only = set(args.kernels.split(",")) if args.kernels else None
+    failures = check(args.types.split(","), args.arch, only)
+    print(f"{len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
