@@ -43,15 +43,17 @@ stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say ho
   echo "== $name: exit $rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (TIMED OUT)')"
 }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-bench() { "$PY" -m hetero.cli bench "$@" --speculative off --num-kv-blocks 4096; }
+BENCH=("$PY" -m hetero.cli bench --speculative off --num-kv-blocks 4096)
 rows() { grep -E "^(random|output|TTFT|ITL|KV|ceilings|decode|prefill|a decode|kernels)" "$1" \
   || tail -5 "$1"; }
 
 if has setup; then
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
   lscpu | grep -E "^(Model name|CPU\(s\)|Flags)" | cut -c1-160
-  if [ ! -x "$BUILD/bin/llama-bench" ]; then
-    setsid bash -c "cmake -S $PEER_SRC -B $BUILD -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  # built from a copy: the carried source is replaced at every call, under a running build
+  if [ ! -x "$BUILD/bin/llama-bench" ] && ! pgrep -f "cmake --build $BUILD" >/dev/null; then
+    rm -rf /tmp/llsrc && cp -r "$PEER_SRC" /tmp/llsrc
+    setsid bash -c "cmake -S /tmp/llsrc -B $BUILD -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \
       && cmake --build $BUILD -j16 --target llama-bench llama-batched-bench" \
@@ -75,7 +77,11 @@ if has gemv; then
 fi
 
 if has peer; then
-  for _ in $(seq 60); do [ -x "$BUILD/bin/llama-batched-bench" ] && break; sleep 5; done
+  for _ in $(seq 80); do  # the build, if it still runs (it stops early on an error)
+    [ -x "$BUILD/bin/llama-batched-bench" ] && break
+    pgrep -f "cmake --build $BUILD" >/dev/null || pgrep -f "cmake -S /tmp/llsrc" >/dev/null || break
+    sleep 5
+  done
   tail -2 /tmp/llbuild.log
   LB="$BUILD/bin/llama-bench -r 3 -o json"
   stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
@@ -108,16 +114,16 @@ if has gpu; then
 fi
 
 if has split; then
-  stage split_1 240 bench "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 --input-len 512 \
+  stage split_1 240 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 --input-len 512 \
     --output-len 128
   rows "$OUT/split_1.log"
-  stage split_16 200 bench "$Q4" --device cuda -ngl 24 --threads 16 -c 16 -n 16 \
+  stage split_16 200 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 16 -n 16 \
     --input-len 128 --output-len 64
   rows "$OUT/split_16.log"
 fi
 
 if has cpu; then
-  stage cpu_1 300 bench "$Q4" --device cpu --threads 16 -c 1 -n 2 --input-len 512 \
+  stage cpu_1 300 "${BENCH[@]}" "$Q4" --device cpu --threads 16 -c 1 -n 2 --input-len 512 \
     --output-len 64
   rows "$OUT/cpu_1.log"
 fi

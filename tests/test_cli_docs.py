@@ -24,9 +24,10 @@ current; `python tests/test_cli_docs.py` writes it again). Options named after a
 
 
 def _help(command: click.Command, name: str, parent: click.Context | None) -> str:
-    ctx = click.Context(
-        command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH
-    )
+    # The command's own context_settings (hetero-serve's -h) are passed as click's make_context
+    # would; a bare Context takes them or not depending on click's version.
+    settings = {**command.context_settings, "terminal_width": WIDTH, "max_content_width": WIDTH}
+    ctx = click.Context(command, info_name=name, parent=parent, **settings)
     return command.get_help(ctx)
 
 
