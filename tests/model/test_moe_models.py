@@ -1,6 +1,6 @@
 """The mixture-of-experts families (qwen3moe, gpt-oss) against HF transformers in fp32.
 
-Tiny random `Qwen3MoeForCausalLM` and `GptOssForCausalLM` (tests/moe_models.py) written as GGUF
+Tiny random `Qwen3MoeForCausalLM` and `GptOssForCausalLM` (tests/support/moe_models.py), GGUF
 the way llama.cpp's converter writes them, then run through the engine: paged fp32 KV, several
 requests batched continuously, prompts prefilled in chunks, later prompts hitting the earlier
 ones' cached prefix, greedy decoding. Every logits row the engine produced (a prompt's last
@@ -27,11 +27,11 @@ from gguf import GGUFWriter
 
 from hetero.config import RuntimeConfig
 from hetero.engine.config import EngineConfig, SchedulerConfig
-from hetero.engine.engine import Engine
 from hetero.gguf_loader import GGUFError, load_gguf
+from hetero.launch import LaunchConfig, build_engine
 from hetero.model.llama import load_model
 from hetero.sampling import SamplingParams
-from tests.moe_models import (
+from tests.support.moe_models import (
     VOCAB,
     load_weights_from,
     shape_of,
@@ -45,6 +45,12 @@ pytest.importorskip("transformers")
 
 TOL = 1e-3
 MAKERS = {"qwen3moe": tiny_qwen3moe, "gpt-oss": tiny_gpt_oss}
+
+
+def runtime(weights: str) -> RuntimeConfig:
+    """On the CPU; "quant" there is the torch reference (the path the kernels are tested
+    against), which the engine runs only when allowed."""
+    return RuntimeConfig(device="cpu", weights=weights, allow_reference=True)
 
 
 CASES = [
@@ -83,12 +89,12 @@ def prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
 
 
 class RowRecorder:
-    """Wraps the engine's runner: each logits row it returns, with the tokens it continues."""
+    """Wraps the executor's runner: each logits row it returns, with the tokens it continues."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, runner):
         self.rows: list[tuple[list[int], torch.Tensor]] = []
-        self._run = engine.runner.run
-        engine.runner.run = self
+        self._run = runner.run
+        runner.run = self
 
     def __call__(self, out, hidden=None):
         logits, producing = self._run(out, hidden)
@@ -106,8 +112,8 @@ def engine_rows(path, weights: str, rounds: int = 1, **options):
     tier, every parked block is pushed down to RAM); (final sequences, rows, engine)."""
     sched = SchedulerConfig(max_num_batched_tokens=options.pop("budget", 20), max_num_seqs=3)
     cfg = EngineConfig(block_size=4, kv_dtype="fp32", scheduler=sched, **options)
-    engine = Engine(config=cfg, loaded=load_model(path, RuntimeConfig(weights=weights)))
-    rec = RowRecorder(engine)
+    engine = build_engine(None, LaunchConfig(cfg), loaded=load_model(path, runtime(weights)))
+    rec = RowRecorder(engine.executor.runner)
     finals = {}
     for r in range(rounds):
         for i, p in enumerate(prompts()):
@@ -177,7 +183,7 @@ def test_window_and_sinks_shape_the_logits(files):
     ids = prompts()[1]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    _, model = load_model(path, RuntimeConfig(weights="dense"))
+    _, model = load_model(path, runtime("dense"))
 
     def error() -> float:
         kv = ContiguousKV(model.config, len(ids), torch.float32)
@@ -241,12 +247,12 @@ def test_cpu_moe_options_are_checked_against_the_model(files, tmp_path):
 
     path = files["qwen3moe", T.F32][1]
     with pytest.raises(ValueError, match="--n-cpu-moe 3: the model has only 2 layers"):
-        load_model(path, RuntimeConfig(n_cpu_moe=3))
+        load_model(path, RuntimeConfig(device="cpu", n_cpu_moe=3))
     with pytest.raises(ValueError, match="not both"):
         RuntimeConfig(cpu_moe=True, n_cpu_moe=1)
     dense = write_synthetic(tmp_path / "dense.gguf", "tiny-qwen3", "q8_0", progress=False)
     with pytest.raises(ValueError, match="has no experts"):
-        load_model(dense, RuntimeConfig(cpu_moe=True))
+        load_model(dense, RuntimeConfig(device="cpu", cpu_moe=True))
     out = CliRunner().invoke(main, ["generate", str(path), "-p", "hi", "--n-cpu-moe", "5"])
     assert out.exit_code != 0 and "only 2 layers" in out.output
     cfg = load_gguf(path).config
@@ -255,19 +261,20 @@ def test_cpu_moe_options_are_checked_against_the_model(files, tmp_path):
         device="cpu", dtype="fp32", weights="quant"
     )
     assert experts_runtime(cfg, on_gpu, 1) is None  # past the first n_cpu_moe layers
-    assert experts_runtime(cfg, RuntimeConfig(cpu_moe=True), 1) is None  # on a CPU already
+    on_cpu = RuntimeConfig(device="cpu", cpu_moe=True)
+    assert experts_runtime(cfg, on_cpu, 1) is None  # on a CPU already
 
 
 @pytest.mark.parametrize("arch", MAKERS)
 def test_cuda_graph_static_buffers_equal_eager(files, arch):
     """The decode graphs' static-buffer path (run eagerly here: padding rows of length 0, the
     reference attention reading slots from the block tables, the window from each row's
-    length) gives the eager engine's tokens and logprobs (tests/test_cuda_graph.py's check)."""
-    from test_cuda_graph import _generate, _same
-
+    length) gives the eager engine's tokens and logprobs (the check of
+    tests/execution/test_cuda_graph.py)."""
     from hetero.kernels.registry import forcing
+    from tests.execution.test_cuda_graph import _generate, _same
 
-    loaded = load_model(files[arch, T.F32][1], RuntimeConfig(weights="dense"))
+    loaded = load_model(files[arch, T.F32][1], runtime("dense"))
     with forcing({"kv_write": "torch", "paged_attention": "torch"}):
         eager, _, _ = _generate(loaded, False, False, "fp32")
         static, graphs, _ = _generate(loaded, True, False, "fp32")

@@ -1,7 +1,7 @@
 """Paged attention with a sliding window and sinks (gpt-oss): the Triton kernels against the
 reference (kernels/paged_sinks.py), and the reference against a plain softmax.
 
-The same kernels as tests/test_triton_paged.py with their key loops started at the window and
+The kernels of tests/kernels/test_triton_paged.py, their key loops started at the window and
 the sink logit in each softmax's sum: decode with forced splits (the window cut into them),
 prefill after a cached prefix (query tiles whose rows' windows start in different key tiles),
 the row tiles of a CUDA-graph step, windows of 1, 5 and 37 keys and none, with and without
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_paged import Pool, assert_attention_close, make_step
-from triton_interp import DEVICE, kernels_runnable, rerun_test  # noqa: F401 (autouse)
 
-from hetero.engine.paged_meta import RowTiles, split_row_tiles, tensor_meta
-from hetero.engine.runner import PagedMeta
+from hetero.execution.paged_meta import RowTiles, split_row_tiles, tensor_meta
+from hetero.execution.runner import PagedMeta
 from hetero.kernels import triton_paged as tp
 from hetero.kernels.paged import kv_read, paged_attention_ref
 from hetero.kernels.paged_sinks import paged_attention_sinks_ref
+from tests.kernels.test_triton_paged import Pool, assert_attention_close, make_step
+from tests.support.triton_interp import DEVICE, kernels_runnable, rerun_test  # noqa: F401
 
 triton = pytest.importorskip("triton")
 
@@ -103,7 +103,7 @@ def test_prefill(kv_dtype: str):
 
 
 def test_row_tiles_of_a_graph_step():
-    """A chunk of 30 prompt rows and a decode, one-query rows, tiles of 8 (tests/
+    """A chunk of 30 prompt rows and a decode, one-query rows, tiles of 8 (tests/kernels/
     test_triton_paged.py's graph layout): every row equals the reference's."""
     kv, g, d, bs = 2, 2, 32, 4
     gen = torch.Generator().manual_seed(13)

@@ -10,12 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from triton_interp import (  # noqa: F401  (kernels_runnable: an autouse fixture)
-    CUDA,
-    DEVICE,
-    kernels_runnable,
-    rerun_test,
-)
 
 from hetero.kernels import implementations
 from hetero.kernels import triton_moe as tm
@@ -23,6 +17,12 @@ from hetero.kernels.moe import moe_matmul_ref
 from hetero.kernels.registry import prepare_weight
 from hetero.kernels.repack import SPECS
 from hetero.quant import dequantize, get_quant, random_blocks
+from tests.support.triton_interp import (  # noqa: F401  (kernels_runnable: an autouse fixture)
+    CUDA,
+    DEVICE,
+    kernels_runnable,
+    rerun_test,
+)
 
 triton = pytest.importorskip("triton")
 
@@ -130,7 +130,7 @@ def test_gpt_oss_as_released_through_the_kernel(tmp_path):
     ids = torch.tensor([3, 901, 17, 2048, 77, 5])
 
     def logits() -> torch.Tensor:
-        rt = RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32")
+        rt = RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32", allow_reference=True)
         _, model = load_model(path, rt)
         kv = ContiguousKV(model.config, len(ids), torch.float32, str(DEVICE))
         kv.begin(len(ids))

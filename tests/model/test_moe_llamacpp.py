@@ -2,9 +2,9 @@
 
 llama.cpp runs in a Python of its own (llama-cpp-python is built from source, so it is not a
 test dependency): set HETERO_LLAMA_CPP_PYTHON to an interpreter that imports `llama_cpp`, else
-these tests skip. tests/peer_llamacpp.py returns its logits for every position.
+these tests skip. tests/support/peer_llamacpp.py returns its logits for every position.
 
-- The tiny transformers models written as F32 GGUF (tests/moe_models.py), llama.cpp's KV in
+- The tiny transformers models written as F32 GGUF (tests/support/moe_models.py), its KV in
   F32: its logits equal transformers' to float rounding, which checks the writer's names,
   layouts and metadata exactly. gpt-oss here takes YaRN with rounded correction dims, as
   llama.cpp rounds them; with gpt-oss's own unrounded ones (what transformers and hetero
@@ -33,7 +33,7 @@ from hetero.model.contiguous_kv import ContiguousKV
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.llama import load_model
 from hetero.synth import write_synthetic
-from tests.moe_models import load_weights_from, tiny_gpt_oss, tiny_qwen3moe, write_gguf
+from tests.support.moe_models import load_weights_from, tiny_gpt_oss, tiny_qwen3moe, write_gguf
 
 PEER = os.environ.get("HETERO_LLAMA_CPP_PYTHON")
 pytestmark = pytest.mark.skipif(not PEER, reason="HETERO_LLAMA_CPP_PYTHON is not set")
@@ -48,7 +48,7 @@ YARN_ROUNDED = {
 
 def llama_cpp_logits(path: Path, ids: list[int], kv_type: int = 0) -> np.ndarray:
     out = path.with_suffix(".npy")
-    script = str(Path(__file__).with_name("peer_llamacpp.py"))
+    script = str(Path(__file__).parents[1] / "support" / "peer_llamacpp.py")
     done = subprocess.run(
         [PEER, script, str(path), json.dumps(ids), str(out), str(kv_type)],
         capture_output=True, text=True, timeout=600,
@@ -63,7 +63,7 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 
 
 def hetero_logits(path: Path, ids: list[int]) -> np.ndarray:
-    _, model = load_model(path, RuntimeConfig(weights="quant"))
+    _, model = load_model(path, RuntimeConfig(device="cpu", weights="quant", allow_reference=True))
     kv = ContiguousKV(model.config, len(ids), torch.float32)
     kv.begin(len(ids))
     rows = torch.arange(len(ids))

@@ -1,13 +1,12 @@
 """The planner on mixture-of-experts models: expert bytes apart from the rest, experts priced by
 the ones a step reads, experts in RAM (--cpu-moe, --n-cpu-moe N, or chosen by the planner when
 the GPUs cannot hold the model), and the options refused clearly where they cannot apply.
-Made-up profiles (tests/test_planner.py's), `hetero synth` shapes."""
+Made-up profiles (tests/planner/test_planner.py's), `hetero synth` shapes."""
 
 from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from test_planner import cpu, gpu
 
 from hetero.cli import main
 from hetero.planner.cost import DeviceCost
@@ -15,6 +14,7 @@ from hetero.planner.model_desc import describe
 from hetero.planner.placement import _place_with
 from hetero.planner.plan import Plan, PlanConfig, PlanError, plan
 from hetero.planner.report import format_plan
+from tests.planner.test_planner import cpu, gpu
 
 GiB = 2**30
 
