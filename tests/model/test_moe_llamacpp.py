@@ -2,7 +2,8 @@
 
 llama.cpp runs in a Python of its own (llama-cpp-python is built from source, so it is not a
 test dependency): set HETERO_LLAMA_CPP_PYTHON to an interpreter that imports `llama_cpp`, else
-these tests skip. tests/support/peer_llamacpp.py returns its logits for every position.
+(unset, or no such file) these tests skip. tests/support/peer_llamacpp.py returns its logits
+for every position.
 
 - The tiny transformers models written as F32 GGUF (tests/support/moe_models.py), its KV in
   F32: its logits equal transformers' to float rounding, which checks the writer's names,
@@ -36,7 +37,10 @@ from hetero.synth import write_synthetic
 from tests.support.moe_models import load_weights_from, tiny_gpt_oss, tiny_qwen3moe, write_gguf
 
 PEER = os.environ.get("HETERO_LLAMA_CPP_PYTHON")
-pytestmark = pytest.mark.skipif(not PEER, reason="HETERO_LLAMA_CPP_PYTHON is not set")
+pytestmark = pytest.mark.skipif(
+    not (PEER and Path(PEER).is_file()),
+    reason="no llama.cpp peer: HETERO_LLAMA_CPP_PYTHON is not set or names no interpreter",
+)
 pytest.importorskip("transformers")
 
 IDS = [5, 77, 300, 12, 9, 400, 33, 21, 250, 101, 7, 8, 9, 10, 200, 201, 202, 3, 4]
