@@ -96,7 +96,7 @@ def moe_options(f):
     f = click.option(
         "--n-cpu-moe",
         type=click.IntRange(0),
-        default=0,
+        default=RuntimeConfig.n_cpu_moe,
         show_default=True,
         help="mixture-of-experts models: keep the experts of the first N layers in system RAM, "
         "multiplied on the CPU (the rest on --device)",
@@ -104,6 +104,7 @@ def moe_options(f):
     return click.option(
         "--cpu-moe",
         is_flag=True,
+        default=RuntimeConfig.cpu_moe,
         help="mixture-of-experts models: keep every layer's experts in system RAM, multiplied "
         "on the CPU (attention, the router and the rest on --device)",
     )(f)

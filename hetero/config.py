@@ -282,6 +282,8 @@ def device_key(device: str) -> str:
         _, _, index = device.partition(":")
         return f"cuda:{index or 0}"
     return device
+
+
 def check_cpu_moe(cpu_moe: bool, n_cpu_moe: int) -> None:
     """--cpu-moe / --n-cpu-moe as given (against a model: model/moe.cpu_expert_layers)."""
     if n_cpu_moe < 0:
