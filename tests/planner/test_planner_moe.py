@@ -119,3 +119,18 @@ def test_a_gguf_header_describes_its_experts_as_the_shape_does(tmp_path):
     assert header.config.n_experts == shape.config.n_experts == 8
     assert header.config.swa_layers == shape.config.swa_layers == (True, False)
     assert {t.ggml_type for layer in header.layers for t in layer if t.is_expert} == {"MXFP4"}
+
+
+def test_an_automatic_placement_runs_its_experts_in_ram():
+    """hetero-serve with nothing asked, a MoE model too big for the card: the one-process plan
+    keeps the first layers' experts in RAM, and the launch runs them there (--n-cpu-moe)."""
+    from hetero.factory import LaunchConfig
+    from hetero.launch import _running
+    from hetero.planner.specs import load_spec
+
+    card = load_spec("rtx3060").replace(id="cuda:0")
+    host = load_spec("desktop-ddr5").replace(id="cpu")
+    p = plan(describe("synth:qwen3-30b-a3b:q4_k_m"), [card, host], PlanConfig(in_process=True))
+    assert p.in_process and p.experts_in_ram > 0 and [s.device for s in p.stages] == ["cuda:0"]
+    rt = _running(LaunchConfig(), p, "test").runtime
+    assert (rt.device, rt.n_gpu_layers, rt.n_cpu_moe) == ("cuda:0", None, p.experts_in_ram)
