@@ -134,3 +134,38 @@ def test_an_automatic_placement_runs_its_experts_in_ram():
     assert p.in_process and p.experts_in_ram > 0 and [s.device for s in p.stages] == ["cuda:0"]
     rt = _running(LaunchConfig(), p, "test").runtime
     assert (rt.device, rt.n_gpu_layers, rt.n_cpu_moe) == ("cuda:0", None, p.experts_in_ram)
+
+
+def test_a_pipeline_plan_runs_its_experts_in_ram(a3b, tmp_path):
+    """Two GPUs too small for the model, as pipeline stages: the plan keeps the first layers'
+    experts in RAM, and each stage (from the plan, or from its saved file as a stage on another
+    host reads it) runs with those layers' experts on its host's CPU."""
+    from hetero.config import PipelineConfig, RuntimeConfig
+    from hetero.engine.config import EngineConfig
+    from hetero.launch import resolve_stages
+    from hetero.pipeline.stages import stages_from_plan
+    from hetero.pipeline.worker import StageArgs, stage_runtime
+
+    devices = [gpu("cuda:0", 1000, 8), gpu("cuda:1", 1000, 8), cpu(64)]
+    p = plan(a3b, devices, PlanConfig())
+    assert not p.in_process and [s.device for s in p.stages] == ["cuda:0", "cuda:1"]
+    n = p.experts_in_ram
+    assert 0 < n < p.stages[0].layer_end and p.expert_device == "cpu"
+    path = tmp_path / "plan.json"
+    path.write_text(p.to_json())
+    for stages in (
+        stages_from_plan(p, 48),
+        resolve_stages("m.gguf", 48, PipelineConfig(plan=str(path))),
+    ):
+        assert [s.n_cpu_moe for s in stages] == [n, n]
+        args = StageArgs(
+            0, tuple(stages), "", "m.gguf", RuntimeConfig(), EngineConfig(), PipelineConfig()
+        )
+        rt = stage_runtime(args)
+        assert (rt.device, rt.cpu_moe, rt.n_cpu_moe) == ("cuda:0", False, n)
+    # a plan with no experts in RAM leaves the runtime's options as asked
+    asked = RuntimeConfig(cpu_moe=True)
+    plain = stages_from_plan(plan(a3b, [gpu("cuda:0", 1000, 80)], PlanConfig()), 48)
+    assert plain[0].n_cpu_moe is None
+    args = StageArgs(0, tuple(plain), "", "m.gguf", asked, EngineConfig(), PipelineConfig())
+    assert stage_runtime(args).cpu_moe
