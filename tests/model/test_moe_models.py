@@ -280,3 +280,28 @@ def test_cuda_graph_static_buffers_equal_eager(files, arch):
         static, graphs, _ = _generate(loaded, True, False, "fp32")
     assert graphs.steps > 0
     _same(eager, static, "fp32")
+
+
+def test_pipeline_stages_run_the_family(files):
+    """gpt-oss as two stage processes (the first holding a window layer, the second a full and
+    a window layer): each stage builds the file's family, and every greedy token is
+    transformers' top token (or within TOL of it, a near-tie)."""
+    from hetero.llm import LLM
+
+    hf, path = files["gpt-oss", T.F32]
+    llm = LLM(
+        str(path), split="cpu=0-0,cpu=1-2", kv_dtype="fp32", weights="dense", block_size=4,
+        num_kv_blocks=64, stage_timeout=120.0,
+    )  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outs = llm.generate(prompts(), params)
+    finally:
+        llm.engine.close()
+    for prompt, out in zip(prompts(), outs, strict=True):
+        got = out.outputs[0].token_ids
+        assert len(got) == 6
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(got)[:, None]).squeeze(1)
+        assert (logits.max(1).values - chosen).max().item() < TOL
