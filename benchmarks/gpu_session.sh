@@ -18,7 +18,7 @@
 #   cpu      hetero on the CPU alone, 16 threads: decode 1 stream, prompt 512
 #
 #   STAGES="setup peer" benchmarks/gpu_session.sh OUTDIR
-#       PY (python3); PEER_SRC (.peer/llama.cpp); Q4, Q6 (bench_out/llama3-8b-{q4_k_m,q6_k}.gguf)
+#       PY (python3); PEER_SRC (.peer/llama.cpp); PEER_BIN (.peerbin: prebuilt, tried first); Q4, Q6 (bench_out/llama3-8b-{q4_k_m,q6_k}.gguf)
 #
 # Every stage has a timeout; a stage that fails is reported and the next runs. Logs and JSON go to
 # OUTDIR; the last lines printed are a summary of each stage.
@@ -28,29 +28,31 @@ OUT=${1:-bench_out/session}
 PY=${PY:-python3}
 STAGES=${STAGES:-setup}
 PEER_SRC=${PEER_SRC:-.peer/llama.cpp}
+PEER_BIN=${PEER_BIN:-.peerbin}
 BUILD=/tmp/llbuild
 Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
 Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
 mkdir -p "$OUT" bench_out
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
-stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
-  local name=$1 secs=$2
-  shift 2
-  local t0=$SECONDS
-  timeout -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (TIMED OUT)')"
-}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
+source benchmarks/gpu_stages.sh
 BENCH=("$PY" -m hetero.cli bench --speculative off --num-kv-blocks 4096)
 rows() { grep -E "^(random|output|TTFT|ITL|KV|ceilings|decode|prefill|a decode|kernels)" "$1" \
   || tail -5 "$1"; }
 
 if has setup; then
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
-  lscpu | grep -E "^(Model name|CPU\(s\)|Flags)" | cut -c1-160
-  # built from a copy: the carried source is replaced at every call, under a running build
+  describe_machine
+  # binaries built elsewhere for this GPU (PEER_BIN, with an env.sh that finds their libraries)
+  # are used when they start here; else the peer is built from a copy of its source: the carried
+  # source is replaced at every call, under a running build
+  if [ -x "$PEER_BIN/llama-bench" ] && [ ! -x "$BUILD/bin/llama-bench" ] \
+    && (source "$PEER_BIN/env.sh" && "$PEER_BIN/llama-bench" --help >/dev/null 2>&1); then
+    mkdir -p "$BUILD" && rm -rf "$BUILD/bin" && cp -r "$PEER_BIN" "$BUILD/bin"
+    echo "peer: prebuilt binaries from $PEER_BIN"
+  elif [ -x "$PEER_BIN/llama-bench" ]; then
+    echo "peer: the prebuilt binaries do not start here:"
+    (source "$PEER_BIN/env.sh"; "$PEER_BIN/llama-bench" --help 2>&1 | tail -3)
+  fi
   if [ ! -x "$BUILD/bin/llama-bench" ] && ! pgrep -f "cmake --build $BUILD" >/dev/null; then
     rm -rf /tmp/llsrc && cp -r "$PEER_SRC" /tmp/llsrc
     setsid bash -c "cmake -S /tmp/llsrc -B $BUILD -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -83,6 +85,7 @@ if has peer; then
     sleep 5
   done
   tail -2 /tmp/llbuild.log
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
   LB="$BUILD/bin/llama-bench -r 3 -o json"
   stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
   stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
