@@ -18,6 +18,7 @@ from hetero.cli_options import (
     runtime_options,
     weights_option,
 )
+from hetero.config import RuntimeConfig
 from hetero.models import resolve_model
 
 MODEL_ARG = click.argument("model", required=False)
@@ -45,7 +46,6 @@ def main() -> None:
 @runtime_options
 def generate(model, prompt, chat, system, max_tokens, temperature, seed, stats, **rt_opts):
     """Generate text from MODEL (default: SmolLM2-135M-Instruct), streamed to the terminal."""
-    from hetero.config import RuntimeConfig
     from hetero.detokenizer import IncrementalDetokenizer
     from hetero.generate import generate_ids
     from hetero.model.llama import load_model
@@ -294,7 +294,7 @@ def profile(refresh, shares, as_json):
 @click.option(
     "--offload-min-tokens",
     type=click.IntRange(0),
-    default=32,
+    default=RuntimeConfig.offload_min_tokens,
     show_default=True,
     help="in one process: prompt steps of at least this many tokens run the CPU's matmuls on "
     "the GPU (0: never), as the engine's option of that name",
