@@ -22,6 +22,7 @@
         U8(-12 + b)
 static const uint8_t IQ4NL_TABLE[16] = {IQ4NL_16(IQ4_BIAS)};
 static const uint8_t E2M1_TABLE[16] = {E2M1_16(MXFP4_BIAS)};
+typedef uint8_t u8x16 __attribute__((vector_size(16))); /* one byte of each of 16 rows */
 
 /* 32 weights of 16 rows: qs [4 vectors] of nibbles (byte j: weights j, j + 16) -> 8 chunks of
  * table values, as cpu_qunpack.c's legacy4 lays codes out. Intrinsics, not its lane_shuffle
@@ -34,8 +35,9 @@ static inline void codebook32(const uint8_t *restrict qs, const uint8_t *restric
     const __m512i m = _mm512_set1_epi8(15);
     for (int p = 0; p < 4; p++) {
         const __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * p));
+        const __m512i lo = _mm512_and_si512(v, m);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
-        _mm512_storeu_si512((void *)(tile + 64 * p), _mm512_shuffle_epi8(t, _mm512_and_si512(v, m)));
+        _mm512_storeu_si512((void *)(tile + 64 * p), _mm512_shuffle_epi8(t, lo));
         _mm512_storeu_si512((void *)(tile + 64 * (4 + p)), _mm512_shuffle_epi8(t, hi));
     }
 #elif defined(__AVX2__)
@@ -43,8 +45,9 @@ static inline void codebook32(const uint8_t *restrict qs, const uint8_t *restric
     const __m256i m = _mm256_set1_epi8(15);
     for (int h = 0; h < 8; h++) { /* half h % 2 of vector h / 2 */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, m);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-        _mm256_storeu_si256((__m256i *)(tile + 32 * h), _mm256_shuffle_epi8(t, _mm256_and_si256(v, m)));
+        _mm256_storeu_si256((__m256i *)(tile + 32 * h), _mm256_shuffle_epi8(t, lo));
         _mm256_storeu_si256((__m256i *)(tile + 256 + 32 * h), _mm256_shuffle_epi8(t, hi));
     }
 #elif defined(__aarch64__)
@@ -67,12 +70,36 @@ void unpack_iq4_nl(const uint8_t *u, uint8_t *t) { /* | d | qs 256 | */
     codebook32(u + 32, IQ4NL_TABLE, t);
 }
 
-/* | e 16 | qs 256 |: d = 2^(e - 128) as float32 bits, bit for bit as quant/codebooks.e8m0_half
- * (e < 2: the subnormals 2^-128, 2^-127) */
-void unpack_mxfp4(const uint8_t *u, uint8_t *t) {
+/* 16 e8m0 bytes -> float32 bits of d = 2^(e - 128), bit for bit as quant/codebooks.e8m0_half:
+ * (e - 1) << 23, and for e < 2 the subnormals 2^-128, 2^-127 (0x00200000 << e) */
+static inline void e8m0_halves(const uint8_t *src, uint8_t *dst) {
+#if defined(__AVX512F__)
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23);
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), _mm512_and_si512(e, one));
+    const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    _mm512_storeu_si512((void *)dst, _mm512_mask_blend_epi32(small, normal, sub));
+#elif defined(__AVX2__)
+    for (int h = 0; h < 2; h++) {
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * h)));
+        const __m256i one = _mm256_set1_epi32(1);
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+        const __m256i sub =
+            _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), _mm256_and_si256(e, one));
+        const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        _mm256_storeu_si256((__m256i *)(dst + 32 * h), _mm256_blendv_epi8(normal, sub, small));
+    }
+#else
     uint32_t d[QR];
-    for (int r = 0; r < QR; r++) d[r] = u[r] < 2 ? 0x00200000u << u[r] : (uint32_t)(u[r] - 1) << 23;
-    memcpy(t + LTILE_D, d, sizeof d);
+    for (int r = 0; r < QR; r++)
+        d[r] = src[r] < 2 ? 0x00200000u << src[r] : (uint32_t)(src[r] - 1) << 23;
+    memcpy(dst, d, sizeof d);
+#endif
+}
+
+void unpack_mxfp4(const uint8_t *u, uint8_t *t) { /* | e 16 | qs 256 | */
+    e8m0_halves(u, t + LTILE_D);
     codebook32(u + 16, E2M1_TABLE, t);
 }
 
@@ -84,15 +111,18 @@ void unpack_iq4_xs(const uint8_t *u, uint8_t *t) {
     memcpy(t + KTILE_DM, t + KTILE_DK, QR * 4);
     int32_t sc[8 * QR];
     uint32_t mn[8 * QR];
-    for (int g = 0; g < 8; g++)
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) { /* the 16 rows' bytes side by side: u8x16 lanes */
+        u8x16 low, high;
+        memcpy(&low, u + 64 + QR * (g / 2), QR);
+        memcpy(&high, u + 32 + QR * (g / 4), QR);
+        const u8x16 ls = ((low >> (4 * (g % 2))) & 15) | ((high >> (2 * (g % 4))) & 3) << 4;
         for (int r = 0; r < QR; r++) {
-            const int low = (u[64 + QR * (g / 2) + r] >> (4 * (g % 2))) & 15;
-            const int high = (u[32 + QR * (g / 4) + r] >> (2 * (g % 4))) & 3;
-            sc[QR * g + r] = (low | high << 4) - 32;
+            sc[QR * g + r] = (int32_t)ls[r] - 32;
             mn[QR * g + r] = ((uint32_t)(-IQ4_BIAS * sc[QR * g + r]) & 0xFFFF) * 0x10001u;
         }
+    }
     memcpy(t + KTILE_SC, sc, sizeof sc);
     memcpy(t + KTILE_MN, mn, sizeof mn);
     for (int g = 0; g < 8; g++) codebook32(u + 128 + 256 * g, IQ4NL_TABLE, t + 512 * g);
 }
-

@@ -123,8 +123,8 @@ static ALWAYS vi pairdot(vi acc, vi m, vi b) {
  * y + t * ys (the first unit's), scales dy[t * ds + u], sums per 16 bs[t * bss + 16 u + j];
  * adds into out[t * 16 + row] for the VR rows of `slice`. `sgn`: the codes are int8 (IQ4_XS's
  * codebook values where the dot takes them signed). */
-static ALWAYS void kdot(int tt, int nsub, int flush, int sgn, const uint8_t *tiles, int nu, int slice,
-                        const int8_t *y, int64_t ys, const float *dy, int64_t ds,
+static ALWAYS void kdot(int tt, int nsub, int flush, int sgn, const uint8_t *tiles, int nu,
+                        int slice, const int8_t *y, int64_t ys, const float *dy, int64_t ds,
                         const int16_t *bs, int64_t bss, float *out) {
     const int cps = 64 / nsub, fe = FLUSH_EVERY(flush, cps), r0 = slice * VR;
     (void)flush, (void)sgn;
