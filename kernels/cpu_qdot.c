@@ -1,5 +1,6 @@
-/* y = x @ W^T on the CPU, W in its GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K) and
- * x quantized to int8 per block: llama.cpp's CPU scheme (vec_dot_*_q8_0 / _q8_K), tiled.
+/* y = x @ W^T on the CPU, W in its GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, and
+ * the codebook types IQ4_NL, IQ4_XS, MXFP4) and x quantized to int8 per block: llama.cpp's CPU
+ * scheme (vec_dot_*_q8_0 / _q8_K), tiled.
  *
  * Activations (qdot_quantize), per block of QB = 32 (legacy types) or 256 (K-quants):
  *   xq int8 [T, K], xd float32 [T, K/QB]: x ~ xd * xq, xd = amax / 127, xq = round(x / xd)
@@ -118,11 +119,11 @@ static void multiply(const gemm_job *j, const uint8_t *tiles, int64_t u0, int nu
     const int16_t *bs = j->bs + t * bss + u0 * qt->qb / 16;
 #if QDOT_ISA
     for (int slice = 0; slice < QR / VR; slice++) {
-#define K_CASE(NSUB, FL, TT_)                                                                    \
-    case TT_: kdot(TT_, NSUB, FL, tiles, nu, slice, y, ys, dy, nbq, bs, bss, out); break;
-#define K_SWITCH(NSUB, FL)                                                                       \
-    switch (tt) { K_CASE(NSUB, FL, 1) K_CASE(NSUB, FL, 2) K_CASE(NSUB, FL, 3) K_CASE(NSUB, FL, 4) \
-                  K_MORE(NSUB, FL) }
+#define K_CASE(NSUB, FL, SG, TT_)                                                                \
+    case TT_: kdot(TT_, NSUB, FL, SG, tiles, nu, slice, y, ys, dy, nbq, bs, bss, out); break;
+#define K_SWITCH(NSUB, FL, SG)                                                                   \
+    switch (tt) { K_CASE(NSUB, FL, SG, 1) K_CASE(NSUB, FL, SG, 2) K_CASE(NSUB, FL, SG, 3)         \
+                  K_CASE(NSUB, FL, SG, 4) K_MORE(NSUB, FL, SG) }
 #define L_CASE(FL, SG, TT_)                                                                      \
     case TT_: ldot(TT_, FL, SG, tiles, nu, slice, y, ys, dy, nbq, bs, bss, qt->off, qt->has_m,   \
                    out); break;
@@ -130,18 +131,20 @@ static void multiply(const gemm_job *j, const uint8_t *tiles, int64_t u0, int nu
     switch (tt) { L_CASE(FL, SG, 1) L_CASE(FL, SG, 2) L_CASE(FL, SG, 3) L_CASE(FL, SG, 4)         \
                   L_MORE(FL, SG) }
 #if TT > 4
-#define K_MORE(NSUB, FL) K_CASE(NSUB, FL, 5) K_CASE(NSUB, FL, 6) K_CASE(NSUB, FL, 7) K_CASE(NSUB, FL, 8)
+#define K_MORE(NSUB, FL, SG)                                                                    \
+    K_CASE(NSUB, FL, SG, 5) K_CASE(NSUB, FL, SG, 6) K_CASE(NSUB, FL, SG, 7) K_CASE(NSUB, FL, SG, 8)
 #define L_MORE(FL, SG) L_CASE(FL, SG, 5) L_CASE(FL, SG, 6) L_CASE(FL, SG, 7) L_CASE(FL, SG, 8)
 #else
-#define K_MORE(NSUB, FL)
+#define K_MORE(NSUB, FL, SG)
 #define L_MORE(FL, SG)
 #endif
         if (qt->kind == QK_KQUANT) {
-            if (qt->nsub == 8 && qt->flush >= 8) K_SWITCH(8, 8)
-            else if (qt->nsub == 8) K_SWITCH(8, 4)
-            else if (qt->flush <= 2) K_SWITCH(16, 2)
-            else K_SWITCH(16, 4)
-        } else if (qt->is_signed) L_SWITCH(1, 1)
+            if (qt->is_signed) K_SWITCH(8, 1, 1) /* IQ4_XS's int8 values: one chunk a flush */
+            else if (qt->nsub == 8 && qt->flush >= 8) K_SWITCH(8, 8, 0)
+            else if (qt->nsub == 8) K_SWITCH(8, 4, 0)
+            else if (qt->flush <= 2) K_SWITCH(16, 2, 0)
+            else K_SWITCH(16, 4, 0)
+        } else if (qt->is_signed) L_SWITCH(1, 1) /* Q8_0, IQ4_NL */
         else if (qt->flush >= 8) L_SWITCH(8, 0)
         else L_SWITCH(4, 0)
     }

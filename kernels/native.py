@@ -31,13 +31,13 @@ import tempfile
 from pathlib import Path
 
 _NAMES = (
-    "cpu_qdot.c", "cpu_qunpack.c", "cpu_pool.c", "cpu_features.c", "cpu_small_ops.c",
-    "cpu_attention.c",
+    "cpu_qdot.c", "cpu_qunpack.c", "cpu_qcodebook.c", "cpu_pool.c", "cpu_features.c",
+    "cpu_small_ops.c", "cpu_attention.c",
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _NAMES)
 HEADERS = tuple(  # included by the sources: in the cache key
     Path(__file__).with_name(n)
-    for n in ("cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h")
+    for n in ("cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h", "cpu_qunpack.h")
 )
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-Wno-psabi")
 VARIANT_FLAGS = {

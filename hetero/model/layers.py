@@ -118,7 +118,7 @@ class QuantLinear(nn.Module):
         qtype, shape = int(run[0].ggml_type), (sum(w.shape[0] for w in run), self.in_features)
         if qtype in cpu_qdot.NATIVE_TYPES:
             return pack_linear(raw, qtype, shape, "qdot")
-        # float and IQ types: fp16 (exact fp32 where fp16 cannot hold the weights)
+        # float and grid IQ types: fp16 (exact fp32 where fp16 cannot hold the weights)
         scheme = choose_scheme(raw, qtype, shape, candidates=("fp16", "fp32"))
         return pack_linear(raw, qtype, shape, scheme)
 

@@ -64,8 +64,8 @@ def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
 
 def packed_mode(weights: str, ggml_type: str) -> str:
     """The packing a matrix of `ggml_type` gets in `weights` mode: in "qdot" mode the block
-    types the kernel reads (Q4_0 .. Q8_0, Q2_K .. Q6_K) run qdot, float and IQ types fp16
-    (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
+    types the kernel reads (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, MXFP4) run qdot, float
+    and grid IQ types fp16 (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
     if weights != "qdot":
         return weights
 
