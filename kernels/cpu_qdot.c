@@ -168,17 +168,14 @@ static void *scratch(size_t need) { /* per thread, kept between calls */
     return buf;
 }
 
-static void gemm_item(void *ctx, int64_t item, int worker) {
-    const gemm_job *j = ctx;
+/* Row groups g0 .. g1 of W times activation rows t0 .. t1 into y; -2 where this thread's
+ * scratch cannot be allocated. */
+static int gemm_range(const gemm_job *j, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
     const qtype *qt = j->qt;
-    (void)worker;
-    const int64_t g0 = (item % j->gitems) * j->gper, t0 = (item / j->gitems) * j->tper;
-    const int64_t g1 = g0 + j->gper < j->groups ? g0 + j->gper : j->groups;
-    const int64_t t1 = t0 + j->tper < j->T ? t0 + j->tper : j->T;
     const int64_t tile_bytes = qt->kind == QK_KQUANT ? KTILE_BYTES : LTILE_BYTES;
     const int64_t uc = TILE_BUDGET / tile_bytes > 0 ? TILE_BUDGET / tile_bytes : 1;
     uint8_t *tiles = scratch((size_t)(uc * tile_bytes + (t1 - t0) * QR * 4));
-    if (!tiles) return; /* qdot_gemm checked this thread's; a worker's failing is not reported */
+    if (!tiles) return -2;
     float *out = (float *)(tiles + uc * tile_bytes);
     for (int64_t g = g0; g < g1; g++) {
         memset(out, 0, sizeof(float) * (size_t)((t1 - t0) * QR));
@@ -193,6 +190,29 @@ static void gemm_item(void *ctx, int64_t item, int worker) {
         for (int64_t t = t0; t < t1; t++)
             memcpy(j->y + t * j->N + QR * g, out + (t - t0) * QR, sizeof(float) * (size_t)rows);
     }
+    return 0;
+}
+
+static void gemm_item(void *ctx, int64_t item, int worker) {
+    const gemm_job *j = ctx;
+    (void)worker;
+    const int64_t g0 = (item % j->gitems) * j->gper, t0 = (item / j->gitems) * j->tper;
+    const int64_t g1 = g0 + j->gper < j->groups ? g0 + j->gper : j->groups;
+    const int64_t t1 = t0 + j->tper < j->T ? t0 + j->tper : j->T;
+    gemm_range(j, g0, g1, t0, t1); /* qdot_gemm checked this thread's scratch, not a worker's */
+}
+
+/* One item of a product whose job another caller schedules (the grouped expert call,
+ * cpu_qdot_moe.c): row groups g0 .. g1 of W [N, K] (packed) times rows t0 .. t1 of the
+ * quantized activations into y [T, N]. Returns 0, -1 for a type it does not take, -2 when
+ * this thread's scratch cannot be allocated. */
+int qdot_gemm_range(int ggml_type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xq,
+                    const float *xd, const int16_t *bs, float *y, int64_t g0, int64_t g1,
+                    int64_t t0, int64_t t1) {
+    const qtype *qt = qtype_of(ggml_type);
+    if (!qt || K % qt->qb) return -1;
+    gemm_job j = {qt, w, N, K, t1, K / qt->qb, (N + QR - 1) / QR, 1, t1, 0, xq, xd, bs, y};
+    return gemm_range(&j, g0, g1, t0, t1);
 }
 
 /* y [T, N] float32 = W x^T from quantized activations. Returns 0, -1 for a type it does not

@@ -24,10 +24,11 @@ so "auto" keeps them in blocks on a GPU as well (dense, Qwen3-30B-A3B would take
 `Experts` is one call, experts(h, ids, w) -> [T, C], on the device its weights live on: given
 h elsewhere it moves h, ids and w there and the sum back. That is the seam for experts held in
 system RAM and multiplied on the CPU while attention and the router run on a GPU
-(--cpu-moe / --n-cpu-moe: experts_runtime). There the reference matmul runs for now (it
-dequantizes the chosen experts per call; the CPU's native expert kernels are still to come),
-and a step that moves activations to the CPU cannot be captured in a CUDA graph: such an
-engine logs that capture failed and runs its steps eagerly.
+(--cpu-moe / --n-cpu-moe: experts_runtime). On a CPU in "qdot" mode (what "auto" means there)
+the experts run on the native grouped kernels (model/moe_qdot.py: slots sorted by expert, only
+the chosen experts' blocks read); types the kernel table lacks keep the reference matmul. A
+step that moves activations to the CPU cannot be captured in a CUDA graph: such an engine logs
+that capture failed and runs its steps eagerly.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from hetero.config import ModelConfig, RuntimeConfig
 from hetero.gguf_loader import GGUFModel, GGUFTensor
 from hetero.kernels import select
 from hetero.kernels.registry import prepare_weight
+from hetero.model.moe_qdot import QdotExperts, runs_on_qdot
 from hetero.quant import dequantize
 
 GATINGS = ("softmax", "softmax_topk")
@@ -116,10 +118,17 @@ class Experts(nn.Module):
         self.activation, self.device = activation, torch.device(rt.device)
         self.dtype = rt.torch_dtype()
         p = f"blk.{i}.ffn_"
-        self.gate, self.up, self.down = (
-            ExpertWeight(gm.tensor(f"{p}{part}_exps.weight"), gm.get(f"{p}{part}_exps.bias"), rt)
-            for part in ("gate", "up", "down")
-        )
+        parts = ("gate", "up", "down")
+        weights = [gm.tensor(f"{p}{part}_exps.weight") for part in parts]
+        biases = [gm.get(f"{p}{part}_exps.bias") for part in parts]
+        self.qdot = None  # the CPU's grouped kernels (model/moe_qdot.py), where they apply
+        if runs_on_qdot(rt, weights):
+            fp32 = [None if b is None else _dense(b, "cpu", torch.float32) for b in biases]
+            self.qdot = QdotExperts(weights, fp32)
+        else:
+            self.gate, self.up, self.down = (
+                ExpertWeight(t, b, rt) for t, b in zip(weights, biases, strict=True)
+            )
         self._silu_mul = select("silu_mul", self.device).fn
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [S, F] -> [S, F]
@@ -132,6 +141,8 @@ class Experts(nn.Module):
         home, dtype = h.device, h.dtype
         if home != self.device:  # experts held elsewhere (RAM): compute there, return the sum
             h, ids, w = h.to(self.device, self.dtype), ids.to(self.device), w.to(self.device)
+        if self.qdot is not None:
+            return self.qdot(h, ids, w, self._act).to(home, dtype)
         t, k = ids.shape
         a = self._act(self.gate(h, ids), self.up(h, ids))  # [S, F]
         o = self.down(a, ids).view(t, k, -1)  # [T, k, C]
@@ -155,12 +166,17 @@ def cpu_expert_layers(cfg: ModelConfig, rt: RuntimeConfig) -> int:
 
 
 def experts_runtime(cfg: ModelConfig, rt: RuntimeConfig, i: int) -> RuntimeConfig | None:
-    """Where layer i's experts run when not with the rest: on the CPU, in their GGUF blocks
-    (the mapped file: no copy), float32, for the layers --cpu-moe / --n-cpu-moe name. None on
-    a CPU, where they are in RAM already."""
+    """Where layer i's experts run when not with the rest: on the CPU, float32, for the layers
+    --cpu-moe / --n-cpu-moe name, in the CPU's weights mode: the one `rt` names for the CPU
+    ("cuda=quant,cpu=qdot"), else "auto" (qdot: their GGUF blocks on the native kernels; one
+    mode for every device is the GPU's). None on a CPU, where they are in RAM already."""
     if i >= cpu_expert_layers(cfg, rt) or rt.device.startswith("cpu"):
         return None
-    return RuntimeConfig(device="cpu", dtype="fp32", weights="quant", threads=rt.threads)
+    mode = rt.weights_for("cpu") if "=" in rt.weights else "auto"
+    return RuntimeConfig(
+        device="cpu", dtype="fp32", weights=mode, threads=rt.threads,
+        allow_reference=rt.allow_reference,
+    )  # fmt: skip
 
 
 class SparseMoE(nn.Module):

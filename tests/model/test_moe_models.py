@@ -107,12 +107,14 @@ class RowRecorder:
         return logits, producing
 
 
-def engine_rows(path, weights: str, rounds: int = 1, **options):
+def engine_rows(path, weights: str, rounds: int = 1, loaded=None, **options):
     """Run the prompts to 6 greedy tokens each, `rounds` times (after each round, with a RAM
-    tier, every parked block is pushed down to RAM); (final sequences, rows, engine)."""
+    tier, every parked block is pushed down to RAM); (final sequences, rows, engine).
+    loaded: the (GGUF, model) to run, where not load_model(path, runtime(weights))."""
     sched = SchedulerConfig(max_num_batched_tokens=options.pop("budget", 20), max_num_seqs=3)
     cfg = EngineConfig(block_size=4, kv_dtype="fp32", scheduler=sched, **options)
-    engine = build_engine(None, LaunchConfig(cfg), loaded=load_model(path, runtime(weights)))
+    loaded = loaded or load_model(path, runtime(weights))
+    engine = build_engine(None, LaunchConfig(cfg), loaded=loaded)
     rec = RowRecorder(engine.executor.runner)
     finals = {}
     for r in range(rounds):
@@ -258,8 +260,10 @@ def test_cpu_moe_options_are_checked_against_the_model(files, tmp_path):
     cfg = load_gguf(path).config
     on_gpu = RuntimeConfig(device="cuda", n_cpu_moe=1)
     assert experts_runtime(cfg, on_gpu, 0) == RuntimeConfig(
-        device="cpu", dtype="fp32", weights="quant"
-    )
+        device="cpu", dtype="fp32", weights="auto"
+    )  # the CPU's default: qdot, the experts' GGUF blocks on the native kernels
+    named = RuntimeConfig(device="cuda", n_cpu_moe=1, weights="cuda=quant,cpu=fp16")
+    assert experts_runtime(cfg, named, 0).weights == "fp16"
     assert experts_runtime(cfg, on_gpu, 1) is None  # past the first n_cpu_moe layers
     on_cpu = RuntimeConfig(device="cpu", cpu_moe=True)
     assert experts_runtime(cfg, on_cpu, 1) is None  # on a CPU already
