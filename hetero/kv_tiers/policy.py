@@ -228,6 +228,13 @@ class KVTiers:
         elif self.disk is None:
             self.stats.dropped += 1
 
+    def committed(self, block: int, name: bytes) -> None:
+        """Device block `block` now holds `name`'s KV: written through to disk at once when the
+        disk tier lost its copy (a bad file dropped, a gap in a saved chain), so that the next
+        request with this prefix, or the next engine, finds it again."""
+        if self.disk is not None and self.disk.wants(name):
+            self._ops.append(Save(block, name))
+
     def _ram_slot(self) -> int | None:
         """A RAM slot for a new block: a free one, else the LRU unpinned one (demoted to disk)."""
         if self.ram.num_slots == 0:

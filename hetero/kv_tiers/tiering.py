@@ -104,8 +104,11 @@ class TieredKV:
         elif self.tiers.prefetch is not None and self.tiers.prefetch.busy:
             self.tiers.prefetch.wait(timeout=1.0)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A prefill-sized step's throughput feeds the restore-or-recompute estimate."""
+    def step_done(self, tokens: int, seconds: float) -> None:
+        """A step's KV is in place: write through the blocks it filled that the disk tier lost
+        (KVTiers.committed). A prefill-sized step's throughput feeds the restore-or-recompute
+        estimate."""
+        self.mover.run(self.tiers.take_ops())
         if tokens >= 64 and seconds > 0:
             cost = self.tiers.cost
             cost.prefill_tokens_per_s = cost.follow(cost.prefill_tokens_per_s, tokens / seconds)
