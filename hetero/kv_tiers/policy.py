@@ -130,6 +130,11 @@ class RamIndex:
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    def grow(self, num_slots: int) -> None:
+        """Open slots up to `num_slots` (the host buffer came late, or smaller: host_memory)."""
+        self._free.extend(range(self.num_slots, num_slots))
+        self.num_slots = max(self.num_slots, num_slots)
+
     def lookup(self, name: bytes) -> int | None:
         return self._slot_of.get(name)
 

@@ -88,10 +88,16 @@ class TieredKV:
             disk = DiskStore(plan.disk_dir, identity, host.block_bytes, plan.disk_cap)
             if len(disk):
                 log.info("KV disk tier: %d saved blocks found in %s", len(disk), disk.dir)
-        self.tiers = KVTiers(plan.ram_slots, disk, host.block_bytes)
+        self.host = host
+        # the RAM tier opens once its buffer is had (pinning runs on a thread; what cannot be had
+        # shrinks it: host_memory.py)
+        self.tiers = KVTiers(host.num_slots if host.ready else 0, disk, host.block_bytes)
         self.mover = KVMover(pool, host, disk, self.tiers)
 
     def before_schedule(self, bm: BlockManager) -> None:
+        if self.tiers.ram.num_slots < self.host.num_slots and self.host.ready:
+            self.tiers.ram.grow(self.host.num_slots)
+            log.info("RAM tier open: %d blocks", self.host.num_slots)
         bm.finish_restores(self.mover.poll())
 
     def after_schedule(self) -> None:
@@ -119,7 +125,7 @@ class TieredKV:
         disk = t.disk
         return TierGauges(
             ram_blocks=len(t.ram),
-            ram_slots=self.plan.ram_slots,
+            ram_slots=t.ram.num_slots,
             disk_blocks=None if disk is None else len(disk),
             disk_slots=None if disk is None else disk.cap_files,
             hits=dict(st.hits),

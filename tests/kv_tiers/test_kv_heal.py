@@ -1,6 +1,6 @@
 """The disk tier heals: every kind of bad file is found before its bytes are handed out, dropped
 and wanted again; a full, read-only or vanished directory pauses writes (logged once) and they
-resume by themselves.
+resume by themselves. The RAM tier's host memory shrinks to what can be had.
 
 The file-system faults are real: a small tmpfs filled to the last byte, the same tmpfs remounted
 read-only (tests/support/file_faults.py; skipped where mounting is not allowed), directories
@@ -16,7 +16,9 @@ import threading
 import time
 
 import pytest
+import torch
 
+from hetero.kv_tiers import host_memory
 from hetero.kv_tiers.store import HEADER, DiskStore
 from tests.support.file_faults import fill, remount, tmpfs
 
@@ -193,3 +195,22 @@ def test_vanished_directory_is_made_again_or_waited_for(tmp_path, caplog):
         time.sleep(0.3)
         assert s.write(name(6), payload(6))
     assert "writing to" in caplog.text and bytes(s.read(name(6))) == payload(6)
+
+
+def test_pinning_that_cannot_be_had_shrinks_or_goes_pageable(caplog):
+    if torch.cuda.is_available():
+        pytest.skip("this machine can pin: the failure is only real without an accelerator")
+    with caplog.at_level(logging.WARNING, logger="hetero.kv_tiers"):
+        got = host_memory.allocate(4096, 64, pin=True)
+    assert got.slots == 64 and not got.pinned and got.buf.numel() == 64 * 4096
+    assert "pageable" in caplog.text and "cannot be had" in caplog.text
+
+
+def test_host_memory_the_system_refuses_shrinks_the_ram_tier(caplog):
+    block = 1 << 20
+    asked = (1 << 46) // block  # 64 TiB: refused by any machine this runs on
+    with caplog.at_level(logging.WARNING, logger="hetero.kv_tiers"):
+        got = host_memory.allocate(block, asked, pin=False)
+    assert 0 < got.slots < asked and got.buf.numel() == got.slots * block
+    assert "cannot be had" in caplog.text
+    assert host_memory.allocate(block, 0, pin=False).buf is None

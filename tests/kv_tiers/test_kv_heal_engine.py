@@ -5,6 +5,7 @@ shutdown), so the next engine, even after a crash, restores the whole prefix.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -116,3 +117,22 @@ def test_healing_stops_at_the_end_of_what_was_saved(model, tmp_path):
     second = engine(model, disk)
     assert run(second, ids)[1] == 5 * B
     assert len(list(disk.rglob("*.kv"))) == 5  # no write-through of blocks 5..10
+
+
+def test_a_ram_tier_larger_than_the_machine_shrinks_and_serves(model, tmp_path, caplog):
+    """64 TiB of RAM tier asked: the host refuses it, the tier shrinks with a warning, and the
+    engine starts, offloads and restores from what it got."""
+    path, loaded = model
+    with caplog.at_level(logging.WARNING, logger="hetero.kv_tiers"):
+        llm = LLM(str(path), loaded=loaded, num_kv_blocks=16, block_size=B, kv_dtype="fp32",
+                  kv_ram_gb=65536.0)  # fmt: skip
+    assert "cannot be had" in caplog.text
+    kv = llm.engine.kv_tiers
+    asked = kv.plan.ram_slots
+    assert 0 < kv.host.num_slots < asked and kv.tiers.ram.num_slots == kv.host.num_slots
+    ids = prompt(seed=13)
+    want = run(llm, ids)
+    assert kv.offload_all(llm.engine.block_manager) == 11
+    assert run(llm, ids) == (want[0], HIT)
+    assert kv.tiers.stats.hits["ram"] == 11
+    assert llm.engine.gauges().tiers.ram_slots == kv.host.num_slots
