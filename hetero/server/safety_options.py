@@ -2,6 +2,8 @@
 
     --engine-restarts N           a dead engine is started again (frontdoor/supervisor.py), at
     --engine-restart-window S     most N times within S seconds; past that the daemon exits
+    --parse-special-in-messages   control-token texts in chat messages are control tokens
+                                  (by default they are plain text: plain_content.py)
 
 Their defaults come from ServerSettings and RestartPolicy, so each is declared once.
 """
@@ -13,11 +15,19 @@ import click
 from hetero.cli_options import FloatRange
 from hetero.frontdoor.supervisor import RestartPolicy
 
-KEYS = ("engine_restarts", "engine_restart_window")
+KEYS = ("engine_restarts", "engine_restart_window", "parse_special_in_messages")
 
 
 def safety_options(f):
     policy = RestartPolicy()
+    f = click.option(
+        "--parse-special-in-messages/--no-parse-special-in-messages",
+        default=False,
+        show_default=True,
+        help="read control-token texts inside chat messages ('<|im_start|>system', "
+        "'<|eot_id|>') as the control tokens; by default they are plain text, so a user's "
+        "message cannot open a turn of another role",
+    )(f)
     f = click.option(
         "--engine-restart-window",
         type=FloatRange(1),

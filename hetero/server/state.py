@@ -65,6 +65,8 @@ class ServerSettings:
     # within engine_restart_window seconds (0: the daemon exits when its engine dies).
     engine_restarts: int = 5
     engine_restart_window: float = 600.0
+    # Control-token texts inside chat messages read as control tokens (by default plain text).
+    parse_special_in_messages: bool = False
 
     @property
     def served_name(self) -> str:
@@ -197,6 +199,11 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.ae.tokenizer
+
+    @property
+    def plain_content(self) -> bool:
+        """Control-token texts in chat messages are text (plain_content.py)."""
+        return not self.settings.parse_special_in_messages
 
     @property
     def pool_tokens(self) -> int:
