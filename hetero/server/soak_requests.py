@@ -83,8 +83,8 @@ class Planner:
             self._turn += 1
         else:
             kind = self.rng.choices(list(MIX), weights=list(MIX.values()))[0]
-        if kind.startswith("over_"):
-            return self._over_limit(kind[5:])
+        if kind.startswith("over_"):  # "over_limit": one drawn; "over_n": that one
+            return self._over_limit(None if kind == "over_limit" else kind[5:])
         return getattr(self, f"_{kind}")()
 
     def _chat_body(self, words: int, max_tokens: int, **extra) -> dict[str, Any]:
