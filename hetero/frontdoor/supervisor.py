@@ -83,20 +83,8 @@ class EngineSupervisor:
 
     async def start(self) -> EngineSupervisor:
         self._loop = asyncio.get_running_loop()
-        self.client = self.last = await self.factory(self._death_reporter())
+        self.client = self.last = await self.factory(_DeathReport(self))
         return self
-
-    def _death_reporter(self) -> Callable[[str], None]:
-        """on_death for one client: only that client's death counts, once, on the event loop."""
-        reported = False
-
-        def died(reason: str) -> None:
-            nonlocal reported
-            if not reported:
-                reported = True
-                self._loop.call_soon_threadsafe(self._died, reason)
-
-        return died
 
     # -- the EngineClient interface ------------------------------------------------------------
 
@@ -156,10 +144,13 @@ class EngineSupervisor:
         if dead is not None:  # release what it holds (a thread's engine) before the next loads
             dead.close(0)
         if self._record_death():
+            if self._task is not None:
+                self._task.cancel()
             return
         self.on_status("restarting", reason)
-        self._idle.clear()
-        self._task = self._loop.create_task(self._restart())
+        if self._task is None or self._task.done():
+            self._idle.clear()
+            self._task = self._loop.create_task(self._restart())
 
     def _record_death(self) -> bool:
         """Count a death; True (and the daemon told why) when it is one too many."""
@@ -186,13 +177,17 @@ class EngineSupervisor:
                 delay = self.policy.delay(len(self._deaths))
                 log.warning("restarting the engine in %.1f s (%s)", delay, self.reason)
                 await asyncio.sleep(delay)
+                report = _DeathReport(self)
                 try:
-                    client = await self.factory(self._death_reporter())
+                    client = await self.factory(report)
                 except Exception as e:  # a load that fails is one more death
                     self.reason = f"the engine failed to start again: {e}"
                     log.error("%s", self.reason)
                     if self._record_death():
                         return
+                    continue
+                if report.fired:  # it died as soon as it was up (counted by _died): again
+                    client.close(0)
                     continue
                 self._swap(client)
                 return
@@ -217,3 +212,16 @@ class EngineSupervisor:
             self._idle.wait(timeout)
         if self.client is not None:
             self.client.close(timeout)
+
+
+class _DeathReport:
+    """on_death for one client: its death counts once, on the supervisor's event loop."""
+
+    def __init__(self, supervisor: EngineSupervisor) -> None:
+        self.supervisor = supervisor
+        self.fired = False
+
+    def __call__(self, reason: str) -> None:
+        if not self.fired:
+            self.fired = True
+            self.supervisor._loop.call_soon_threadsafe(self.supervisor._died, reason)
