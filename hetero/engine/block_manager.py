@@ -168,6 +168,7 @@ class BlockManager(TieredBlocks):
             req.num_cached_tokens = hit_tokens
         self._live[req.request_id] = req
         self._hashes[req.request_id] = [h for h, _ in hits]
+        self._want_gaps(req)
         return True
 
     def _take(self) -> int:
@@ -234,7 +235,8 @@ class BlockManager(TieredBlocks):
         prev = hashes[-1] if hashes else None
         for i in range(len(hashes), req.num_computed_tokens // bs):
             prev = block_hash(prev, req.tokens(i * bs, (i + 1) * bs))
-            self._cache.register(table[i], prev)  # a duplicate stays unnamed
+            if self._cache.register(table[i], prev):  # a duplicate stays unnamed
+                self._committed(table[i], prev)
             hashes.append(prev)
 
     def fork(self, parent: Request, child: Request) -> None:

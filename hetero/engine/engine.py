@@ -233,7 +233,7 @@ class Engine:
         if self.spec is not None:
             self.spec.observe(out, sampled, finished)
         if self.executor.kv_tiers is not None:
-            self.executor.kv_tiers.observe_step(out.num_batched_tokens, seconds)
+            self.executor.kv_tiers.step_done(out.num_batched_tokens, seconds)
         for req in finished:
             results[req.request_id].finished = True
             results[req.request_id].finish_reason = req.finish_reason

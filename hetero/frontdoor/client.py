@@ -7,8 +7,8 @@ with no thread between: a step's message is unpickled and its outputs put on the
 queues in one callback. Commands are small pickled tuples written under a lock.
 
 The engine process dying (a crash, the OOM killer, a kill -9) ends its pipe: every request in
-flight gets a final output saying so, new requests are refused, and `on_death` tells the server,
-which exits with the reason rather than serve nothing.
+flight gets a final output saying so, new requests are refused, and `on_death` tells the
+supervisor (supervisor.py), which starts another engine process or gives up with the reason.
 """
 
 from __future__ import annotations

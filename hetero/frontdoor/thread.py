@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -47,8 +47,11 @@ class _Embed:
 class AsyncEngine:
     """An EngineClient (protocol.py) over an engine on a thread of this process."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_death: Callable[[str], None] | None = None):
+        """on_death(reason): called from the engine thread if the engine fails (it has ended its
+        requests with the reason by then)."""
         self.engine = engine
+        self.on_death = on_death
         self.tokenizer = engine.tokenizer
         self.info = EngineInfo.of(engine)
         self._commands: queue.Queue = queue.Queue()
@@ -68,9 +71,13 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """shutdown(), then keep the KV prefixes for the next start (when the thread stopped)."""
+        """shutdown(), then keep the KV prefixes for the next start (when the thread stopped).
+        An engine that failed saves nothing (its pool may hold anything) and lets go of what it
+        holds (stage processes), so that a new engine can take its memory."""
         self.shutdown(timeout)
-        if not self._thread.is_alive():
+        if self._dead is not None:
+            self.engine.close()
+        elif not self._thread.is_alive():
             saved = self.engine.save_kv_cache()
             if saved:
                 log.info("saved %d KV blocks to the disk tier", saved)
@@ -133,7 +140,10 @@ class AsyncEngine:
         except BaseException as e:  # a dead engine must fail its requests, never hang them
             log.exception("engine thread died")
             self._dead = e
-            self._fail_all(f"engine error: {e}")
+            reason = f"engine error: {type(e).__name__}: {e}"
+            self._fail_all(reason)
+            if self.on_death is not None:
+                self.on_death(reason)
             return
         self._fail_all("the server is shutting down")
 

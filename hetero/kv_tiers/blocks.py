@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from hetero.engine.prefix_cache import block_hash
+
 if TYPE_CHECKING:
     from hetero.engine.prefix_cache import PrefixCache
     from hetero.engine.request import Request
@@ -54,6 +56,27 @@ class TieredBlocks:
         self._ticket_blocks[ticket] = blocks
         for b in blocks:
             self._loading[b] = ticket
+
+    def _want_gaps(self, req: Request) -> None:
+        """After an admission: prompt blocks past the hit that the disk tier lacks while it holds
+        a later block of the same chain (a file lost between runs) are written to disk once
+        computed (KVTiers.committed), so the whole chain is a hit again next time."""
+        disk = None if self.tiers is None else self.tiers.disk
+        if disk is None or not len(disk):
+            return
+        bs, names = self.block_size, self._hashes[req.request_id]
+        prev, chain = (names[-1] if names else None), []
+        for i in range(len(names), (req.num_tokens - 1) // bs):
+            prev = block_hash(prev, req.tokens(i * bs, (i + 1) * bs))
+            chain.append(prev)
+        last = max((k for k, h in enumerate(chain) if disk.contains(h)), default=0)
+        missing = [h for h in chain[:last] if not disk.contains(h)]
+        if missing:
+            disk.want(missing)
+
+    def _committed(self, block: int, name: bytes) -> None:
+        if self.tiers is not None:
+            self.tiers.committed(block, name)
 
     def fetching(self, req: Request) -> bool:
         """True while disk blocks of req's prefix hit are being read ahead: admit it later."""

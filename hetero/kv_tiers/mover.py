@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import torch
 
 from hetero.execution.kv_pool import KVPool
+from hetero.kv_tiers import host_memory
 from hetero.kv_tiers.policy import Demote, KVTiers, Load, Offload, Restore, Save, TierOp
 from hetero.kv_tiers.store import DiskStore
 
@@ -102,34 +103,41 @@ class HostKVPool:
                 self.device_views.append(raw.view(L, pool.num_blocks, pool.block_size, *rest))
         # bytes of one block in each tensor, in payload order (also without RAM slots: disk)
         self.parts = [v[:, 0].numel() * v.element_size() for v in self.device_views]
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # asked; what the buffer holds once `ready` (host_memory)
+        self.pinned = pin
         self._tensors: list[torch.Tensor] | None = None
-        # Pinning takes about a second per few GiB: done on a thread, so the engine starts at
-        # once and only a first use before it is done waits for it.
         self._buf: torch.Tensor | None = None
-        self._alloc = threading.Thread(
-            target=self._allocate, args=(num_slots * self.block_bytes, pin), daemon=True
-        )
-        self._alloc.start()
+        # Pinning takes about a second per few GiB: done on a thread, so the engine starts at
+        # once and the RAM tier opens when it is done (TieredKV.before_schedule). Pageable
+        # memory is only reserved here (no page is touched): at once.
+        self._alloc = threading.Thread(target=self._allocate, daemon=True)
+        if pin:
+            self._alloc.start()
+        else:
+            self._allocate()
 
-    def _allocate(self, nbytes: int, pin: bool) -> None:
+    def _allocate(self) -> None:
         # One allocation carved into the four tensors: torch's pinned allocator rounds each
         # request up to a power of two, which four separate tensors would pay four times.
-        try:
-            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        except RuntimeError as e:  # pinned memory is limited (ulimit -l, containers)
-            log.warning("RAM tier: %s; using pageable memory (slower restores)", e)
-            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        got = host_memory.allocate(self.block_bytes, self.num_slots, self.pinned)
+        self._buf, self.num_slots, self.pinned = got.buf, got.slots, got.pinned
+
+    @property
+    def ready(self) -> bool:
+        """The buffer is allocated (num_slots is final)."""
+        return not self._alloc.is_alive()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """[R, L, B, ...] per pool tensor, views of the one host buffer."""
+        """[R, L, B, ...] per pool tensor, views of the one host buffer (R = num_slots)."""
         if self._tensors is None:
-            self._alloc.join()
-            if self._buf is None:
-                raise RuntimeError(f"could not allocate the RAM tier ({self.num_slots} blocks)")
+            if self._alloc.is_alive():
+                self._alloc.join()
             out, off, r = [], 0, self.num_slots
             for v, n in zip(self.device_views, self.parts):
+                if self._buf is None:  # no RAM tier: no slot is ever addressed
+                    out.append(torch.empty(0, v.shape[0], *v.shape[2:], dtype=v.dtype))
+                    continue
                 part = self._buf[off : off + r * n].view(v.dtype)
                 out.append(part.view(r, v.shape[0], *v.shape[2:]))
                 off += r * n

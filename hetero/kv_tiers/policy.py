@@ -130,6 +130,11 @@ class RamIndex:
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    def grow(self, num_slots: int) -> None:
+        """Open slots up to `num_slots` (the host buffer came late, or smaller: host_memory)."""
+        self._free.extend(range(self.num_slots, num_slots))
+        self.num_slots = max(self.num_slots, num_slots)
+
     def lookup(self, name: bytes) -> int | None:
         return self._slot_of.get(name)
 
@@ -227,6 +232,13 @@ class KVTiers:
             self._ops.append(Save(block, name))
         elif self.disk is None:
             self.stats.dropped += 1
+
+    def committed(self, block: int, name: bytes) -> None:
+        """Device block `block` now holds `name`'s KV: written through to disk at once when the
+        disk tier lost its copy (a bad file dropped, a gap in a saved chain), so that the next
+        request with this prefix, or the next engine, finds it again."""
+        if self.disk is not None and self.disk.wants(name):
+            self._ops.append(Save(block, name))
 
     def _ram_slot(self) -> int | None:
         """A RAM slot for a new block: a free one, else the LRU unpinned one (demoted to disk)."""

@@ -18,8 +18,10 @@ The identity hashes what makes KV bytes mean something: the model file (its size
 samples of its tensor data), the layers this engine holds, the KV dtype and block size. A
 different model, dtype or block size gets another subdirectory and so never reads these files. A
 file of the wrong size (truncated by a crash) is dropped when the directory is scanned; one whose
-header or checksum does not match is dropped when read; both with a warning, never loaded.
-Writes go to a temporary name first and are renamed into place, so a crash leaves no torn file.
+header or checksum does not match (or that cannot be read, or is not a file) is dropped when read;
+both with a warning, never loaded, and the block is written again once computed (DiskStore.lost).
+Writes go to a temporary name first and are renamed into place, so a crash leaves no torn file;
+a full disk or a read-only or vanished directory pauses them (disk_health.py).
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import struct
 import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
+
+from hetero.kv_tiers.disk_health import RETRY_S, WriteHealth, cause
 
 log = logging.getLogger("hetero.kv_disk")
 
@@ -61,10 +66,21 @@ def model_identity(path: str | os.PathLike, layout: str) -> bytes:
 
 
 class DiskStore:
-    """Files of one (model, KV layout) identity, capped at `cap_bytes`, evicted LRU."""
+    """Files of one (model, KV layout) identity, capped at `cap_bytes`, evicted LRU.
+
+    Faults heal: a bad file (truncated, damaged, foreign, unreadable, missing, not a file at all)
+    is found before its bytes are handed out, deleted, and its name remembered in `lost`, so the
+    block is written again once computed (KVTiers.committed). Writes that cannot be made (a full
+    disk, a read-only or vanished directory) pause and resume by themselves (disk_health.py).
+    """
 
     def __init__(
-        self, root: str | os.PathLike, identity: bytes, payload_bytes: int, cap_bytes: int
+        self,
+        root: str | os.PathLike,
+        identity: bytes,
+        payload_bytes: int,
+        cap_bytes: int,
+        retry_s: float = RETRY_S,
     ):
         self.dir = Path(root) / identity.hex()[:16]
         self.identity = identity
@@ -76,11 +92,18 @@ class DiskStore:
                 f"({self.file_bytes} bytes)"
             )
         self.cap_files = cap_bytes // self.file_bytes
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        # names whose file went bad or missing: a good copy is written when next computed
+        self.lost: OrderedDict[bytes, None] = OrderedDict()
         # reads may run on a prefetch thread (kv_prefetch.py): the index changes under this lock
         self._lock = threading.RLock()
+        self.health = WriteHealth(self.dir, retry_s)
         self.dropped = 0  # files found bad (truncated, corrupt) and deleted
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only root: no files to read, writes wait until it is not
+            self.health.failed(cause(e) or "the directory cannot be made", e)
+            return
         self._scan()
 
     def _path(self, name: bytes) -> Path:
@@ -91,7 +114,7 @@ class DiskStore:
         found = []
         for p in self.dir.iterdir():
             if p.suffix == ".tmp":
-                p.unlink(missing_ok=True)  # a write that a crash interrupted
+                _remove(p)  # a write that a crash interrupted
                 continue
             try:
                 name = bytes.fromhex(p.stem)
@@ -99,11 +122,17 @@ class DiskStore:
                 continue
             if p.suffix != ".kv" or len(name) != 32:
                 continue
-            st = p.stat()
-            if st.st_size != self.file_bytes:
-                self._drop(name, f"{st.st_size} bytes, expected {self.file_bytes} (truncated?)")
+            try:
+                st = p.stat()
+            except OSError as e:  # a dangling link, a file gone meanwhile
+                self._drop(name, f"unreadable ({e.strerror or e})")
                 continue
-            found.append((st.st_mtime_ns, name))
+            if not stat.S_ISREG(st.st_mode):
+                self._drop(name, "not a regular file")
+            elif st.st_size != self.file_bytes:
+                self._drop(name, f"{st.st_size} bytes, expected {self.file_bytes} (truncated?)")
+            else:
+                found.append((st.st_mtime_ns, name))
         for _, name in sorted(found):
             self._lru[name] = None
         while len(self._lru) > self.cap_files:
@@ -123,43 +152,88 @@ class DiskStore:
         with self._lock:
             return list(self._lru)
 
+    def wants(self, name: bytes) -> bool:
+        """True when `name`'s file was lost and a good copy should be written."""
+        return name in self.lost
+
+    def want(self, names: list[bytes]) -> None:
+        """Remember names to write again when computed (the newest cap_files of them)."""
+        with self._lock:
+            for h in names:
+                self.lost[h] = None
+                self.lost.move_to_end(h)
+            while len(self.lost) > self.cap_files:
+                self.lost.popitem(last=False)
+
+    # -- writing -------------------------------------------------------------------------------
+
     def write(self, name: bytes, payload: bytes | memoryview) -> bool:
-        """Store a block (LRU files make room); False, with a warning, if the write fails."""
+        """Store a block (LRU files make room); False when it cannot be written now."""
         if len(payload) != self.payload_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, expected {self.payload_bytes}")
         with self._lock:
             if name in self._lru:
                 self._lru.move_to_end(name)
+                self.lost.pop(name, None)
                 return True
+            if not self.health.may_write():  # paused: skipped without touching the disk
+                return False
             while len(self._lru) >= self.cap_files:
                 self._evict()
         header = HEADER.pack(MAGIC, self.identity, name, len(payload), zlib.crc32(payload))
-        path, tmp = self._path(name), self._path(name).with_suffix(".tmp")
+        try:
+            self._put(self._path(name), header, payload)
+        except OSError as e:
+            self._write_failed(name, e)
+            return False
+        with self._lock:
+            self._lru[name] = None
+            self.lost.pop(name, None)
+            self.health.succeeded()
+        return True
+
+    def _put(self, path: Path, header: bytes, payload) -> None:
+        """Write to a temporary name, then rename into place (a crash leaves no torn file). The
+        directory is made again if it vanished while the root the user gave is still there."""
+        tmp = path.with_suffix(".tmp")
+        if not self.dir.is_dir() and self.dir.parent.is_dir():
+            self._vanished()
+            self.dir.mkdir(exist_ok=True)
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            log.warning("KV disk tier: cannot write %s (%s); the block is dropped", path, e)
-            return False
+        except OSError:
+            _remove(tmp)
+            raise
+
+    def _write_failed(self, name: bytes, e: OSError) -> None:
+        why = cause(e)
+        if why is None:  # this file's own trouble (a directory in its place, an I/O error)
+            log.warning("KV disk tier: cannot write %s (%s); the block is dropped", name.hex(), e)
+            return
+        if not self.dir.is_dir():
+            self._vanished()
         with self._lock:
-            self._lru[name] = None
-        return True
+            self.health.failed(why, e)
+
+    # -- reading -------------------------------------------------------------------------------
 
     def read(self, name: bytes) -> bytearray | None:
         """The block's payload, checked against its header and CRC; None (file dropped) if bad."""
         if name not in self._lru:
             return None
-        path = self._path(name)
         try:
-            with open(path, "rb") as f:  # a bytearray: torch.frombuffer wants writable memory
-                data = bytearray(f.read())
+            data = self._read_file(self._path(name))
         except OSError as e:
-            if name in self._lru:  # else evicted meanwhile by a write on another thread
-                self._drop(name, f"unreadable ({e})")
+            if not self.dir.is_dir():
+                self._vanished()
+            elif name in self._lru:  # else evicted meanwhile by a write on another thread
+                self._drop(name, f"unreadable ({e.strerror or e})")
+            return None
+        if data is None:
+            self._drop(name, "not a regular file")
             return None
         if len(data) != self.file_bytes:
             self._drop(name, f"{len(data)} bytes, expected {self.file_bytes} (truncated?)")
@@ -177,16 +251,48 @@ class DiskStore:
                 self._lru.move_to_end(name)
         return payload
 
+    def _read_file(self, path: Path) -> bytearray | None:
+        """The file's bytes (one more than a good file has, to see a longer one), or None when it
+        is not a regular file. Non-blocking open: a FIFO put in its place never hangs a read."""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return bytearray(f.read(self.file_bytes + 1))  # writable: torch.frombuffer wants it
+
+    # -- dropping ------------------------------------------------------------------------------
+
     def _evict(self) -> None:  # under the lock
         name, _ = self._lru.popitem(last=False)
-        self._path(name).unlink(missing_ok=True)
+        _remove(self._path(name))
 
     def _drop(self, name: bytes, why: str) -> None:
         log.warning("KV disk tier: dropping %s: %s", self._path(name), why)
         with self._lock:
             self._lru.pop(name, None)
-        self._path(name).unlink(missing_ok=True)
+            self.want([name])
+        _remove(self._path(name))
         self.dropped += 1
+
+    def _vanished(self) -> None:
+        """The directory is gone: so is every file the index lists (logged once per loss)."""
+        with self._lock:
+            n = len(self._lru)
+            self._lru.clear()
+        if n:
+            log.warning("KV disk tier: %s vanished with its %d blocks", self.dir, n)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, or an empty directory in a file's place; a failure (a read-only directory)
+    leaves it, to be found bad again."""
+    try:
+        path.unlink(missing_ok=True)
+    except IsADirectoryError:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    except OSError:
+        pass
 
 
 def default_disk_cap(root: str | os.PathLike) -> int:

@@ -88,10 +88,16 @@ class TieredKV:
             disk = DiskStore(plan.disk_dir, identity, host.block_bytes, plan.disk_cap)
             if len(disk):
                 log.info("KV disk tier: %d saved blocks found in %s", len(disk), disk.dir)
-        self.tiers = KVTiers(plan.ram_slots, disk, host.block_bytes)
+        self.host = host
+        # the RAM tier opens once its buffer is had (pinning runs on a thread; what cannot be had
+        # shrinks it: host_memory.py)
+        self.tiers = KVTiers(host.num_slots if host.ready else 0, disk, host.block_bytes)
         self.mover = KVMover(pool, host, disk, self.tiers)
 
     def before_schedule(self, bm: BlockManager) -> None:
+        if self.tiers.ram.num_slots < self.host.num_slots and self.host.ready:
+            self.tiers.ram.grow(self.host.num_slots)
+            log.info("RAM tier open: %d blocks", self.host.num_slots)
         bm.finish_restores(self.mover.poll())
 
     def after_schedule(self) -> None:
@@ -104,8 +110,11 @@ class TieredKV:
         elif self.tiers.prefetch is not None and self.tiers.prefetch.busy:
             self.tiers.prefetch.wait(timeout=1.0)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A prefill-sized step's throughput feeds the restore-or-recompute estimate."""
+    def step_done(self, tokens: int, seconds: float) -> None:
+        """A step's KV is in place: write through the blocks it filled that the disk tier lost
+        (KVTiers.committed). A prefill-sized step's throughput feeds the restore-or-recompute
+        estimate."""
+        self.mover.run(self.tiers.take_ops())
         if tokens >= 64 and seconds > 0:
             cost = self.tiers.cost
             cost.prefill_tokens_per_s = cost.follow(cost.prefill_tokens_per_s, tokens / seconds)
@@ -116,7 +125,7 @@ class TieredKV:
         disk = t.disk
         return TierGauges(
             ram_blocks=len(t.ram),
-            ram_slots=self.plan.ram_slots,
+            ram_slots=t.ram.num_slots,
             disk_blocks=None if disk is None else len(disk),
             disk_slots=None if disk is None else disk.cap_files,
             hits=dict(st.hits),

@@ -46,7 +46,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     _, ae = state.require_ready()
     chat = chat_input(body)
     chat.tool_choice = "auto" if chat.tools else "none"  # counting never forces a call
-    prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat)
+    prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat, state.plain_content)
     ignore_fields(request, ignored + chat.ignored)
     return web.json_response({"input_tokens": len(prompt.ids)})
 
@@ -58,7 +58,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     model = state.model_for(body)
     engine, ae = state.require_ready()
     chat = chat_input(body)
-    prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat)
+    prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat, state.plain_content)
     ignore_fields(request, ignored + chat.ignored)
     kw = sampling(body)
     if prompt.special_tokens:

@@ -16,6 +16,8 @@ import click
 
 from hetero.cli_options import FloatRange, engine_options
 from hetero.server.config_file import apply_config
+from hetero.server.safety_options import KEYS as SAFETY_KEYS
+from hetero.server.safety_options import safety_options
 
 SERVER_KEYS = (
     "model",
@@ -31,6 +33,7 @@ SERVER_KEYS = (
     "engine_process",
     "stream_interval_ms",
     "embedding_model",
+    *SAFETY_KEYS,
 )
 
 
@@ -123,6 +126,7 @@ class AutoOrMs(click.ParamType):
     help="GGUF that answers /v1/embeddings (default: the served model), loaded in the server "
     "process on the same device",
 )
+@safety_options
 @engine_options
 @click.pass_context
 def serve_cli(ctx: click.Context, config_path: str | None, **values) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from hetero.chat_output import ChatFormat
 from hetero.chat_template import ChatTemplateError, check_messages
+from hetero.plain_content import Masked
 from hetero.reasoning import CLOSE, prompt_opens_thinking, template_thinks
 from hetero.server.protocol import bad
 from hetero.server.tool_checks import check_history, check_tool_choice, check_tools
@@ -79,14 +80,21 @@ def openai_input(body: dict[str, Any]) -> ChatInput:
     )
 
 
-def chat_prompt(tokenizer, chat: ChatInput) -> ChatPrompt:
-    """Render and encode (runs on the tokenizer threads: templates can be slow)."""
+def chat_prompt(tokenizer, chat: ChatInput, plain_content: bool = True) -> ChatPrompt:
+    """Render and encode (runs on the tokenizer threads: templates can be slow). plain_content:
+    control-token texts in the messages and tools are text (plain_content.py)."""
     try:
         template = tokenizer.template_for(chat.tools)
         fmt = detect_format(template)
         messages = check_messages(chat.messages)
         check_history(messages, fmt.id_length)
-        text = _render(tokenizer, fmt, messages, chat)
+        masked = Masked(tokenizer, messages, chat.tools) if plain_content else None
+        if masked is not None and masked.found:
+            rendered = _render(tokenizer, fmt, masked.messages, masked.tools, chat)
+            text, ids = masked.restore(rendered), masked.encode(rendered)
+        else:
+            text = _render(tokenizer, fmt, messages, chat.tools, chat)
+            ids = tokenizer.encode(text)
     except ChatTemplateError as e:
         raise bad(str(e), param="messages") from e
     if "reasoning_effort" in chat.template_kwargs and "reasoning_effort" not in template:
@@ -94,7 +102,7 @@ def chat_prompt(tokenizer, chat: ChatInput) -> ChatPrompt:
     thinks = template_thinks(template)
     parse = chat.tools is not None and chat.tool_choice != "none"
     if not parse and not thinks and fmt.name != "harmony":
-        return ChatPrompt(tokenizer.encode(text), text, None)
+        return ChatPrompt(ids, text, None)
     read = ChatFormat(
         fmt if parse or fmt.name == "harmony" else None,
         chat.tools or (),
@@ -104,7 +112,7 @@ def chat_prompt(tokenizer, chat: ChatInput) -> ChatPrompt:
         id_prefix=chat.id_prefix,
         tools_enabled=parse,
     )
-    prompt = ChatPrompt(tokenizer.encode(text), text, read, parse and fmt.special_tokens)
+    prompt = ChatPrompt(ids, text, read, parse and fmt.special_tokens)
     forced = forced_call(chat.tools, chat.tool_choice, chat.parallel)
     if forced is not None:
         reasoning = _reasoning(text) if thinks else None
@@ -121,13 +129,13 @@ def _reasoning(prompt: str) -> str | None:
     return None if prompt.rstrip().endswith(CLOSE) else "may"
 
 
-def _render(tokenizer, fmt: ToolFormat, messages: list[dict], chat: ChatInput) -> str:
+def _render(tokenizer, fmt: ToolFormat, messages: list[dict], tools, chat: ChatInput) -> str:
     kw = dict(chat.template_kwargs, add_generation_prompt=chat.add_generation_prompt)
     if fmt.native:
-        return tokenizer.apply_chat_template(messages, tools=chat.tools, **kw)
+        return tokenizer.apply_chat_template(messages, tools=tools, **kw)
     try:  # the tools described in a system message; in the first user message where refused
-        return tokenizer.apply_chat_template(rewrite(messages, chat.tools), **kw)
+        return tokenizer.apply_chat_template(rewrite(messages, tools), **kw)
     except ChatTemplateError:
-        if not chat.tools:
+        if not tools:
             raise
-        return tokenizer.apply_chat_template(rewrite(messages, chat.tools, in_user=True), **kw)
+        return tokenizer.apply_chat_template(rewrite(messages, tools, in_user=True), **kw)

@@ -4,8 +4,9 @@ Start: the listener opens first (so /health can answer 503 while loading), then 
 on a thread with a progress bar, then one line says the server is ready. SIGINT/SIGTERM: stop
 listening, refuse new requests (503), give in-flight requests `--shutdown-grace` seconds to end,
 then stop the engine, which ends the rest with a message saying why (an error event for streams,
-a 503 for the others). An engine process that dies on its own fails its requests with the reason
-and the server exits with status 1 (a service manager restarts it), never serving nothing.
+a 503 for the others). An engine that dies on its own fails its requests with the reason and is
+started again (frontdoor/supervisor.py); past --engine-restarts deaths the server exits with
+status 1 and the reason (a service manager restarts it), never serving nothing.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ async def _load_then_wait(state: ServerState, stop: asyncio.Event, url: str) -> 
 
 
 async def _drain(state: ServerState, runner: web.AppRunner, grace: float) -> None:
-    if state.status == "ready":
+    if state.status in ("ready", "restarting"):
         state.status = "draining"
     for site in list(runner.sites):
         await site.stop()  # no new connections; requests on open ones get a 503

@@ -58,6 +58,7 @@ class Metrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
         self.in_flight = 0  # generation requests being served
+        self.engine_restarts = 0  # engines started again after one died
 
     def sequence_started(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prefix_queries += prompt_tokens
@@ -94,6 +95,11 @@ class Metrics:
             "hetero_requests_in_flight",
             "HTTP generation requests being served",
             [("", self.in_flight)],
+        )
+        add.counter(
+            "hetero_engine_process_restarts_total",
+            "engines the daemon started again after one died",
+            [("", self.engine_restarts)],
         )
         add.histogram("hetero_time_to_first_token_seconds", "time to first token", self.ttft)
         add.histogram("hetero_inter_token_latency_seconds", "time between tokens", self.itl)

@@ -163,7 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         kw["logprobs"] = logprobs
     chat = openai_input(body)
     # the template's rendering checks the messages, before JSON mode reads their content
-    prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat)
+    prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat, state.plain_content)
     ignore_fields(request, ignored + chat.ignored)
     if prompt.special_tokens and body.get("skip_special_tokens") is None:
         kw["skip_special_tokens"] = False  # the format's markers are control tokens

@@ -25,6 +25,7 @@ from hetero.engine.stats import EngineGauges
 from hetero.factory import LaunchConfig
 from hetero.frontdoor.client import EngineProcess
 from hetero.frontdoor.protocol import EngineClient, EngineLoadError
+from hetero.frontdoor.supervisor import EngineSupervisor, RestartPolicy
 from hetero.frontdoor.thread import AsyncEngine
 from hetero.frontdoor.wire import EngineInfo
 from hetero.launch import build_engine
@@ -60,6 +61,12 @@ class ServerSettings:
     stream_interval_ms: float | None = None
     # A GGUF that answers /v1/embeddings in place of the served model (embeddings.OwnEmbedder).
     embedding_model: Path | None = None
+    # A dead engine is started again (frontdoor/supervisor.py), at most engine_restarts times
+    # within engine_restart_window seconds (0: the daemon exits when its engine dies).
+    engine_restarts: int = 5
+    engine_restart_window: float = 600.0
+    # Control-token texts inside chat messages read as control tokens (by default plain text).
+    parse_special_in_messages: bool = False
 
     @property
     def served_name(self) -> str:
@@ -81,7 +88,8 @@ AUTO_PACE_S = 0.02
 
 
 class ServerState:
-    """Status: loading -> ready -> draining (or loading -> failed)."""
+    """Status: loading -> ready -> draining (or loading -> failed); ready -> restarting -> ready
+    while a dead engine is started again (-> failed when the supervisor gives up)."""
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
@@ -90,9 +98,10 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.engine: EngineInfo | None = None
-        self.ae: EngineClient | None = None
+        self.ae: EngineSupervisor | None = None
         self.embedder = None  # embeddings.OwnEmbedder of --embedding-model, once loaded
-        self.engine_died = asyncio.Event()  # the engine process ended without being asked
+        self.engine_died = asyncio.Event()  # the engine died and is not started again
+        self._tokenizer: Tokenizer | None = None  # the engine process's, kept across restarts
         self.metrics = Metrics()
         self.created = int(time.time())
         # Prompt rendering and encoding run here, off the event loop that streams tokens; the
@@ -105,10 +114,10 @@ class ServerState:
 
     async def load(self) -> None:
         try:
-            if self.settings.engine_process:
-                await self._load_process()
-            else:
-                await self._load_thread()
+            s = self.settings
+            policy = RestartPolicy(s.engine_restarts, s.engine_restart_window)
+            start = self._start_process if s.engine_process else self._start_thread
+            self.ae = await EngineSupervisor(start, policy, self._engine_status).start()
             if self.settings.embedding_model is not None:
                 from hetero.server.embeddings import OwnEmbedder
 
@@ -123,19 +132,31 @@ class ServerState:
         self.engine = self.ae.info
         self.status = "ready"
 
-    async def _load_process(self) -> None:
+    async def _start_process(self, on_death: Callable[[str], None]) -> EngineProcess:
         """The engine loads in its process; the tokenizer meanwhile here (it reads the GGUF's
-        metadata only)."""
+        metadata only), once."""
         s = self.settings
-        tokenizer = await asyncio.to_thread(Tokenizer.from_gguf, s.model_path)
-        self.ae = EngineProcess(s.model_path, s.launch, tokenizer, self._died)
-        await self.ae.start()
+        if self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(Tokenizer.from_gguf, s.model_path)
+        ae = EngineProcess(s.model_path, s.launch, self._tokenizer, on_death)
+        try:
+            return await ae.start()
+        except BaseException:
+            ae.close(0)  # a restart cancelled by a shutdown: the process still loading is killed
+            raise
 
-    def _died(self, reason: str) -> None:
-        self.status, self.error = "failed", reason
-        self.engine_died.set()
+    def _engine_status(self, status: str, reason: str | None) -> None:
+        """The supervisor's news: restarting (why), ready (back), failed (it gave up)."""
+        if self.status == "draining" and status != "failed":
+            return
+        self.status, self.error = status, reason or self.error
+        if status == "ready":
+            self.engine = self.ae.info
+            self.metrics.engine_restarts = self.ae.restarts
+        elif status == "failed":
+            self.engine_died.set()
 
-    async def _load_thread(self) -> None:
+    async def _start_thread(self, on_death: Callable[[str], None]) -> AsyncEngine:
         """Build the engine on a daemon thread (a signal during loading must not wait for it)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -154,13 +175,19 @@ class ServerState:
         result = await done
         if isinstance(result, BaseException):
             raise result
-        self.ae = AsyncEngine(result).start()
+        return AsyncEngine(result, on_death).start()
 
     # -- serving -----------------------------------------------------------------------------
 
     def require_ready(self) -> tuple[EngineInfo, EngineClient]:
         if self.status == "ready" and self.engine is not None and self.ae is not None:
             return self.engine, self.ae
+        if self.status == "restarting":
+            raise ApiError(
+                503,
+                f"the engine is restarting after a failure ({self.error}); retry shortly",
+                code="restarting",
+            )
         if self.status == "failed" and self.engine is not None:  # it was up: the engine died
             raise ApiError(503, f"the engine stopped: {self.error}", code="engine_unavailable")
         if self.status == "loading":
@@ -172,6 +199,11 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.ae.tokenizer
+
+    @property
+    def plain_content(self) -> bool:
+        """Control-token texts in chat messages are text (plain_content.py)."""
+        return not self.settings.parse_special_in_messages
 
     @property
     def pool_tokens(self) -> int:

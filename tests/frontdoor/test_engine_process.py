@@ -1,8 +1,8 @@
 """The engine in its own process (frontdoor/process.py, frontdoor/client.py), on a tiny synthetic
 model: streams equal the offline engine's tokens, a refused request raises in its caller, an
 abort frees the KV blocks before the next gauge read, closing ends what is in flight with the
-reason, and a killed engine process fails its requests and stops the real daemon with a clear
-message.
+reason, and a killed engine process fails its requests and, with restarts off, stops the real
+daemon with a clear message.
 
 The other server tests run in this mode too: HETERO_TEST_ENGINE_PROCESS=1
 (tests/support/server_fixture.py).
@@ -149,7 +149,9 @@ def post_until_cut(d, out: dict) -> None:
 
 
 def test_a_killed_engine_process_fails_requests_and_stops_the_daemon(model_path):
-    d = start_daemon(str(model_path), "--engine-process", "--threads", "1", "--num-kv-blocks", "80")
+    """With --engine-restarts 0 (test_engine_restart.py: the default starts it again)."""
+    d = start_daemon(str(model_path), "--engine-process", "--threads", "1", "--num-kv-blocks", "80",
+                     "--engine-restarts", "0")  # fmt: skip
     try:
         pid = int(re.search(r"engine process started \(pid (\d+)\)", d.log()).group(1))
         out: dict = {}
@@ -180,4 +182,5 @@ def test_a_killed_engine_process_fails_requests_and_stops_the_daemon(model_path)
     assert status == 503 and "the engine process died" in body["error"]["message"], body
     assert code == 1
     assert "the server stops: the engine process died (killed by SIGKILL)" in d.log()
+    assert "more than the 0 restarts allowed" in d.log()
     d.log_path.unlink()

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,14 +129,18 @@ class Daemon:
         return code
 
 
-def start_daemon(*args: str, wait: bool = True, port: int | None = None) -> Daemon:
-    """`python -m hetero.server ARGS --host 127.0.0.1 --port FREE`, ready when `wait`."""
+def start_daemon(
+    *args: str, wait: bool = True, port: int | None = None, wrap: Callable | None = None
+) -> Daemon:
+    """`python -m hetero.server ARGS --host 127.0.0.1 --port FREE`, ready when `wait`; `wrap`
+    turns that command line into the one started (file_faults.without_dac)."""
     port = port or free_port()
     log_path = Path(tempfile.mkstemp(prefix="hetero-serve-", suffix=".log")[1])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     mode = () if {"--engine-process", "--no-engine-process"} & set(args) else ENGINE_MODE
     cmd = [sys.executable, "-m", "hetero.server", *args, *mode, "--host", HOST, "--port", str(port)]
     with open(log_path, "wb") as log:
+        cmd = cmd if wrap is None else wrap(cmd)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     daemon = Daemon(proc, port, log_path)
     if wait:
