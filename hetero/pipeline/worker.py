@@ -27,6 +27,7 @@ from hetero.engine.config import EngineConfig
 from hetero.engine.output import sampled_lists
 from hetero.execution.cuda_graph import DecodeGraphs, capture_decode_graphs
 from hetero.execution.kv_pool import KVPool, cpu_pool_need, resolve_kv_dtype, size_pool
+from hetero.execution.layout import kernels_on, tensor_bytes
 from hetero.execution.runner import ModelRunner
 from hetero.gguf_loader import load_gguf
 from hetero.kernels import cpu_threads
@@ -104,11 +105,21 @@ class Stage:
         self.runner = ModelRunner(self.model, pool)
         self.runner.graphs = self._decode_graphs(pool)
         # what each stage resolved (its device's KV dtype and weights mode) and how it decodes
-        self.reports = self.links.gather_all(
-            {"kv_dtype": self.kv_dtype, "weights": rt.weights_mode(), "decode": self._decode_path()}
-        )
+        self.reports = self.links.gather_all(self._report(rt, pool))
         self.sampler = Sampler(args.engine.seed) if self.last else None
         status.phase("KV pool allocated; ready")
+
+    def _report(self, rt: RuntimeConfig, pool: KVPool) -> dict:
+        """What this stage resolved for its device and holds there (the engine's StageLayout)."""
+        weights = rt.weights_mode()
+        return {
+            "kv_dtype": self.kv_dtype,
+            "weights": weights,
+            "decode": self._decode_path(),
+            "kernels": kernels_on(self.args.spec.device, weights),
+            "weight_bytes": tensor_bytes(self.model),
+            "kv_bytes": tensor_bytes(pool),
+        }
 
     def _make_pool(self, config) -> KVPool:
         """The KV pool every stage agrees on: the smallest stage's block count."""
