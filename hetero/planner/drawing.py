@@ -85,47 +85,51 @@ def svg_of_plan(plan) -> str:
 
 
 def _stage(i: int, s: StageLike, n_layers: int, scale: float, y: int) -> str:
-    color = COLORS[i % len(COLORS)]
-    budget = getattr(s, "memory_budget", 0)
+    """One device's row: its words on the left, its layers over the model's, its memory."""
     x0 = BAR_X + BAR_W * s.layer_start / n_layers
     w = BAR_W * (s.layer_end - s.layer_start) / n_layers
-    wx = MEM_W * s.weight_bytes / scale
-    kx = MEM_W * s.kv_bytes / scale
     kernel = s.kernels.get("qlinear", "?")
     attn = s.kernels.get("paged_attention", "?")
     layers = f"{s.layer_start}-{s.layer_end - 1}"
+    mode = f"weights {s.weights}, KV {s.kv_dtype} ({s.num_kv_blocks} blocks)"
     return "\n".join(
         [
             f'<g class="stage" data-device={quoteattr(s.device)} data-layers="{layers}" '
             f"data-weights={quoteattr(s.weights)}>",
             _text(LEFT, y + 16, s.device, size=14, weight="bold", cls="device"),
-            _text(
-                LEFT,
-                y + 34,
-                f"weights {s.weights}, KV {s.kv_dtype} ({s.num_kv_blocks} blocks)",
-                cls="mode",
-            ),
+            _text(LEFT, y + 34, mode, cls="mode"),
             _text(LEFT, y + 50, f"linear: {kernel}; attention: {attn}", cls="kernels", size=11),
-            f'<rect class="track" x="{BAR_X}" y="{y + 4}" width="{BAR_W}" height="22" '
-            f'fill="{TRACK}" rx="3"/>',
-            f'<rect class="layers" x="{x0:.2f}" y="{y + 4}" width="{w:.2f}" height="22" '
-            f'fill="{color}" rx="3"/>',
+            _rect("track", BAR_X, y + 4, BAR_W, TRACK, rounded=True),
+            _rect("layers", x0, y + 4, w, COLORS[i % len(COLORS)], rounded=True),
             _text(BAR_X, y + 44, f"layers {layers} ({s.layer_end - s.layer_start})", cls="span"),
-            f'<rect class="track" x="{MEM_X}" y="{y + 4}" width="{MEM_W}" height="22" '
-            f'fill="{TRACK}" rx="3"/>',
-            f'<rect class="weights" x="{MEM_X}" y="{y + 4}" width="{wx:.2f}" height="22" '
-            f'fill="{WEIGHTS_COLOR}"/>',
-            f'<rect class="kv" x="{MEM_X + wx:.2f}" y="{y + 4}" width="{kx:.2f}" height="22" '
-            f'fill="{KV_COLOR}"/>',
-            _text(
-                MEM_X,
-                y + 44,
-                f"{s.weight_bytes / GB:.2f} GB weights, {s.kv_bytes / GB:.2f} GB KV"
-                + (f" of {scale / GB:.1f} GB" if budget else ""),
-                cls="memory",
-            ),
+            _memory(s, scale, y),
             "</g>",
         ]
+    )
+
+
+def _memory(s: StageLike, scale: float, y: int) -> str:
+    """The memory bar: weights, then KV, as shares of `scale` bytes."""
+    wx = MEM_W * s.weight_bytes / scale
+    kx = MEM_W * s.kv_bytes / scale
+    words = f"{s.weight_bytes / GB:.2f} GB weights, {s.kv_bytes / GB:.2f} GB KV"
+    if getattr(s, "memory_budget", 0):
+        words += f" of {scale / GB:.1f} GB"
+    return "\n".join(
+        [
+            _rect("track", MEM_X, y + 4, MEM_W, TRACK, rounded=True),
+            _rect("weights", MEM_X, y + 4, wx, WEIGHTS_COLOR),
+            _rect("kv", MEM_X + wx, y + 4, kx, KV_COLOR),
+            _text(MEM_X, y + 44, words, cls="memory"),
+        ]
+    )
+
+
+def _rect(cls: str, x: float, y: float, width: float, fill: str, rounded: bool = False) -> str:
+    corner = ' rx="3"' if rounded else ""
+    return (
+        f'<rect class="{cls}" x="{x:.2f}" y="{y:.2f}" width="{width:.2f}" height="22" '
+        f'fill="{fill}"{corner}/>'
     )
 
 
