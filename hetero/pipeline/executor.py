@@ -81,9 +81,7 @@ class PipelineExecutor:
                 _layout(s, r, self.pipeline.num_blocks) for s, r in zip(self.stages, reports)
             ),
         )
-        # every step goes through every stage; their times are the stages' own (not measured
-        # here: the engine sees a micro-batch from submit to result)
-        self._through = tuple((s.device, None) for s in self.stages)
+        self._devices = [s.device for s in self.stages]
 
     def submit(self, step: Step) -> None:
         try:
@@ -103,7 +101,9 @@ class PipelineExecutor:
                 f"pipeline answered micro-batch {res.micro_batch}, expected {expected}"
             )
         sampled = SampledRows(res.token_ids, res.logprobs, res.top)
-        return ModelOutput(sampled=sampled, stages=self._through)
+        # every step goes through every stage; each measured its own time (the host's on a GPU:
+        # its launches, and the last stage's wait for its tokens)
+        return ModelOutput(sampled=sampled, stages=tuple(zip(self._devices, res.stage_s)))
 
     def _failed(self, why: str) -> ExecutorFailure:
         self.failure = why

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import sys
 import threading
 import time
@@ -233,11 +234,12 @@ class Stage:
             clock.lap("waiting")
             out = self.run(plan, hidden)
             decode = all(len(q.tokens) == 1 for q in plan.seqs)
-            clock.lap("running decodes" if decode else "running prompt tokens")
-            if self.last:
+            ran = clock.lap("running decodes" if decode else "running prompt tokens")
+            if self.last:  # every stage's time, for the engine's per-stage busy share
+                out.stage_s = [*stage_times(payload, self.args.rank), ran]
                 self._pass_on(pickle.dumps(out), results)
             else:
-                self.links.send_next(payload, out)
+                self.links.send_next(payload + struct.pack("<d", ran), out)
             clock.lap("passing on")
         if thread is not None:
             thread.join()  # the stop message came back round: every result is delivered
@@ -277,13 +279,16 @@ class _Clock:
     def __init__(self):
         self.t, self.spent, self.laps, self.steps = time.perf_counter(), {}, {}, 0
 
-    def lap(self, what: str) -> None:
+    def lap(self, what: str) -> float:
+        """End the current lap as `what`; its seconds."""
         now = time.perf_counter()
+        took = now - self.t
         if self.steps or what != "waiting":  # not the idle time before the first step
-            self.spent[what] = self.spent.get(what, 0.0) + now - self.t
+            self.spent[what] = self.spent.get(what, 0.0) + took
             self.laps[what] = self.laps.get(what, 0) + 1
         self.t = now
         self.steps += what == "waiting"
+        return took
 
     def report(self) -> str:
         per = ", ".join(
@@ -291,6 +296,14 @@ class _Clock:
             for k, v in self.spent.items()
         )
         return f"{self.steps} steps, ms per step: {per}"
+
+
+def stage_times(payload: bytes, rank: int) -> list[float]:
+    """The run times the stages before `rank` appended to the step's payload, 8 bytes each
+    (pickle.loads ignores bytes past the pickled plan, so they travel with it unread)."""
+    if rank == 0:
+        return []
+    return list(struct.unpack(f"<{rank}d", payload[-8 * rank :]))
 
 
 def _memory(device: torch.device) -> str:

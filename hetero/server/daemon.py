@@ -92,7 +92,7 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     if key and request.path not in PUBLIC:
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else None
-        given = given or status_page.basic_key(header) or request.headers.get("X-Api-Key")
+        given = given or status_page.basic_key(request) or request.headers.get("X-Api-Key")
         if not given:
             raise ApiError(
                 401,

@@ -33,10 +33,15 @@ def is_page(path: str) -> bool:
     return path in PAGE_PATHS or path.startswith("/static/")
 
 
-def basic_key(header: str) -> str | None:
+def basic_key(request: web.Request) -> str | None:
     """The key in `Authorization: Basic base64(user:key)` (the password; the user name when
-    the password is empty, as `curl -u KEY:` sends it), or None."""
+    the password is empty, as `curl -u KEY:` sends it), or None. A browser sends the Basic
+    credentials it holds with requests other sites' pages make too, so a request it marks as
+    coming from another site (Sec-Fetch-Site) gets no credit for them."""
+    header = request.headers.get("Authorization", "")
     if header[:6].lower() != "basic ":
+        return None
+    if request.headers.get("Sec-Fetch-Site", "none") not in ("same-origin", "none"):
         return None
     try:
         user, _, password = base64.b64decode(header[6:].strip()).decode().partition(":")

@@ -80,6 +80,14 @@ def test_without_the_key_the_page_and_its_data_are_refused(daemon):
     wrong = base64.b64encode(b"admin:not-the-key").decode()
     assert daemon.request("GET", "/status", headers={"Authorization": f"Basic {wrong}"})[0] == 401
     assert daemon.request("GET", "/health")[0] == 200  # probes stay open
+    # a browser sends its Basic credentials with other sites' requests too: not taken there
+    basic = {"Authorization": "Basic " + base64.b64encode(f"u:{KEY}".encode()).decode()}
+    for site, status in (("cross-site", 401), ("same-site", 401), ("same-origin", 200)):
+        headers = {**basic, "Sec-Fetch-Site": site}
+        assert daemon.request("GET", "/status", headers=headers)[0] == status, site
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    headers = {**basic, "Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"}
+    assert daemon.request("POST", "/v1/chat/completions", chat, headers)[0] == 401
     for auth in (
         BEARER,
         {"Authorization": "Basic " + base64.b64encode(f"u:{KEY}".encode()).decode()},
