@@ -96,12 +96,14 @@ class Hetero:
     def __init__(self, path: Path, threads: int, max_len: int):
         from hetero.config import RuntimeConfig
         from hetero.engine.config import EngineConfig, SchedulerConfig
-        from hetero.engine.engine import Engine
+        from hetero.factory import LaunchConfig
         from hetero.kernels import cpu_threads
+        from hetero.launch import build_engine
 
         sched = SchedulerConfig(max_model_len=max_len)
         cfg = EngineConfig(speculative="off", enable_prefix_caching=False, scheduler=sched)
-        self.engine = Engine(str(path), cfg, RuntimeConfig(device="cpu", threads=threads))
+        rt = RuntimeConfig(device="cpu", threads=threads)
+        self.engine = build_engine(str(path), LaunchConfig(cfg, rt))
         self.system = cpu_threads.describe()
         self.n = 0
 

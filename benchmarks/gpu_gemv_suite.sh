@@ -33,18 +33,9 @@ Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
 Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
 mkdir -p "$OUT" bench_out
 
-stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
-  local name=$1 secs=$2
-  shift 2
-  local t0=$SECONDS
-  timeout -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (TIMED OUT)')"
-}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
+source benchmarks/gpu_stages.sh
 
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+describe_machine
 
 if has step || has engine; then  # the 8B files, on the CPU while the GPU runs the other stages
   ( [ -f "$Q4" ] || "$PY" -m hetero.cli synth "$Q4" --shape llama3-8b --quant q4_k_m

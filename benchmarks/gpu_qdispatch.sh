@@ -24,17 +24,9 @@ mkdir -p "$OUT"
 Q4=${Q4:-$OUT/llama3-8b-q4_k_m.gguf}  # written when missing
 Q6=${Q6:-$OUT/llama3-8b-q6_k.gguf}
 
-stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
-  local name=$1 secs=$2
-  shift 2
-  local t0=$SECONDS
-  timeout -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (TIMED OUT)')"
-}
+source benchmarks/gpu_stages.sh
 
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+describe_machine
 
 # The 8B files: ~20 s each on the CPU, while the GPU runs stages 1-3
 (

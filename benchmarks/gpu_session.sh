@@ -4,21 +4,23 @@
 # model files stay in /tmp and bench_out/ between calls):
 #
 #   setup    start building llama.cpp's CUDA tools in the background (setsid: the build goes on
-#            after the call returns), install carried wheels, write the 8B files (hetero synth),
-#            the GPU tests of the split and the graphs
+#            after the call returns) unless PEER_BIN's prebuilt ones start, install carried
+#            wheels, write the 8B files (hetero synth), the GPU tests of the split and the graphs
+#            (GPU_TESTS=0 leaves them out)
 #   gemv     the single-token GEMV suite (gpu_gemv_suite.sh): every Stream-K variant checked
 #            and timed, the winners a tuning table (bench_out/gemv/winners.json)
 #   peer     llama-bench on the same files: 8B Q4_K_M and Q6_K all on the GPU (pp512, tg128),
 #            Q4_K_M with 24 of 32 layers on the GPU (-ngl 24 -t 16), CPU only (-ngl 0 -t 16
 #            -nopo 1: its prompt on the CPU too); llama-batched-bench at 1/16/64 streams
-#   gpu      hetero on the GPU: decode 1 and 64 streams, prompt 512 (gpu_engine.py), without
-#            and with the gemv suite's table installed (the registry then picks Stream-K)
+#   gpu      hetero on the GPU: decode 1 and 64 streams, prompt 512 (gpu_engine.py), with the
+#            checked-in GEMV tuning table of the GPU's arch (kernels/gemv_tuning_sm_XY.json)
 #   split    hetero with 24 of 32 layers on the GPU, the rest on the CPU (-ngl 24, 16 threads):
 #            decode 1 stream, prompt 512, 16 streams aggregate
 #   cpu      hetero on the CPU alone, 16 threads: decode 1 stream, prompt 512
 #
 #   STAGES="setup peer" benchmarks/gpu_session.sh OUTDIR
-#       PY (python3); PEER_SRC (.peer/llama.cpp); Q4, Q6 (bench_out/llama3-8b-{q4_k_m,q6_k}.gguf)
+#       PY (python3); PEER_SRC (.peer/llama.cpp); PEER_BIN (.peerbin: prebuilt, tried first);
+#       Q4, Q6 (bench_out/llama3-8b-{q4_k_m,q6_k}.gguf)
 #
 # Every stage has a timeout; a stage that fails is reported and the next runs. Logs and JSON go to
 # OUTDIR; the last lines printed are a summary of each stage.
@@ -28,29 +30,31 @@ OUT=${1:-bench_out/session}
 PY=${PY:-python3}
 STAGES=${STAGES:-setup}
 PEER_SRC=${PEER_SRC:-.peer/llama.cpp}
+PEER_BIN=${PEER_BIN:-.peerbin}
 BUILD=/tmp/llbuild
 Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
 Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
 mkdir -p "$OUT" bench_out
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
-stage() {  # stage NAME SECONDS CMD...: run with a timeout, keep the log, say how it ended
-  local name=$1 secs=$2
-  shift 2
-  local t0=$SECONDS
-  timeout -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (TIMED OUT)')"
-}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
+source benchmarks/gpu_stages.sh
 BENCH=("$PY" -m hetero.cli bench --speculative off --num-kv-blocks 4096)
 rows() { grep -E "^(random|output|TTFT|ITL|KV|ceilings|decode|prefill|a decode|kernels)" "$1" \
   || tail -5 "$1"; }
 
 if has setup; then
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
-  lscpu | grep -E "^(Model name|CPU\(s\)|Flags)" | cut -c1-160
-  # built from a copy: the carried source is replaced at every call, under a running build
+  describe_machine
+  # binaries built elsewhere for this GPU (PEER_BIN, with an env.sh that finds their libraries)
+  # are used when they start here; else the peer is built from a copy of its source: the carried
+  # source is replaced at every call, under a running build
+  if [ -x "$PEER_BIN/llama-bench" ] && [ ! -x "$BUILD/bin/llama-bench" ] \
+    && (source "$PEER_BIN/env.sh" && "$PEER_BIN/llama-bench" --help >/dev/null 2>&1); then
+    mkdir -p "$BUILD" && rm -rf "$BUILD/bin" && cp -r "$PEER_BIN" "$BUILD/bin"
+    echo "peer: prebuilt binaries from $PEER_BIN"
+  elif [ -x "$PEER_BIN/llama-bench" ]; then
+    echo "peer: the prebuilt binaries do not start here:"
+    (source "$PEER_BIN/env.sh"; "$PEER_BIN/llama-bench" --help 2>&1 | tail -3)
+  fi
   if [ ! -x "$BUILD/bin/llama-bench" ] && ! pgrep -f "cmake --build $BUILD" >/dev/null; then
     rm -rf /tmp/llsrc && cp -r "$PEER_SRC" /tmp/llsrc
     setsid bash -c "cmake -S /tmp/llsrc -B $BUILD -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -66,9 +70,11 @@ if has setup; then
   stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m; [ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b --quant q6_k"
   ls -la bench_out/*.gguf
-  stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-    tests/execution/test_segments.py tests/execution/test_cuda_graph.py
-  tail -3 "$OUT/gpu_tests.log"
+  if [ "${GPU_TESTS:-1}" = 1 ]; then
+    stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+      tests/execution/test_segments.py tests/execution/test_cuda_graph.py
+    tail -3 "$OUT/gpu_tests.log"
+  fi
 fi
 
 if has gemv; then
@@ -83,6 +89,7 @@ if has peer; then
     sleep 5
   done
   tail -2 /tmp/llbuild.log
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
   LB="$BUILD/bin/llama-bench -r 3 -o json"
   stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
   stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
@@ -97,20 +104,13 @@ if has peer; then
   grep -E "^\|" "$OUT/peer_batched.log" | tail -5
 fi
 
-if has gpu; then
-  TABLE=kernels/gemv_tuning_$("$PY" -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())").json
-  WINNERS=${WINNERS:-bench_out/gemv/winners.json}
-  for run in base sk; do
-    if [ $run = sk ]; then [ -f "$WINNERS" ] || continue; cp "$WINNERS" "$TABLE"; fi
-    prefill=""; [ $run = base ] && prefill=512
-    stage gpu_${run}_q4 200 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1,64 \
-      --prefill "$prefill" --json "$OUT/gpu_${run}_q4.json"
-    rows "$OUT/gpu_${run}_q4.log"
-    stage gpu_${run}_q6 150 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill "" \
-      --json "$OUT/gpu_${run}_q6.json"
-    rows "$OUT/gpu_${run}_q6.log"
-    rm -f "$TABLE"  # a table is checked in by a commit, not left behind by a benchmark
-  done
+if has gpu; then  # the checked-in tuning table of this GPU's arch, as a user gets it
+  stage gpu_q4 240 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1,64 --prefill 512 \
+    --json "$OUT/gpu_q4.json"
+  rows "$OUT/gpu_q4.log"
+  stage gpu_q6 150 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill "" \
+    --json "$OUT/gpu_q6.json"
+  rows "$OUT/gpu_q6.log"
 fi
 
 if has split; then

@@ -14,9 +14,11 @@ from hetero.cli_options import (
     cuda_graph_max_tokens_option,
     engine_options,
     kv_dtype_option,
+    moe_options,
     runtime_options,
     weights_option,
 )
+from hetero.config import RuntimeConfig
 from hetero.models import resolve_model
 
 MODEL_ARG = click.argument("model", required=False)
@@ -44,7 +46,6 @@ def main() -> None:
 @runtime_options
 def generate(model, prompt, chat, system, max_tokens, temperature, seed, stats, **rt_opts):
     """Generate text from MODEL (default: SmolLM2-135M-Instruct), streamed to the terminal."""
-    from hetero.config import RuntimeConfig
     from hetero.detokenizer import IncrementalDetokenizer
     from hetero.generate import generate_ids
     from hetero.model.llama import load_model
@@ -115,9 +116,14 @@ def info(model):
 
 @main.command()
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--shape", required=True, help="llama3-8b, qwen2.5-7b, smollm2-135m, ...")
 @click.option(
-    "--quant", default="q4_k_m", show_default=True, help="q4_k_m, q5_k_m, q6_k, q8_0, iq4_xs ..."
+    "--shape", required=True, help="llama3-8b, qwen2.5-7b, qwen3-30b-a3b, gpt-oss-20b, ..."
+)
+@click.option(
+    "--quant",
+    default="q4_k_m",
+    show_default=True,
+    help="q4_k_m, q5_k_m, q6_k, q8_0, iq4_xs, mxfp4_moe ...",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
@@ -127,7 +133,8 @@ def info(model):
     "mistral-nemo (default: ChatML)",
 )
 def synth(out, shape, quant, seed, chat):
-    """Write a llama-family GGUF with random finite weights (benchmarks; --chat: chat tests)."""
+    """Write a GGUF (llama family, qwen3moe, gpt-oss) with random finite weights (benchmarks;
+    --chat: chat tests)."""
     from hetero.synth import write_synthetic
 
     t0 = time.perf_counter()
@@ -287,7 +294,7 @@ def profile(refresh, shares, as_json):
 @click.option(
     "--offload-min-tokens",
     type=click.IntRange(0),
-    default=32,
+    default=RuntimeConfig.offload_min_tokens,
     show_default=True,
     help="in one process: prompt steps of at least this many tokens run the CPU's matmuls on "
     "the GPU (0: never), as the engine's option of that name",
@@ -296,6 +303,7 @@ def profile(refresh, shares, as_json):
     "--enforce-eager", is_flag=True, help="plan for an engine without CUDA graphs (as its flag)"
 )
 @cuda_graph_max_tokens_option
+@moe_options
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option(

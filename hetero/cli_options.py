@@ -88,7 +88,26 @@ def runtime_options(f):
         help="CPU threads (0: the physical cores, one left to the server from 4 cores on)",
     )
     f = threads(f)
-    return f
+    return moe_options(f)
+
+
+# also on `hetero plan`, which prices the experts in RAM
+def moe_options(f):
+    f = click.option(
+        "--n-cpu-moe",
+        type=click.IntRange(0),
+        default=RuntimeConfig.n_cpu_moe,
+        show_default=True,
+        help="mixture-of-experts models: keep the experts of the first N layers in system RAM, "
+        "multiplied on the CPU (the rest on --device)",
+    )(f)
+    return click.option(
+        "--cpu-moe",
+        is_flag=True,
+        default=RuntimeConfig.cpu_moe,
+        help="mixture-of-experts models: keep every layer's experts in system RAM, multiplied "
+        "on the CPU (attention, the router and the rest on --device)",
+    )(f)
 
 
 weights_option = click.option(

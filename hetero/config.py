@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-# Architectures of the llama family that one model file (model/llama.py) serves through flags.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Architectures of the llama family that one model file (model/llama.py) serves through flags,
+# and the mixture-of-experts families (model/qwen3moe.py, model/gpt_oss.py; experts: model/moe.py).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
+MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class RopeScaling:
     beta_slow: float = 1.0
     # YaRN attention temperature multiplier; 0 means "derive 0.1*ln(factor)+1"
     attn_factor: float = 0.0
+    # YaRN correction dims rounded to whole dims (floor/ceil), as llama.cpp rounds them; gpt-oss
+    # keeps them fractional (its reference implementation and transformers' "truncate": false)
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,27 @@ class ModelConfig:
     tied_embeddings: bool = False
     attn_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts ({arch}.expert_count, .expert_used_count,
+    # .expert_feed_forward_length): 0 for dense models
+    n_experts: int = 0
+    n_experts_used: int = 0
+    d_ff_expert: int = 0
+    # routing weights of the chosen experts renormalized to sum to 1 ({arch}.expert_weights_norm;
+    # qwen3moe: always, as llama.cpp builds it)
+    expert_weights_norm: bool = False
+    # Sliding-window attention ({arch}.attention.sliding_window): the window of the layers that
+    # have one, in tokens (a query sees itself and the window - 1 tokens before it), and which
+    # layers those are (empty: none)
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def layer_window(self, i: int) -> int:
+        """Layer i's attention window in tokens; 0 for full attention."""
+        return self.sliding_window if self.swa_layers and self.swa_layers[i] else 0
 
     @property
     def q_size(self) -> int:
@@ -152,8 +178,14 @@ class RuntimeConfig:
     n_gpu_layers: int | None = None
     offload_min_tokens: int = 32
     allow_reference: bool = False
+    # Mixture-of-experts models: the experts of every layer (cpu_moe) or of the first n_cpu_moe
+    # layers stay in system RAM and multiply on the CPU, the rest on `device` (llama.cpp's
+    # --cpu-moe / --n-cpu-moe; model/moe.py)
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
 
     def __post_init__(self) -> None:
+        check_cpu_moe(self.cpu_moe, self.n_cpu_moe)
         if self.device != "auto":
             check_device(self.device, "device")
         self._weights_table()  # refuses a malformed per-device form
@@ -250,6 +282,14 @@ def device_key(device: str) -> str:
         _, _, index = device.partition(":")
         return f"cuda:{index or 0}"
     return device
+
+
+def check_cpu_moe(cpu_moe: bool, n_cpu_moe: int) -> None:
+    """--cpu-moe / --n-cpu-moe as given (against a model: model/moe.cpu_expert_layers)."""
+    if n_cpu_moe < 0:
+        raise ValueError(f"n_cpu_moe must be >= 0, got {n_cpu_moe}")
+    if cpu_moe and n_cpu_moe:
+        raise ValueError("give --cpu-moe (every layer's experts) or --n-cpu-moe N, not both")
 
 
 def bind_device(device: str) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from hetero.kernels import select
+from hetero.kernels.paged_sinks import sink_attention
 from hetero.model.forward_batch import ForwardBatch
 
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
@@ -53,10 +54,14 @@ class PackedCausal:
         self.scale = scale
         self._attend = select("attention", device).fn
 
-    def __call__(self, layer: int, q, k, v) -> torch.Tensor:  # [T, H, D], [T, KV, D] x 2
-        out = torch.empty_like(q)
+    def __call__(self, layer: int, q, k, v, window: int = 0, sinks=None) -> torch.Tensor:
+        out = torch.empty_like(q)  # q [T, H, D], k and v [T, KV, D]
         for a, b in zip(self.bounds, self.bounds[1:]):
-            out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], 0, self.scale)
+            if window or sinks is not None:  # gpt-oss: a sliding window, attention sinks
+                pos = torch.arange(b - a, device=q.device)
+                out[a:b] = sink_attention(q[a:b], k[a:b], v[a:b], pos, self.scale, window, sinks)
+            else:
+                out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], 0, self.scale)
         return out
 
 

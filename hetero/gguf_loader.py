@@ -7,6 +7,7 @@ blocks (and dequantize as they go) or to dequantize once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from hetero.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from hetero.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 
 GGUF_MAGIC = b"GGUF"
 
@@ -158,7 +159,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise GGUFError("tensor 'token_embd.weight' is missing")
-    return ModelConfig(
+    cfg = ModelConfig(
         arch=arch,
         name=str(meta.get("general.name", "")),
         n_layers=int(_require(meta, f"{arch}.block_count")),
@@ -166,21 +167,26 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -
         n_heads=n_heads,
         n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
-        d_ff=int(_require(meta, f"{arch}.feed_forward_length")),
+        d_ff=int(meta.get(f"{arch}.feed_forward_length", 0)),
         vocab_size=int(meta.get(f"{arch}.vocab_size", embd.shape[0])),
         context_length=int(meta.get(f"{arch}.context_length", 4096)),
         norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
         rope_style="normal" if arch == "llama" else "neox",
-        rope_scaling=_rope_scaling(meta, arch),
+        rope_scaling=_rope_scaling(meta, arch, truncate=arch != "gpt-oss"),
         tied_embeddings="output.weight" not in tensors,
         attn_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **_moe_fields(meta, arch),
+        **_window_fields(meta, arch, int(_require(meta, f"{arch}.block_count"))),
     )
+    if cfg.d_ff == 0 and not cfg.is_moe:
+        raise GGUFError(f"metadata key '{arch}.feed_forward_length' is missing")
+    return check_experts(cfg, tensors) if cfg.is_moe else cfg
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str) -> RopeScaling:
+def _rope_scaling(meta: dict[str, Any], arch: str, truncate: bool = True) -> RopeScaling:
     p = f"{arch}.rope.scaling."
     kind = str(meta.get(p + "type", "none"))
     factor = float(meta.get(p + "factor", 1.0))
@@ -195,4 +201,91 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> RopeScaling:
         beta_fast=float(meta.get(p + "yarn_beta_fast", 32.0)),
         beta_slow=float(meta.get(p + "yarn_beta_slow", 1.0)),
         attn_factor=float(meta.get(p + "attn_factor", 0.0)),
+        truncate=truncate,
     )
+
+
+def _per_layer(value: Any, key: str) -> Any:
+    """A key llama.cpp reads as one value or an array of one value per layer: the value (the
+    array's when all its entries agree; experts of different widths per layer are refused)."""
+    if not hasattr(value, "contents"):
+        return value
+    values = value.contents()
+    if not values or any(v != values[0] for v in values):
+        raise GGUFError(f"metadata key {key!r}: per-layer values {values} are not supported")
+    return values[0]
+
+
+def _moe_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The expert counts and width of a mixture-of-experts file (none for a dense one)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    n = int(_require(meta, f"{arch}.expert_count"))
+    used = int(_require(meta, f"{arch}.expert_used_count"))
+    if not 1 <= used <= n:
+        raise GGUFError(f"{arch}.expert_used_count is {used}; it must be in 1..{n} (expert_count)")
+    key = f"{arch}.expert_feed_forward_length"
+    return dict(
+        n_experts=n,
+        n_experts_used=used,
+        d_ff_expert=int(_per_layer(meta.get(key, 0), key)),
+        # llama.cpp renormalizes qwen3moe's chosen weights whatever the file says
+        expert_weights_norm=arch == "qwen3moe"
+        or bool(meta.get(f"{arch}.expert_weights_norm", False)),
+    )
+
+
+def _window_fields(meta: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:
+    """Sliding-window attention: the window, and which layers have it. llama.cpp's rule for a
+    file without `sliding_window_pattern` (gpt-oss): every other layer from the first
+    (pattern 2: layer i slides when i % 2 < 1); an integer pattern n: i % n < n - 1; an array:
+    one flag a layer."""
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0))
+    if window <= 0:
+        return {}
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2)
+    if hasattr(pattern, "contents"):
+        flags = tuple(bool(v) for v in pattern.contents())
+        if len(flags) != n_layers:
+            raise GGUFError(
+                f"{arch}.attention.sliding_window_pattern has {len(flags)} entries for "
+                f"{n_layers} layers"
+            )
+    else:
+        n = int(pattern)
+        flags = tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
+    return dict(sliding_window=window, swa_layers=flags)
+
+
+def check_experts(cfg: ModelConfig, tensors: dict[str, GGUFTensor]) -> ModelConfig:
+    """The expert tensors of every layer against the metadata's counts: a router of
+    expert_count rows, 3-D [expert_count, F, C] gate/up and [expert_count, C, F] down tensors.
+    Returns cfg with the expert width F (from the tensors where the metadata has no
+    expert_feed_forward_length)."""
+    n, c = cfg.n_experts, cfg.d_model
+    gate = tensors.get("blk.0.ffn_gate_exps.weight")
+    if not cfg.d_ff_expert and gate is not None and len(gate.shape) == 3:
+        cfg = dataclasses.replace(cfg, d_ff_expert=gate.shape[1])
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        router = tensors.get(p + "ffn_gate_inp.weight")
+        if router is None:
+            raise GGUFError(f"tensor '{p}ffn_gate_inp.weight' (the expert router) is missing")
+        if router.shape != (n, c):
+            raise GGUFError(
+                f"{p}ffn_gate_inp.weight is {list(router.shape)}: the metadata says "
+                f"{cfg.arch}.expert_count = {n} experts of width {c}"
+            )
+        for part in ("gate", "up", "down"):
+            name = f"{p}ffn_{part}_exps.weight"
+            t = tensors.get(name)
+            if t is None:
+                raise GGUFError(f"tensor {name!r} is missing")
+            f = cfg.d_ff_expert
+            want = (n, c, f) if part == "down" else (n, f, c)
+            if t.shape != want:
+                raise GGUFError(
+                    f"{name} is {list(t.shape)}, expected {list(want)} from the metadata "
+                    f"({cfg.arch}.expert_count = {n}, expert_feed_forward_length = {f})"
+                )
+    return cfg

@@ -73,6 +73,8 @@ def plan_config(launch: LaunchConfig, in_process: bool = False) -> PlanConfig:
         weights=rt.weights,
         in_process=in_process,
         offload_min_tokens=rt.offload_min_tokens,
+        cpu_moe=rt.cpu_moe,
+        n_cpu_moe=rt.n_cpu_moe,
     )
 
 
@@ -117,9 +119,12 @@ def _running(launch: LaunchConfig, plan: Plan, reason: str) -> LaunchConfig:
     n_gpu = gpu[0].n_layers if gpu and cpu else None
     where = ", ".join(f"{s.base_device} layers {s.layer_start}-{s.layer_end - 1} ({s.weights})"
                       for s in plan.stages)  # fmt: skip
+    if plan.experts_in_ram:  # a MoE model's first layers' experts in RAM (model/moe.py)
+        where += f", the experts of layers 0-{plan.experts_in_ram - 1} in RAM"
     log.info("placement: %s; %s (%.1f tok/s, TTFT %.2f s predicted)", where, reason,
              plan.single_stream_tok_s, plan.ttft_s)  # fmt: skip
-    rt = replace(launch.runtime, device=device, n_gpu_layers=n_gpu, weights=weights)
+    experts = dict(cpu_moe=False, n_cpu_moe=plan.experts_in_ram) if plan.experts_in_ram else {}
+    rt = replace(launch.runtime, device=device, n_gpu_layers=n_gpu, weights=weights, **experts)
     return replace(launch, runtime=rt, pipeline=replace(launch.pipeline, plan=None))
 
 

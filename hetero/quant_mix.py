@@ -108,8 +108,14 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
 
 
 def is_quantizable(name: str, n_dims: int) -> bool:
-    """llama.cpp quantizes 2D `*.weight` tensors except norms (1D tensors stay as they are)."""
-    return n_dims >= 2 and name.endswith(".weight") and "_norm.weight" not in name
+    """llama.cpp quantizes 2D (and 3-D expert) `*.weight` tensors except norms and the MoE
+    router `ffn_gate_inp` (1D tensors stay as they are)."""
+    return (
+        n_dims >= 2
+        and name.endswith(".weight")
+        and "_norm.weight" not in name
+        and "ffn_gate_inp" not in name
+    )
 
 
 def block_size(qtype: GGMLQuantizationType) -> int:

@@ -82,14 +82,40 @@ def _layer_shapes(s: ModelShape, i: int) -> list[tuple[str, tuple[int, ...]]]:
         shapes |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
     if s.qk_norm:
         shapes |= {"attn_q_norm.weight": (h,), "attn_k_norm.weight": (h,)}
+    shapes["attn_output.weight"] = (d, q)
+    if s.arch == "gpt-oss":
+        shapes |= {"attn_output.bias": (d,), "attn_sinks.weight": (s.n_heads,)}
+    if s.n_experts:
+        return [(f"blk.{i}.{key}", dims) for key, dims in (shapes | _expert_shapes(s)).items()]
     shapes |= {
-        "attn_output.weight": (d, q),
         "ffn_norm.weight": (d,),
         "ffn_gate.weight": (f, d),
         "ffn_up.weight": (f, d),
         "ffn_down.weight": (d, f),
     }
     return [(f"blk.{i}.{key}", dims) for key, dims in shapes.items()]
+
+
+def _expert_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The norm, router and 3-D expert tensors of a mixture-of-experts block, as llama.cpp's
+    converter names them (numpy order: GGUF ne reversed)."""
+    d, e, f = s.d_model, s.n_experts, s.d_ff_expert
+    norm = "post_attention_norm" if s.arch == "gpt-oss" else "ffn_norm"
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{norm}.weight": (d,),
+        "ffn_gate_inp.weight": (e, d),
+        "ffn_gate_exps.weight": (e, f, d),
+        "ffn_up_exps.weight": (e, f, d),
+        "ffn_down_exps.weight": (e, d, f),
+    }
+    if s.arch == "gpt-oss":  # biases on the router and on every expert matrix
+        shapes |= {
+            "ffn_gate_inp.bias": (e,),
+            "ffn_gate_exps.bias": (e, f),
+            "ffn_up_exps.bias": (e, f),
+            "ffn_down_exps.bias": (e, d),
+        }
+    return shapes
 
 
 def tensor_specs(shape: str | ModelShape, quant: str) -> list[TensorSpec]:
@@ -113,7 +139,8 @@ def _type_of(name: str, dims: tuple[int, ...], s: ModelShape, mix: QuantMix) -> 
     )  # fmt: skip
 
 
-def _add_model_metadata(w: GGUFWriter, s: ModelShape, mix: QuantMix, name: str) -> None:
+def add_model_metadata(w: GGUFWriter, s: ModelShape, mix: QuantMix, name: str) -> None:
+    """The `general.*` and `{arch}.*` keys of a `s` model, as llama.cpp's converter writes them."""
     w.add_type("model")
     w.add_name(name)
     w.add_block_count(s.n_layers)
@@ -125,6 +152,12 @@ def _add_model_metadata(w: GGUFWriter, s: ModelShape, mix: QuantMix, name: str) 
     if s.head_dim * s.n_heads != s.d_model:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
+    if s.n_experts:
+        w.add_expert_count(s.n_experts)
+        w.add_expert_used_count(s.n_experts_used)
+        w.add_expert_feed_forward_length(s.d_ff_expert)
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
     w.add_rope_freq_base(s.rope_theta)
     w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(s.norm_eps)
@@ -232,7 +265,7 @@ def write_synthetic(
 
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, s.arch)
-    _add_model_metadata(writer, s, mix, f"synthetic {name} {mix.name}")
+    add_model_metadata(writer, s, mix, f"synthetic {name} {mix.name}")
     add_vocab_metadata(writer, vocab)
     for spec in specs:
         writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), spec.nbytes, spec.qtype)

@@ -10,10 +10,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-ARCHES = ("llama", "qwen2", "qwen3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
+MOE_ARCHES = ("qwen3moe", "gpt-oss")
 
-# Pre-tokenizer (tokenizer.ggml.pre) the synthetic vocabulary declares, by family.
-PRE_BY_ARCH = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+# Pre-tokenizer (tokenizer.ggml.pre) the synthetic vocabulary declares, by family (gpt-oss's own
+# o200k vocabulary is not trained here: its synthetic files take qwen2's splitting)
+PRE_BY_ARCH = {
+    "llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2",
+    "gpt-oss": "qwen2",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,11 @@ class ModelShape:
     qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k
     rope_scaling: dict[str, Any] | None = None  # {"type": "llama3" | "linear" | "yarn", ...}
     pre: str | None = None  # tokenizer.ggml.pre; None: the family's default
+    # mixture of experts (qwen3moe, gpt-oss): E experts of width d_ff_expert, k chosen a token
+    n_experts: int = 0
+    n_experts_used: int = 0
+    d_ff_expert: int = 0
+    sliding_window: int = 0  # gpt-oss: the window of every other layer, from the first
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHES:
@@ -47,6 +57,12 @@ class ModelShape:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if (self.arch in MOE_ARCHES) != (self.n_experts > 0):
+            raise ValueError(f"{self.arch}: n_experts must be > 0 exactly for {MOE_ARCHES}")
+        if self.n_experts and not 1 <= self.n_experts_used <= self.n_experts:
+            raise ValueError(f"n_experts_used {self.n_experts_used} not in 1..{self.n_experts}")
+        if self.n_experts and self.d_ff_expert <= 0:
+            raise ValueError(f"d_ff_expert must be positive, got {self.d_ff_expert}")
         kind = (self.rope_scaling or {}).get("type")
         if self.rope_scaling is not None and kind not in ("llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling type {kind!r} not one of llama3, linear, yarn")
@@ -63,7 +79,10 @@ class ModelShape:
     def n_params(self) -> int:
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.d_model * (q + 2 * kv) + q * self.d_model
-        layer = attn + 3 * self.d_model * self.d_ff + 2 * self.d_model
+        ffn = 3 * self.d_model * self.d_ff
+        if self.n_experts:
+            ffn = self.n_experts * (3 * self.d_model * self.d_ff_expert + self.d_model)
+        layer = attn + ffn + 2 * self.d_model
         embd = self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
         return self.n_layers * layer + embd + self.d_model
 
@@ -110,6 +129,17 @@ def _llama(**kw: Any) -> ModelShape:
 
 def _qwen(arch: str, **kw: Any) -> ModelShape:
     base: dict[str, Any] = dict(arch=arch, rope_theta=1000000.0, norm_eps=1e-6)
+    return ModelShape(**{**base, **kw})
+
+
+def _gpt_oss(**kw: Any) -> ModelShape:
+    """gpt-oss: YaRN x32 over 4096 positions, window 128 on every other layer, 64-wide heads."""
+    base: dict[str, Any] = dict(
+        arch="gpt-oss", rope_theta=150000.0, norm_eps=1e-5, head_dim=64, n_kv_heads=8,
+        vocab_size=201088, context_length=131072, tied_embeddings=False, attn_bias=True,
+        sliding_window=128,
+        rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096},
+    )  # fmt: skip
     return ModelShape(**{**base, **kw})
 
 
@@ -169,6 +199,20 @@ SHAPES: dict[str, ModelShape] = {
         "qwen3", n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=12288,
         context_length=40960, tied_embeddings=False, qk_norm=True, **_QW,
     ),
+    # Qwen3-30B-A3B and Qwen3-Coder-30B-A3B (the same shapes; Coder's context is 262144)
+    "qwen3-30b-a3b": _qwen(
+        "qwen3moe", n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, head_dim=128,
+        d_ff=6144, n_experts=128, n_experts_used=8, d_ff_expert=768, context_length=40960,
+        tied_embeddings=False, qk_norm=True, **_QW,
+    ),
+    "gpt-oss-20b": _gpt_oss(
+        n_layers=24, d_model=2880, n_heads=64, d_ff=2880, n_experts=32, n_experts_used=4,
+        d_ff_expert=2880,
+    ),
+    "gpt-oss-120b": _gpt_oss(
+        n_layers=36, d_model=2880, n_heads=64, d_ff=2880, n_experts=128, n_experts_used=4,
+        d_ff_expert=2880,
+    ),
     "qwen3-14b": _qwen(
         "qwen3", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128, d_ff=17408,
         context_length=40960, tied_embeddings=False, qk_norm=True, **_QW,
@@ -202,6 +246,18 @@ SHAPES: dict[str, ModelShape] = {
     "tiny-qwen3": _qwen(
         "qwen3", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=128, d_ff=768,
         vocab_size=4096, context_length=2048, tied_embeddings=False, qk_norm=True,
+    ),
+    # Tiny MoE shapes: 8 experts, 2 a token, widths that K-quants divide (gpt-oss's real 2880
+    # does not: its K-quant tensors fall back per tensor, as llama.cpp's do)
+    "tiny-qwen3moe": _qwen(
+        "qwen3moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
+        n_experts=8, n_experts_used=2, d_ff_expert=512, vocab_size=4096, context_length=2048,
+        tied_embeddings=False, qk_norm=True,
+    ),
+    "tiny-gpt-oss": _gpt_oss(
+        n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, n_experts=8,
+        n_experts_used=2, d_ff_expert=512, vocab_size=4096, context_length=2048,
+        sliding_window=8,
     ),
 }  # fmt: skip
 SHAPES["qwen2.5-coder-14b"] = SHAPES["qwen2.5-14b"]

@@ -14,7 +14,7 @@ the result.
     int4    uint4, bf16 (scale, zero) per 32   bfloat16        _weight_int4pack_mm_*    0.625
     w8a8    int8 [N, K], scale per row         uint8 per call  fbgemm dynamic int8      1
     qdot    GGUF blocks as they are            int8 per block  C: VNNI / AVX2 / NEON    0.33-1.06
-            (Q4_0 .. Q8_0, Q2_K .. Q6_K)
+            (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, MXFP4)
 
 Measured on the 2-core AVX2 machine, SmolLM2-135M's linears streamed in model order, 2 threads
 (shared machine: medians, +-30%): fp16 is nearly exact (weights rounded to fp16: 2e-4 relative;

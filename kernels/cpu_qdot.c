@@ -1,5 +1,6 @@
-/* y = x @ W^T on the CPU, W in its GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K) and
- * x quantized to int8 per block: llama.cpp's CPU scheme (vec_dot_*_q8_0 / _q8_K), tiled.
+/* y = x @ W^T on the CPU, W in its GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, and
+ * the codebook types IQ4_NL, IQ4_XS, MXFP4) and x quantized to int8 per block: llama.cpp's CPU
+ * scheme (vec_dot_*_q8_0 / _q8_K), tiled.
  *
  * Activations (qdot_quantize), per block of QB = 32 (legacy types) or 256 (K-quants):
  *   xq int8 [T, K], xd float32 [T, K/QB]: x ~ xd * xq, xd = amax / 127, xq = round(x / xd)
@@ -118,11 +119,11 @@ static void multiply(const gemm_job *j, const uint8_t *tiles, int64_t u0, int nu
     const int16_t *bs = j->bs + t * bss + u0 * qt->qb / 16;
 #if QDOT_ISA
     for (int slice = 0; slice < QR / VR; slice++) {
-#define K_CASE(NSUB, FL, TT_)                                                                    \
-    case TT_: kdot(TT_, NSUB, FL, tiles, nu, slice, y, ys, dy, nbq, bs, bss, out); break;
-#define K_SWITCH(NSUB, FL)                                                                       \
-    switch (tt) { K_CASE(NSUB, FL, 1) K_CASE(NSUB, FL, 2) K_CASE(NSUB, FL, 3) K_CASE(NSUB, FL, 4) \
-                  K_MORE(NSUB, FL) }
+#define K_CASE(NSUB, FL, SG, TT_)                                                                \
+    case TT_: kdot(TT_, NSUB, FL, SG, tiles, nu, slice, y, ys, dy, nbq, bs, bss, out); break;
+#define K_SWITCH(NSUB, FL, SG)                                                                   \
+    switch (tt) { K_CASE(NSUB, FL, SG, 1) K_CASE(NSUB, FL, SG, 2) K_CASE(NSUB, FL, SG, 3)         \
+                  K_CASE(NSUB, FL, SG, 4) K_MORE(NSUB, FL, SG) }
 #define L_CASE(FL, SG, TT_)                                                                      \
     case TT_: ldot(TT_, FL, SG, tiles, nu, slice, y, ys, dy, nbq, bs, bss, qt->off, qt->has_m,   \
                    out); break;
@@ -130,18 +131,20 @@ static void multiply(const gemm_job *j, const uint8_t *tiles, int64_t u0, int nu
     switch (tt) { L_CASE(FL, SG, 1) L_CASE(FL, SG, 2) L_CASE(FL, SG, 3) L_CASE(FL, SG, 4)         \
                   L_MORE(FL, SG) }
 #if TT > 4
-#define K_MORE(NSUB, FL) K_CASE(NSUB, FL, 5) K_CASE(NSUB, FL, 6) K_CASE(NSUB, FL, 7) K_CASE(NSUB, FL, 8)
+#define K_MORE(NSUB, FL, SG)                                                                    \
+    K_CASE(NSUB, FL, SG, 5) K_CASE(NSUB, FL, SG, 6) K_CASE(NSUB, FL, SG, 7) K_CASE(NSUB, FL, SG, 8)
 #define L_MORE(FL, SG) L_CASE(FL, SG, 5) L_CASE(FL, SG, 6) L_CASE(FL, SG, 7) L_CASE(FL, SG, 8)
 #else
-#define K_MORE(NSUB, FL)
+#define K_MORE(NSUB, FL, SG)
 #define L_MORE(FL, SG)
 #endif
         if (qt->kind == QK_KQUANT) {
-            if (qt->nsub == 8 && qt->flush >= 8) K_SWITCH(8, 8)
-            else if (qt->nsub == 8) K_SWITCH(8, 4)
-            else if (qt->flush <= 2) K_SWITCH(16, 2)
-            else K_SWITCH(16, 4)
-        } else if (qt->is_signed) L_SWITCH(1, 1)
+            if (qt->is_signed) K_SWITCH(8, 1, 1) /* IQ4_XS's int8 values: one chunk a flush */
+            else if (qt->nsub == 8 && qt->flush >= 8) K_SWITCH(8, 8, 0)
+            else if (qt->nsub == 8) K_SWITCH(8, 4, 0)
+            else if (qt->flush <= 2) K_SWITCH(16, 2, 0)
+            else K_SWITCH(16, 4, 0)
+        } else if (qt->is_signed) L_SWITCH(1, 1) /* Q8_0, IQ4_NL */
         else if (qt->flush >= 8) L_SWITCH(8, 0)
         else L_SWITCH(4, 0)
     }
@@ -165,17 +168,14 @@ static void *scratch(size_t need) { /* per thread, kept between calls */
     return buf;
 }
 
-static void gemm_item(void *ctx, int64_t item, int worker) {
-    const gemm_job *j = ctx;
+/* Row groups g0 .. g1 of W times activation rows t0 .. t1 into y; -2 where this thread's
+ * scratch cannot be allocated. */
+static int gemm_range(const gemm_job *j, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
     const qtype *qt = j->qt;
-    (void)worker;
-    const int64_t g0 = (item % j->gitems) * j->gper, t0 = (item / j->gitems) * j->tper;
-    const int64_t g1 = g0 + j->gper < j->groups ? g0 + j->gper : j->groups;
-    const int64_t t1 = t0 + j->tper < j->T ? t0 + j->tper : j->T;
     const int64_t tile_bytes = qt->kind == QK_KQUANT ? KTILE_BYTES : LTILE_BYTES;
     const int64_t uc = TILE_BUDGET / tile_bytes > 0 ? TILE_BUDGET / tile_bytes : 1;
     uint8_t *tiles = scratch((size_t)(uc * tile_bytes + (t1 - t0) * QR * 4));
-    if (!tiles) return; /* qdot_gemm checked this thread's; a worker's failing is not reported */
+    if (!tiles) return -2;
     float *out = (float *)(tiles + uc * tile_bytes);
     for (int64_t g = g0; g < g1; g++) {
         memset(out, 0, sizeof(float) * (size_t)((t1 - t0) * QR));
@@ -190,6 +190,29 @@ static void gemm_item(void *ctx, int64_t item, int worker) {
         for (int64_t t = t0; t < t1; t++)
             memcpy(j->y + t * j->N + QR * g, out + (t - t0) * QR, sizeof(float) * (size_t)rows);
     }
+    return 0;
+}
+
+static void gemm_item(void *ctx, int64_t item, int worker) {
+    const gemm_job *j = ctx;
+    (void)worker;
+    const int64_t g0 = (item % j->gitems) * j->gper, t0 = (item / j->gitems) * j->tper;
+    const int64_t g1 = g0 + j->gper < j->groups ? g0 + j->gper : j->groups;
+    const int64_t t1 = t0 + j->tper < j->T ? t0 + j->tper : j->T;
+    gemm_range(j, g0, g1, t0, t1); /* qdot_gemm checked this thread's scratch, not a worker's */
+}
+
+/* One item of a product whose job another caller schedules (the grouped expert call,
+ * cpu_qdot_moe.c): row groups g0 .. g1 of W [N, K] (packed) times rows t0 .. t1 of the
+ * quantized activations into y [T, N]. Returns 0, -1 for a type it does not take, -2 when
+ * this thread's scratch cannot be allocated. */
+int qdot_gemm_range(int ggml_type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xq,
+                    const float *xd, const int16_t *bs, float *y, int64_t g0, int64_t g1,
+                    int64_t t0, int64_t t1) {
+    const qtype *qt = qtype_of(ggml_type);
+    if (!qt || K % qt->qb) return -1;
+    gemm_job j = {qt, w, N, K, t1, K / qt->qb, (N + QR - 1) / QR, 1, t1, 0, xq, xd, bs, y};
+    return gemm_range(&j, g0, g1, t0, t1);
 }
 
 /* y [T, N] float32 = W x^T from quantized activations. Returns 0, -1 for a type it does not

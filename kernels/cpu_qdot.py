@@ -6,17 +6,22 @@ llama.cpp's q8_0 / q8_K), then blocks multiply as integers in native code (kerne
 AVX-512 VNNI, AVX2 or NEON dotprod, picked at run time by kernels/native.py; plain C elsewhere).
 Every type reads its own GGUF bytes, so a token reads the file's bytes per weight:
 
-    type   bytes/w   type   bytes/w   type   bytes/w
-    Q4_0   0.5625    Q5_1   0.75      Q4_K   0.5625
-    Q4_1   0.625     Q8_0   1.0625    Q5_K   0.6875
-    Q5_0   0.6875    Q2_K   0.328     Q6_K   0.8203    Q3_K 0.4297
+    type   bytes/w   type   bytes/w   type   bytes/w   type     bytes/w
+    Q4_0   0.5625    Q5_1   0.75      Q4_K   0.5625    IQ4_NL   0.5625
+    Q4_1   0.625     Q8_0   1.0625    Q5_K   0.6875    IQ4_XS   0.53125
+    Q5_0   0.6875    Q2_K   0.328     Q6_K   0.8203    MXFP4    0.53125
+    Q3_K   0.4297
+
+The codebook types (IQ4_NL, IQ4_XS, MXFP4: a 4-bit code indexes 16 int8 values) look their codes
+up with a byte shuffle while unpacking; IQ4_XS's 256-blocks take the K-quants' activations (int8
+per 256, sums per 16), IQ4_NL and MXFP4's 32-blocks the legacy types'.
 
 Packing at load moves bytes, never changes them: rows in groups of 16 (N padded with zero rows),
 each group's blocks along K ("units") with every field's 16 rows side by side (the layout is
 drawn in kernels/cpu_qtypes.h), so one 64-byte load holds 4 weights of 16 rows. The kernel's
 only rounding is the activations' (x ~ xd * xq per block, |error| <= xd / 2); `qdot_reference`
 (kernels/cpu_qdot_ref.py) does the same integer arithmetic in torch. Other types (F16, F32, BF16,
-the IQ types) run fp16 in "qdot" mode (`cpu_scheme`).
+the grid IQ types) run fp16 in "qdot" mode (`cpu_scheme`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from hetero.quant import QuantType, get_quant
 
 _T = GGMLQuantizationType
 GROUP = 16  # rows interleaved per group
-# type -> its GGUF block's fields in packed order: (byte offset, bytes, element bytes)
+# type -> its GGUF block's fields in packed order: (byte offset, bytes, element bytes); element
+# bytes 2 are the fp16 scales (d, dmin, m) and only they (cpu_linear checks them finite), so
+# IQ4_XS's 16-bit scales_h goes as two byte planes
 _D, _DMIN = (0, 2, 2), (2, 2, 2)
 FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
     _T.Q4_0: (_D, (2, 16, 4)),
@@ -45,6 +52,9 @@ FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
     _T.Q4_K: (_D, _DMIN, (4, 12, 1), (16, 128, 4)),
     _T.Q5_K: (_D, _DMIN, (4, 12, 1), (16, 32, 4), (48, 128, 4)),
     _T.Q6_K: ((208, 2, 2), (192, 16, 1), (0, 128, 4), (128, 64, 4)),
+    _T.IQ4_NL: (_D, (2, 16, 4)),
+    _T.IQ4_XS: (_D, (2, 2, 1), (4, 4, 1), (8, 128, 4)),
+    _T.MXFP4: ((0, 1, 1), (1, 16, 4)),  # the e8m0 exponent byte, then the codes
 }
 NATIVE_TYPES = tuple(FIELDS)
 ISA_NAMES = {3: "avx512-vnni", 2: "avx2", 1: "neon-dotprod", 0: "generic C"}
@@ -156,8 +166,9 @@ def unpack(w: QdotWeight) -> torch.Tensor:
 
 
 def activation_block(ggml_type) -> int:
-    """Weights per activation scale for a type: 256 for the K-quants (q8_K), else 32 (q8_0)."""
-    return 256 if _type_name(ggml_type).endswith("_K") else 32
+    """Weights per activation scale for a type: its block's, 256 for the K-quants and IQ4_XS
+    (llama.cpp's q8_K), else 32 (q8_0)."""
+    return 256 if get_quant(ggml_type).block_size == 256 else 32
 
 
 def quantize_x(x: torch.Tensor, qb: int, variant: str | None = None):

@@ -1,13 +1,17 @@
 """What the qdot kernel computes, in torch: exact integer block dots, float scales once a block.
 
 Independent of the C code: each GGUF block is split here, from its bytes (the field layouts of
-quant/kquants.py and quant/legacy.py), into unsigned integer codes u, integer scales and offsets,
-and float scales, such that the dequantized weight is
+quant/kquants.py, quant/legacy.py and quant/codebooks.py), into integer codes u, integer scales
+and offsets, and float scales, such that the dequantized weight is
 
     legacy (32 a block):  w = d * (u + off) + m          (Q4_0: off -8; Q5_0: -16; Q4_1/Q5_1: m)
     K-quants (256):       w = dk * sc_s * u + dm * M_j   (s: the weight's sub-block of 32 or 16,
                                                           j: its 16-block; Q4_K: M = -min,
                                                           Q6_K: dm = dk, M = -32 sc, ...)
+
+The codes are unsigned, but for Q8_0's int8 and the codebook types', whose u is the table's int8
+value of each 4-bit code: IQ4_NL and MXFP4 are legacy blocks (off 0, m 0; MXFP4's d is its
+exponent byte's 2^(e - 128)), IQ4_XS a K-quant one (sc_s = ls_s - 32 per 32, M 0).
 
 and with activations x ~ xd * xq (`quantize_x_reference`, the native quantizer's twin):
 
@@ -25,6 +29,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from hetero.quant.bits import bit_planes, crumbs, f16_field, le_bits, low_high_nibbles
+from hetero.quant.codebooks import E2M1_DOUBLED, IQ4NL_VALUES, e8m0_half, iq4_xs_scales
 from hetero.quant.kquants import k4_scale_min, q3_k_scales
 
 _T = GGMLQuantizationType
@@ -50,14 +55,26 @@ class Split:
         return w.reshape(n, b * qb)
 
 
+def _codebook(qs: torch.Tensor, values: tuple[int, ...]) -> torch.Tensor:
+    """(nb, 16 g) bytes of nibble codes -> (nb, 32 g) int64: the table's value of each, in
+    element order (each 16 bytes: 32 codes, low nibbles first)."""
+    codes = low_high_nibbles(qs.reshape(qs.shape[0], -1, 16)).reshape(qs.shape[0], -1)
+    return torch.tensor(values, dtype=torch.long)[codes.long()]
+
+
 def _legacy(blocks: torch.Tensor, t: GGMLQuantizationType):
     def nib(start: int) -> torch.Tensor:
         return low_high_nibbles(blocks[:, start : start + 16].unsqueeze(1)).reshape(-1, 32)
 
+    if t == _T.MXFP4:
+        d = e8m0_half(blocks[:, 0:1])[:, 0]
+        return _codebook(blocks[:, 1:17], E2M1_DOUBLED), d, torch.zeros_like(d), 0
     d = f16_field(blocks, 0)[:, 0]
     zero = torch.zeros_like(d)
     if t == _T.Q8_0:
         return blocks[:, 2:34].view(torch.int8), d, zero, 0
+    if t == _T.IQ4_NL:
+        return _codebook(blocks[:, 2:18], IQ4NL_VALUES), d, zero, 0
     if t in (_T.Q4_0, _T.Q4_1):
         u = nib(2 if t == _T.Q4_0 else 4)
         return (u, d, zero, -8) if t == _T.Q4_0 else (u, d, f16_field(blocks, 2)[:, 0], 0)
@@ -69,6 +86,10 @@ def _legacy(blocks: torch.Tensor, t: GGMLQuantizationType):
 def _kquant(blocks: torch.Tensor, t: GGMLQuantizationType):
     """-> u [nb, 256], sc [nb, nsub], M [nb, 16], dk, dm (all per block)."""
     nb = blocks.shape[0]
+    if t == _T.IQ4_XS:
+        d = f16_field(blocks, 0)[:, 0]
+        u, sc = _codebook(blocks[:, 8:136], IQ4NL_VALUES), iq4_xs_scales(blocks).long()
+        return u, sc, torch.zeros(nb, 16, dtype=torch.long), d, d
     if t in (_T.Q4_K, _T.Q5_K):
         sc, mn = k4_scale_min(blocks[:, 4:16])
         start = 16 if t == _T.Q4_K else 48

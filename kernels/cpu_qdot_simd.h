@@ -121,12 +121,13 @@ static ALWAYS vi pairdot(vi acc, vi m, vi b) {
 
 /* K-quant units tiles[0 .. nu) (KTILE_BYTES apart) times rows t < tt: activation bytes at
  * y + t * ys (the first unit's), scales dy[t * ds + u], sums per 16 bs[t * bss + 16 u + j];
- * adds into out[t * 16 + row] for the VR rows of `slice`. */
-static ALWAYS void kdot(int tt, int nsub, int flush, const uint8_t *tiles, int nu, int slice,
-                        const int8_t *y, int64_t ys, const float *dy, int64_t ds,
+ * adds into out[t * 16 + row] for the VR rows of `slice`. `sgn`: the codes are int8 (IQ4_XS's
+ * codebook values where the dot takes them signed). */
+static ALWAYS void kdot(int tt, int nsub, int flush, int sgn, const uint8_t *tiles, int nu,
+                        int slice, const int8_t *y, int64_t ys, const float *dy, int64_t ds,
                         const int16_t *bs, int64_t bss, float *out) {
     const int cps = 64 / nsub, fe = FLUSH_EVERY(flush, cps), r0 = slice * VR;
-    (void)flush;
+    (void)flush, (void)sgn;
     vf f[TT];
     for (int t = 0; t < tt; t++) f[t] = VF_LOAD(out + t * QR + r0);
     for (int u = 0; u < nu; u++) {
@@ -139,7 +140,8 @@ static ALWAYS void kdot(int tt, int nsub, int flush, const uint8_t *tiles, int n
             for (int c = 0; c < cps; c++) {
                 const int ch = s * cps + c;
                 const vi w = VI_LOAD(tl + 64 * ch + 4 * r0);
-                for (int t = 0; t < tt; t++) part[t] = DOT(part[t], w, VI_BCAST(yu + t * ys + 4 * ch));
+                for (int t = 0; t < tt; t++)
+                    part[t] = DOTS(sgn, part[t], w, VI_BCAST(yu + t * ys + 4 * ch));
                 if ((c + 1) % fe) continue;
                 for (int t = 0; t < tt; t++) {
                     acc[t] = FLUSH(acc[t], part[t], sc);

@@ -11,7 +11,9 @@
  *
  * Tile (what a unit unpacks into, per thread, in L1):
  *   codes uint8 [QB/4 chunks][16 rows][4]   chunk c = weights 4c..4c+3 of each row (unsigned
- *                                           0..63; Q8_0: signed, or + 128 where VNNI reads it)
+ *                                           0..63; Q8_0: signed, or + 128 where VNNI reads it;
+ *                                           IQ4_NL, IQ4_XS: the codebook's int8 values, the
+ *                                           same; MXFP4: its values + 12, cpu_qcodebook.c)
  *   K-quants (QB = 256): sc int32 [nsub][16] sub-block scales; mn int16 [8][16 rows][2]: the
  *     pair (M_2j, M_2j+1) of per-16 offsets; dk, dm float [16]. For row r and activations y
  *     (int8, one float scale dy a 256-block, sums bsum per 16):
@@ -48,7 +50,7 @@ typedef struct {
     int flush;      /* chunks whose u8 x s8 pair sums int16 holds: 32767 / (2 * 127 * max code) */
     int off;        /* legacy: integer offset of the codes (Q4_0: -8) */
     int has_m;      /* legacy: a float offset m per block (Q4_1, Q5_1) */
-    int is_signed;  /* codes are int8 (Q8_0 where the dot takes signed codes) */
+    int is_signed;  /* codes are int8 (Q8_0, IQ4_NL, IQ4_XS where the dot takes signed codes) */
     unpack_fn unpack;
 } qtype;
 

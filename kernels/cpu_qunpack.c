@@ -5,21 +5,7 @@
  * activation rows of a step. Element e of a block, per the GGUF layouts (quant/kquants.py,
  * quant/legacy.py), lands in chunk e / 4 at byte 4r + e % 4.
  */
-#include <string.h>
-
-#include "cpu_qtypes.h"
-#if defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(__aarch64__)
-#include <arm_neon.h>
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define Q8_OFFSET 1 /* VNNI multiplies unsigned by signed bytes: Q8_0 codes + 128, off -128 */
-#else
-#define Q8_OFFSET 0
-#endif
+#include "cpu_qunpack.h"
 
 float half_to_float32(uint16_t h) {
 #if defined(__aarch64__)
@@ -43,20 +29,6 @@ float half_to_float32(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
-#endif
-}
-
-/* 16 fp16 (one field of a unit) -> float32, in one or two instructions where the CPU has them */
-static inline void halves(const uint8_t *src, float *dst) {
-#if defined(__AVX512F__)
-    _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src)));
-#elif defined(__F16C__)
-    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)));
-    _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16))));
-#else
-    uint16_t h[QR];
-    memcpy(h, src, sizeof h);
-    for (int r = 0; r < QR; r++) dst[r] = half_to_float32(h[r]);
 #endif
 }
 
@@ -323,6 +295,10 @@ static const qtype TYPES[] = {
     {12, QK_KQUANT, 256, 2304, 8, 8, 0, 0, 0, unpack_q4_k},
     {13, QK_KQUANT, 256, 2816, 8, 4, 0, 0, 0, unpack_q5_k},
     {14, QK_KQUANT, 256, 3360, 16, 2, 0, 0, 0, unpack_q6_k},
+    /* codebook types (cpu_qcodebook.c): int8 values (AVX2: signed, one chunk a flush), or biased */
+    {20, QK_LEGACY, 32, 288, 0, 1, -IQ4_BIAS, 0, !Q8_OFFSET, unpack_iq4_nl},
+    {23, QK_KQUANT, 256, 2176, 8, 1, 0, 0, !Q8_OFFSET, unpack_iq4_xs},
+    {39, QK_LEGACY, 32, 272, 0, 4, -MXFP4_BIAS, 0, 0, unpack_mxfp4},
 };
 
 const qtype *qtype_of(int ggml_type) {

@@ -31,13 +31,13 @@ import tempfile
 from pathlib import Path
 
 _NAMES = (
-    "cpu_qdot.c", "cpu_qunpack.c", "cpu_pool.c", "cpu_features.c", "cpu_small_ops.c",
-    "cpu_attention.c",
+    "cpu_qdot.c", "cpu_qunpack.c", "cpu_qcodebook.c", "cpu_pool.c", "cpu_features.c",
+    "cpu_small_ops.c", "cpu_attention.c", "cpu_qdot_moe.c",
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _NAMES)
 HEADERS = tuple(  # included by the sources: in the cache key
     Path(__file__).with_name(n)
-    for n in ("cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h")
+    for n in ("cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h", "cpu_qunpack.h")
 )
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-Wno-psabi")
 VARIANT_FLAGS = {
@@ -63,6 +63,10 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "qdot_gemm": ([_INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT], _INT),
     "qdot_linear": ([_INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT], _INT),
     "qdot_unpack_unit": ([_INT, _PTR, _PTR], _INT),
+    "qdot_moe": (
+        [_INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR, _INT],
+        _INT,
+    ),
     "native_rms_norm": ([_PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_silu_mul": ([_PTR, _PTR, _PTR, _I64, _I64, _I64], None),

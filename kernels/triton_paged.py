@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from hetero.kernels.paged import FP8, paged_attention_ref
+from hetero.kernels.paged_sinks import paged_attention_sinks_ref
 from hetero.kernels.registry import register
 from hetero.kernels.triton_qmatmul import _sm_count, triton_supported
 
@@ -80,15 +81,19 @@ def decode_splits(batch: int, kv: int, max_len: int, sm_count: int) -> int:
     return max(1, min(want, -(-max_len // MIN_SPLIT)))
 
 
-def paged_decode(q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None):
+def paged_decode(
+    q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None, window=0, sinks=None
+):  # fmt: skip
     """q [B, H, D], one query a sequence -> [B, H, D]. n_splits: tests force it; by default
-    decode_splits picks it from the shapes and meta.max_seq_len."""
+    decode_splits picks it from the shapes and meta.max_seq_len (the window, when shorter).
+    window, sinks: kernels/paged_sinks.py."""
     b, h, d = q.shape
     kv = k_cache.shape[1]
     out = torch.empty_like(q)
     if b == 0:
         return out
-    n = n_splits or decode_splits(b, kv, max(1, int(meta.max_seq_len)), _sm_count(q.device))
+    longest = max(1, int(meta.max_seq_len) if not window else min(window, int(meta.max_seq_len)))
+    n = n_splits or decode_splits(b, kv, longest, _sm_count(q.device))
     kc, vc = _bits(k_cache), _bits(v_cache)
     fp8 = k_cache.dtype == FP8
     part_o = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
@@ -97,18 +102,20 @@ def paged_decode(q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=No
     kern = _kernels()
     kern.decode_split_kernel[(b, kv, n)](
         q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens, part_o,
-        part_ml, scale, q.stride(0), q.stride(1), bt.stride(0), n,
+        part_ml, scale, q.stride(0), q.stride(1), bt.stride(0), n, window,
         H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d), BS=meta.block_size,
         BN=DECODE_BN, FP8=fp8, IEEE=q.dtype == torch.float32,
     )  # fmt: skip
     kern.decode_reduce_kernel[(b, h)](
-        part_o, part_ml, out, out.stride(0), out.stride(1), n,
-        H=h, D=d, BD=_pow2(d), BSP=_pow2(n),
+        part_o, part_ml, out, q if sinks is None else sinks, out.stride(0), out.stride(1), n,
+        H=h, D=d, BD=_pow2(d), BSP=_pow2(n), SINKS=sinks is not None,
     )  # fmt: skip
     return out
 
 
-def paged_prefill(q, k_cache, v_cache, k_scale, v_scale, meta, scale, bm=None, bn=None):
+def paged_prefill(
+    q, k_cache, v_cache, k_scale, v_scale, meta, scale, bm=None, bn=None, window=0, sinks=None
+):  # fmt: skip
     """q [T, H, D], sequences' new queries back to back (any lengths) -> [T, H, D]."""
     t, h, d = q.shape
     kv = k_cache.shape[1]
@@ -124,21 +131,25 @@ def paged_prefill(q, k_cache, v_cache, k_scale, v_scale, meta, scale, bm=None, b
     _kernels().prefill_kernel[grid](
         q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens,
         meta.q_start_loc, out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        bt.stride(0),
+        bt.stride(0), window, q if sinks is None else sinks,
         KV=kv, G=h // kv, D=d, BD=_pow2(d), BS=meta.block_size, BM=bm, BN=bn, FP8=fp8,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, SINKS=sinks is not None,
     )  # fmt: skip
     return out
 
 
-def paged_rows(q, k_cache, v_cache, k_scale, v_scale, meta, scale, bn=None):
+def paged_rows(
+    q, k_cache, v_cache, k_scale, v_scale, meta, scale, bn=None, window=0, sinks=None
+):  # fmt: skip
     """q [B, H, D], one query a row, where meta.tiles says which rows attend as tiles of one
     prompt chunk (engine/paged_meta.RowTiles): flash-decoding for the others (each over its own
     context), then one program per (tile, head) for the tiled rows. -> [B, H, D]."""
     b, h, d = q.shape
     tiles = meta.tiles
     rows_alone = dataclasses.replace(meta, seq_lens=tiles.decode_lens)
-    out = paged_decode(q, k_cache, v_cache, k_scale, v_scale, rows_alone, scale)
+    out = paged_decode(
+        q, k_cache, v_cache, k_scale, v_scale, rows_alone, scale, window=window, sinks=sinks
+    )
     if b == 0:
         return out
     kc, vc = _bits(k_cache), _bits(v_cache)
@@ -148,10 +159,23 @@ def paged_rows(q, k_cache, v_cache, k_scale, v_scale, meta, scale, bn=None):
     _kernels().row_tile_kernel[(-(-b // tiles.rows), h)](
         q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, tiles.tile_lens, out,
         scale, b, q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+        window, q if sinks is None else sinks,
         KV=kv, G=h // kv, D=d, BD=_pow2(d), BS=meta.block_size, BM=tiles.rows,
-        BN=bn or PREFILL_BN, FP8=fp8, IEEE=q.dtype == torch.float32,
+        BN=bn or PREFILL_BN, FP8=fp8, IEEE=q.dtype == torch.float32, SINKS=sinks is not None,
     )  # fmt: skip
     return out
+
+
+def _attention(q, k_cache, v_cache, k_scale, v_scale, tm, scale, window=0, sinks=None):
+    """The kernel for a step's shape: row tiles, decode (one query a sequence) or prefill."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    extra = dict(window=window, sinks=sinks)
+    if tm.tiles is not None:
+        return paged_rows(q, k_cache, v_cache, k_scale, v_scale, tm, scale, **extra)
+    if tm.max_q_len == 1 and q.shape[0] == tm.seq_lens.shape[0]:
+        return paged_decode(q, k_cache, v_cache, k_scale, v_scale, tm, scale, **extra)
+    return paged_prefill(q, k_cache, v_cache, k_scale, v_scale, tm, scale, **extra)
 
 
 @register("paged_attention", "triton", priority=10, supports=triton_supported)
@@ -160,10 +184,19 @@ def paged_attention_triton(q, k_cache, v_cache, k_scale, v_scale, meta, scale: f
     tm = getattr(meta, "tensors", None)
     if tm is None:
         return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if tm.tiles is not None:
-        return paged_rows(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
-    if tm.max_q_len == 1 and q.shape[0] == tm.seq_lens.shape[0]:
-        return paged_decode(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
-    return paged_prefill(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
+    return _attention(q, k_cache, v_cache, k_scale, v_scale, tm, scale)
+
+
+@register("paged_attention_sinks", "triton", priority=10, supports=triton_supported)
+def paged_attention_sinks_triton(
+    q, k_cache, v_cache, k_scale, v_scale, meta, scale: float, window: int, sinks
+):  # fmt: skip
+    """paged_attention_sinks_ref's contract (kernels/paged_sinks.py): the same kernels, their
+    key loops starting at the window and the sink in each softmax's sum."""
+    tm = getattr(meta, "tensors", None)
+    if tm is None:
+        return paged_attention_sinks_ref(
+            q, k_cache, v_cache, k_scale, v_scale, meta, scale, window, sinks
+        )
+    sinks = None if sinks is None else sinks.float().contiguous()
+    return _attention(q, k_cache, v_cache, k_scale, v_scale, tm, scale, window, sinks)

@@ -109,45 +109,66 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr):
     """One key tile of flash attention: q [M, BD], k/v [BN, BD], keep [M, BN]; running max
-    m_i [M], sum l_i [M] and unnormalized output acc [M, BD] in float32, updated. A row must
-    keep at least one key of its first tile (its m_i is finite from then on)."""
+    m_i [M], sum l_i [M] and unnormalized output acc [M, BD] in float32, updated. A row that
+    has kept no key yet (a sliding window starts past the tile) keeps m_i = -inf, l_i = 0."""
     sc = _dot(qv, tl.trans(kt), IEEE) * scale  # [M, BN]
     sc = tl.where(keep, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(sc - m_new[:, None])
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(-inf - 0) = 0, never NaN
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p.to(qv.dtype), vt, IEEE)
     return m_new, l_i, acc
 
 
 @triton.jit
+def _window_start(first_limit, window, BN: tl.constexpr):
+    """The first key tile (a multiple of BN) rows whose limits are >= first_limit need under a
+    sliding window (window 0: the whole context, tile 0)."""
+    return tl.where(window > 0, tl.maximum(first_limit - window, 0) // BN * BN, 0)
+
+
+@triton.jit
 def _attend(
-    qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, hi, limit, scale,
+    qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi, limit,
+    window, sink, scale,
     KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
-    """softmax(q K^T) V [M, BD] of query rows qv [M, BD] over keys 0 .. hi - 1 of sequence b's
-    pages (KV head h), row i seeing the keys below limit[i] (causal: its position + 1). A row
-    that sees no key gives NaN: callers do not store it."""
+    """softmax(q K^T) V [M, BD] of query rows qv [M, BD] over keys lo .. hi - 1 of sequence b's
+    pages (KV head h), row i seeing the keys below limit[i] (causal: its position + 1) and, with
+    window > 0, from limit[i] - window on. SINKS: sink [M] joins each row's softmax without a
+    value (kernels/paged_sinks.py). A row that sees no key gives 0."""
     m_i = tl.full([qv.shape[0]], float("-inf"), tl.float32)
     l_i = tl.zeros([qv.shape[0]], tl.float32)
     acc = tl.zeros([qv.shape[0], BD], tl.float32)
-    for n0 in range(0, hi, BN):
+    first = tl.where(window > 0, limit - window, -1)  # [M]: keys below it are out of the window
+    for n0 in range(lo, hi, BN):
         pos = n0 + tl.arange(0, BN)
         pm = pos < hi
         slot = _slots(block_tables, b, stride_bt, pos, pm, BS)
         kt = _load_kv(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
         vt = _load_kv(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        keep = pm[None, :] & (pos[None, :] < limit[:, None])  # [M, BN]
+        keep = pm[None, :] & (pos[None, :] < limit[:, None]) & (pos[None, :] >= first[:, None])
         m_i, l_i, acc = _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE)
+    if SINKS:  # exp(sink - m_i) joins the sum; a row without keys: exp(+inf) -> 0 output
+        l_i = l_i + tl.exp(sink - m_i)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
+def _sink_of(sinks, hq, BM: tl.constexpr, SINKS: tl.constexpr):
+    """Head hq's sink logit for BM query rows (float32 [BM]; zeros, unused, without sinks)."""
+    if SINKS:
+        return tl.zeros([BM], tl.float32) + tl.load(sinks + hq).to(tl.float32)
+    return tl.zeros([BM], tl.float32)
 
 
 @triton.jit
 def decode_split_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part_o, part_ml,
-    scale, stride_qt, stride_qh, stride_bt, n_splits,
+    scale, stride_qt, stride_qh, stride_bt, n_splits, window,
     H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
     BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
     IEEE: tl.constexpr,
@@ -160,14 +181,16 @@ def decode_split_kernel(
     Flash-decoding: each split keeps a running max m, sum l and unnormalized output acc; it
     stores acc [BG, D] and (m, l) to part_o [B, H, splits, D], part_ml [B, H, splits, 2] for
     decode_reduce_kernel. The G heads share each K/V tile (GQA): q is [BG, D] (BG >= 16, padded
-    rows 0) so both products are tensor-core dots.
+    rows 0) so both products are tensor-core dots. With a sliding window (window > 0) the splits
+    cut the window's keys, length - window .. length - 1, instead of the whole context.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.load(seq_lens + b)
-    split_len = tl.cdiv(tl.cdiv(length, n_splits), BN) * BN
-    start = s * split_len
+    lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    split_len = tl.cdiv(tl.cdiv(length - lo, n_splits), BN) * BN
+    start = lo + s * split_len
     end = tl.minimum(start + split_len, length)
     g = tl.arange(0, BG)
     d = tl.arange(0, BD)
@@ -195,11 +218,11 @@ def decode_split_kernel(
 
 @triton.jit
 def decode_reduce_kernel(
-    part_o, part_ml, out, stride_ot, stride_oh, n_splits,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr,
+    part_o, part_ml, out, sinks, stride_ot, stride_oh, n_splits,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, H): combine the splits' (m, l, acc) into softmax(qK) V. A sequence of length 0
-    (padding) gives 0, not NaN."""
+    """Grid (B, H): combine the splits' (m, l, acc) into softmax(qK) V; SINKS: head hq's sink
+    logit joins the denominator. A sequence of length 0 (padding) gives 0, not NaN."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.arange(0, BSP)
@@ -209,12 +232,17 @@ def decode_reduce_kernel(
     m = tl.load(part_ml + row * 2, mask=sm, other=float("-inf"))
     l_s = tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
     m_all = tl.max(m, axis=0)
+    if SINKS:
+        sink = tl.load(sinks + hq).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # [BSP]
     om = sm[:, None] & (d[None, :] < D)
     acc = tl.load(part_o + row[:, None] * D + d[None, :], mask=om, other=0.0)
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(l_s * w, axis=0)
+    if SINKS:
+        den += tl.exp(sink - m_all)
     o = num / tl.where(den > 0, den, 1.0)
     tl.store(out + b * stride_ot + hq * stride_oh + d, o.to(out.dtype.element_ty), mask=d < D)
 
@@ -222,9 +250,10 @@ def decode_reduce_kernel(
 @triton.jit
 def prefill_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q_starts, out,
-    scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, window, sinks,
     KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     """Grid (query tiles, B, H): causal attention of a sequence's new queries (the last q_len of
     its seq_len positions: a cached prefix, then the new tokens, already written) over its pages.
@@ -245,9 +274,11 @@ def prefill_kernel(
     qv = tl.load(q + tok[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=qm, other=0.0)
     pos_q = first + rows
     hi = tl.where(mt * BM < q_len, tl.minimum(length, first + (mt + 1) * BM), 0)
+    lo = _window_start(first + mt * BM + 1, window, BN)
+    sink = _sink_of(sinks, hq, BM, SINKS)
     o = _attend(
-        qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, hi, pos_q + 1,
-        scale, KV, D, BD, BS, BN, FP8, IEEE,
+        qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi,
+        pos_q + 1, window, sink, scale, KV, D, BD, BS, BN, FP8, IEEE, SINKS,
     )  # fmt: skip
     dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
@@ -256,9 +287,10 @@ def prefill_kernel(
 @triton.jit
 def row_tile_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, tile_lens, out,
-    scale, n_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    scale, n_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, window, sinks,
     KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     """Grid (row tiles, H): the one-query rows r0 .. r0 + BM - 1 (r0 = BM * program_id(0)) of a
     CUDA-graph step whose tile_lens > 0 (their context lengths) are consecutive rows of one
@@ -272,14 +304,16 @@ def row_tile_kernel(
     rows = r0 + tl.arange(0, BM)
     lens = tl.load(tile_lens + rows, mask=rows < n_rows, other=0)
     hi = tl.max(lens, axis=0)
+    lo = _window_start(tl.min(tl.where(lens > 0, lens, hi), axis=0), window, BN)
     d = tl.arange(0, BD)
     qm = (lens > 0)[:, None] & (d[None, :] < D)
     tok = rows.to(tl.int64)
     qv = tl.load(q + tok[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=qm, other=0.0)
-    # rows of length 0 (not this tile's) see no key: NaN, unstored
+    # rows of length 0 (not this tile's) see no key: unstored
+    sink = _sink_of(sinks, hq, BM, SINKS)
     o = _attend(
-        qv, k_cache, v_cache, k_scale, v_scale, block_tables, r0, stride_bt, h, hi, lens, scale,
-        KV, D, BD, BS, BN, FP8, IEEE,
+        qv, k_cache, v_cache, k_scale, v_scale, block_tables, r0, stride_bt, h, lo, hi, lens,
+        window, sink, scale, KV, D, BD, BS, BN, FP8, IEEE, SINKS,
     )  # fmt: skip
     dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=qm)

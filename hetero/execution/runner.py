@@ -45,9 +45,12 @@ class PagedAttention:
         )
         self._attend = select("paged_attention", pool.k.device).fn
 
-    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+    def __call__(self, layer: int, q, k, v, window: int = 0, sinks=None) -> torch.Tensor:
         i = layer - self.first
         self.pool.write(i, self.slots, k, v)
+        if window or sinks is not None:  # gpt-oss: kernels/paged_sinks.py
+            attend = select("paged_attention_sinks", self.pool.k.device).fn
+            return attend(q, *self.pool.layer(i), self.meta, self.scale, window, sinks)
         return self._attend(q, *self.pool.layer(i), self.meta, self.scale)
 
 

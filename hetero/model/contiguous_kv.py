@@ -9,6 +9,7 @@ import torch
 
 from hetero.config import ModelConfig
 from hetero.kernels import select
+from hetero.kernels.paged_sinks import sink_attention
 
 
 class ContiguousKV:
@@ -32,8 +33,12 @@ class ContiguousKV:
         self.start = self.length
         self.length += n_new
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def __call__(self, layer: int, q, k, v, window: int = 0, sinks: torch.Tensor | None = None):
         end = self.start + q.shape[0]
         self.k[layer, self.start : end] = k
         self.v[layer, self.start : end] = v
+        if window or sinks is not None:  # gpt-oss: a sliding window, attention sinks
+            pos = torch.arange(self.start, end, device=q.device)
+            kc, vc = self.k[layer, :end], self.v[layer, :end]
+            return sink_attention(q, kc, vc, pos, self.scale, window, sinks)
         return self._attend(q, self.k[layer, :end], self.v[layer, :end], self.start, self.scale)

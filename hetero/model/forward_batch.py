@@ -14,9 +14,18 @@ import torch
 
 class AttentionBackend(Protocol):
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store k/v [T, KV, D] of the new tokens, attend q [T, H, D]; returns [T, H, D]."""
+        """Store k/v [T, KV, D] of the new tokens, attend q [T, H, D]; returns [T, H, D].
+
+        window > 0: each query sees only itself and the window - 1 keys before it; sinks [H]:
+        a logit per head that joins the softmax without a value (kernels/paged_sinks.py)."""
         ...
 
 

@@ -118,7 +118,7 @@ class QuantLinear(nn.Module):
         qtype, shape = int(run[0].ggml_type), (sum(w.shape[0] for w in run), self.in_features)
         if qtype in cpu_qdot.NATIVE_TYPES:
             return pack_linear(raw, qtype, shape, "qdot")
-        # float and IQ types: fp16 (exact fp32 where fp16 cannot hold the weights)
+        # float and grid IQ types: fp16 (exact fp32 where fp16 cannot hold the weights)
         scheme = choose_scheme(raw, qtype, shape, candidates=("fp16", "fp32"))
         return pack_linear(raw, qtype, shape, scheme)
 
@@ -270,8 +270,10 @@ class Rotary(nn.Module):
         def corr(beta: float) -> float:
             return dim * math.log(n_ctx / (beta * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
-        low = max(0.0, math.floor(corr(s.beta_fast)))
-        high = min(dim - 1.0, math.ceil(corr(s.beta_slow)))
+        low, high = corr(s.beta_fast), corr(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(0.0, low), min(dim - 1.0, high)
         i = torch.arange(0, dim // 2, dtype=torch.float32)
         ramp = 1.0 - torch.clamp((i - low) / max(0.001, high - low), 0.0, 1.0)
         self.mscale = (s.attn_factor or 1.0) * (1.0 + 0.1 * math.log(s.factor))

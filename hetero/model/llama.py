@@ -26,6 +26,7 @@ from hetero.gguf_loader import GGUFModel
 from hetero.kernels import cpu_threads, select
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.layers import QuantEmbedding, QuantLinear, RMSNorm, Rotary
+from hetero.model.moe import cpu_expert_layers
 
 
 class Attention(nn.Module):
@@ -76,13 +77,23 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, gm: GGUFModel, i: int, rt: RuntimeConfig):
+    def __init__(
+        self,
+        gm: GGUFModel,
+        i: int,
+        rt: RuntimeConfig,
+        attn: nn.Module | None = None,
+        ffn: nn.Module | None = None,
+        ffn_norm: str = "ffn_norm",
+    ):
+        """Another family's block passes its own attention or feed-forward (the MoE families:
+        model/qwen3moe.py, model/gpt_oss.py), and the name of the norm before the latter."""
         super().__init__()
         eps = gm.config.norm_eps
         self.attn_norm = RMSNorm(gm.tensor(f"blk.{i}.attn_norm.weight"), eps, rt)
-        self.attn = Attention(gm, i, rt)
-        self.ffn_norm = RMSNorm(gm.tensor(f"blk.{i}.ffn_norm.weight"), eps, rt)
-        self.ffn = FeedForward(gm, i, rt)
+        self.attn = attn or Attention(gm, i, rt)
+        self.ffn_norm = RMSNorm(gm.tensor(f"blk.{i}.{ffn_norm}.weight"), eps, rt)
+        self.ffn = ffn or FeedForward(gm, i, rt)
 
     def forward(
         self, x, pending: torch.Tensor | None, rotary, cos, sin, batch: ForwardBatch
@@ -99,6 +110,15 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    def __new__(cls, gm: GGUFModel, *args, **kwargs):
+        # LlamaModel(gm, ...) builds the file's family: the MoE families subclass this one and
+        # differ in their blocks only (model/families.py)
+        if cls is LlamaModel:
+            from hetero.model.families import model_class
+
+            cls = model_class(gm.config.arch)
+        return super().__new__(cls)
+
     def __init__(
         self, gm: GGUFModel, rt: RuntimeConfig, layers: range | None = None, progress: bool = False
     ):
@@ -106,6 +126,7 @@ class LlamaModel(nn.Module):
         cfg = self.config = gm.config
         self.runtime = rt = rt.resolved()  # one device, one weights mode
         bind_device(rt.device)  # load-time repacks launch kernels on the current device
+        cpu_expert_layers(cfg, rt)  # --cpu-moe / --n-cpu-moe must fit the model
         self.layer_range = layers if layers is not None else range(cfg.n_layers)
         # A pipeline stage holds only its layers: the embedding on the first stage, the final
         # norm and lm_head on the last (which keeps the embedding too when lm_head is tied to it).
@@ -117,7 +138,7 @@ class LlamaModel(nn.Module):
             self.embed = QuantEmbedding(gm.tensor("token_embd.weight"), rt)
         self.rotary = Rotary(cfg, rt, gm.get("rope_freqs.weight"))
         bar = tqdm(self.layer_range, desc="loading layers", unit="layer", disable=not progress)
-        self.blocks = nn.ModuleList(Block(gm, i, rt) for i in bar)
+        self.blocks = nn.ModuleList(self.block(gm, i, rt) for i in bar)
         self.norm = self.lm_head = None
         if self.is_last:
             self.norm = RMSNorm(gm.tensor("output_norm.weight"), cfg.norm_eps, rt)
@@ -125,6 +146,10 @@ class LlamaModel(nn.Module):
                 self.lm_head = QuantLinear.tied(self.embed)
             else:
                 self.lm_head = QuantLinear(gm.tensor("output.weight"), rt)
+
+    def block(self, gm: GGUFModel, i: int, rt: RuntimeConfig) -> nn.Module:
+        """Block i of this family (a subclass changes what a block holds)."""
+        return Block(gm, i, rt)
 
     @torch.inference_mode()
     def forward(
@@ -177,8 +202,12 @@ def load_model(
 
 
 def config_summary(cfg: ModelConfig) -> str:
+    ffn = f"ffn {cfg.d_ff}"
+    if cfg.is_moe:
+        ffn = f"{cfg.n_experts} experts ({cfg.n_experts_used} a token) x ffn {cfg.d_ff_expert}"
+    window = f", sliding window {cfg.sliding_window}" if cfg.sliding_window else ""
     return (
         f"{cfg.arch} {cfg.name!r}: {cfg.n_layers} layers, width {cfg.d_model}, "
-        f"{cfg.n_heads} heads ({cfg.n_kv_heads} kv) x {cfg.head_dim}, ffn {cfg.d_ff}, "
-        f"vocab {cfg.vocab_size}, context {cfg.context_length}"
+        f"{cfg.n_heads} heads ({cfg.n_kv_heads} kv) x {cfg.head_dim}, {ffn}, "
+        f"vocab {cfg.vocab_size}, context {cfg.context_length}{window}"
     )

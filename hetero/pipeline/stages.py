@@ -32,7 +32,9 @@ class StageSpec:
     override the engine's for this stage only (None: the engine's), e.g. a plan choosing int8
     CPU weights for the stage that spills off the GPU. mps_percentage: the share of the GPU's
     SMs this stage's process may use under CUDA MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so two
-    stages on one GPU can stand in for two unequal GPUs.
+    stages on one GPU can stand in for two unequal GPUs. n_cpu_moe: a plan's experts in RAM,
+    those of layers 0 .. n_cpu_moe - 1 (a stage's among them multiplied on its host's CPU);
+    None: as the runtime asks (--cpu-moe / --n-cpu-moe).
     """
 
     device: str
@@ -42,6 +44,7 @@ class StageSpec:
     kv_dtype: str | None = None
     weights: str | None = None
     mps_percentage: int | None = None
+    n_cpu_moe: int | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device, "stage device")
@@ -124,8 +127,10 @@ def even_split(devices: list[str], n_layers: int) -> list[StageSpec]:
 def stages_from_plan(plan: Any, n_layers: int) -> list[StageSpec]:
     """Adapter from the planner's Plan (duck-typed: .stages with .device, .layer_start,
     .layer_end, and optionally .base_device, .num_kv_blocks, .kv_dtype, .weights,
-    .mps_percentage) or its JSON dict."""
+    .mps_percentage; and .experts_in_ram) or its JSON dict."""
     raw = plan["stages"] if isinstance(plan, dict) else plan.stages
+    top = plan.get if isinstance(plan, dict) else (lambda k, d=None: getattr(plan, k, d))
+    experts = int(top("experts_in_ram") or 0) or None  # a MoE plan's experts in RAM
     stages = []
     for i, s in enumerate(raw):
         get = s.get if isinstance(s, dict) else (lambda k, d=None, s=s: getattr(s, k, d))
@@ -147,6 +152,7 @@ def stages_from_plan(plan: Any, n_layers: int) -> list[StageSpec]:
                 get("kv_dtype"),
                 weights if isinstance(weights, str) else None,
                 mps,
+                experts,
             )
         )
     return validate_stages(stages, n_layers)

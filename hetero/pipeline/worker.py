@@ -76,6 +76,8 @@ def stage_runtime(args: StageArgs) -> RuntimeConfig:
         # leaves them the cores; beside other GPU stages it takes its share, as every stage
         # taking all cores oversubscribes the machine during the load.
         threads = 1 if n_cpu else max(1, (os.cpu_count() or 1) // len(args.stages))
+    if spec.n_cpu_moe is not None:  # the plan's experts in RAM (model/moe.py)
+        rt = replace(rt, cpu_moe=False, n_cpu_moe=spec.n_cpu_moe)
     return replace(rt, device=spec.device, weights=spec.weights or rt.weights, threads=threads)
 
 

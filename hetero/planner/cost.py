@@ -50,6 +50,10 @@ class DeviceCost:
     kv_dtype: str
     graphs: bool = False  # decode-only steps replayed from CUDA graphs (CUDA, not --enforce-eager)
     max_num_seqs: int = 256  # the largest graph bucket
+    # Mixture of experts: the experts of the first `ram_experts` layers stay in system RAM and
+    # multiply on `expert_host` (a CPU's costs; --cpu-moe / --n-cpu-moe), the rest here
+    ram_experts: int = 0
+    expert_host: DeviceCost | None = None
 
     def decode_rows(self, m: int, replay: bool = True) -> int | None:
         """Rows a replayed decode step of m sequences runs (its bucket); None: run eagerly.
@@ -82,9 +86,26 @@ class DeviceCost:
     def _bytes(self, t: TensorInfo) -> float:
         return weight_bytes(t, self.weights, self.dev.is_cpu)
 
+    def _here(self, i: int, t: TensorInfo) -> bool:
+        """Whether layer i's tensor t is held on this device (not an expert kept in RAM)."""
+        return not (t.is_expert and i < self.ram_experts)
+
     @cached_property
     def layer_bytes(self) -> list[float]:
-        return [sum(self._bytes(t) for t in layer) for layer in self.desc.layers]
+        return [
+            sum(self._bytes(t) for t in layer if self._here(i, t))
+            for i, layer in enumerate(self.desc.layers)
+        ]
+
+    def ram_expert_bytes(self) -> float:
+        """Bytes of the experts held in RAM (in the host's weights mode)."""
+        if self.expert_host is None:
+            return 0.0
+        host = self.expert_host
+        return sum(
+            host._bytes(t) for layer in self.desc.layers[: self.ram_experts] for t in layer
+            if t.is_expert
+        )  # fmt: skip
 
     @cached_property
     def _layer_prefix(self) -> list[float]:
@@ -114,11 +135,37 @@ class DeviceCost:
         return (4.0 if self.dev.is_cpu else 2.0) * e.params
 
     def linear_seconds(self, t: TensorInfo, tokens: int) -> float:
+        if t.is_expert:
+            return self.expert_seconds(t, tokens)
         rate = self.dev.matmul_rate(*rate_key(self.weights, t.ggml_type))
         return rate.seconds(self._bytes(t), t.params, tokens)
 
+    def expert_seconds(self, t: TensorInfo, tokens: int) -> float:
+        """The grouped matmul of an expert tensor [E, N, K] over `tokens` tokens, k experts
+        each: it reads the experts some token chose, E (1 - (1 - k/E)^T) of them on average for
+        independent choices, each over its share of the T k slots. Experts stay in GGUF blocks
+        but for "dense": on a GPU the quantized kernels' rate, on a CPU qdot's (the native
+        kernels the CPU expert matmuls are meant to run)."""
+        cfg = self.desc.config
+        e, k = cfg.n_experts, cfg.n_experts_used
+        touched = e * (1.0 - (1.0 - k / e) ** tokens)
+        mode = self.weights if self.weights == "dense" else "qdot" if self.dev.is_cpu else "quant"
+        rate = self.dev.matmul_rate(*rate_key(mode, t.ggml_type))
+        per_expert = max(1, round(tokens * k / touched))
+        return touched * rate.seconds(self._bytes(t) / e, t.params / e, per_expert)
+
     def _layer_matmuls(self, i: int, tokens: int) -> float:
-        return sum(self.linear_seconds(t, tokens) for t in self.desc.layers[i] if t.is_matrix)
+        total = 0.0
+        for t in self.desc.layers[i]:
+            if self._here(i, t):
+                total += self.linear_seconds(t, tokens) if t.is_matrix or t.is_expert else 0.0
+            else:  # an expert in RAM: multiplied on the host, its input there and back
+                total += self.expert_host.expert_seconds(t, tokens)  # type: ignore[union-attr]
+        if i < self.ram_experts:
+            total += 2 * transfer_seconds(
+                self.dev, self.expert_host.dev, tokens, self.desc.config.d_model
+            )  # type: ignore[union-attr]
+        return total
 
     def decode_layer_seconds(self, m: int, ctx: float, replay: bool = True) -> list[float]:
         """Seconds of each layer in a decode step of m sequences with ctx tokens of context

@@ -38,9 +38,17 @@ class TensorInfo:
     def is_matrix(self) -> bool:
         return len(self.shape) == 2
 
+    @property
+    def is_expert(self) -> bool:
+        """A 3-D tensor of E experts' matrices (ffn_{gate,up,down}_exps, [E, N, K])."""
+        return len(self.shape) == 3 and "_exps." in self.name
+
 
 def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
-    """Bytes `t` takes on a device in `weights` mode (vectors stay float32)."""
+    """Bytes `t` takes on a device in `weights` mode (vectors stay float32; experts stay in
+    their GGUF blocks unless "dense": model/moe.py)."""
+    if t.is_expert:
+        return (4.0 if on_cpu else 2.0) * t.params if weights == "dense" else float(t.nbytes)
     if not t.is_matrix:
         return 4.0 * t.params
     if weights == "quant":
@@ -56,8 +64,8 @@ def weight_bytes(t: TensorInfo, weights: str, on_cpu: bool) -> float:
 
 def packed_mode(weights: str, ggml_type: str) -> str:
     """The packing a matrix of `ggml_type` gets in `weights` mode: in "qdot" mode the block
-    types the kernel reads (Q4_0 .. Q8_0, Q2_K .. Q6_K) run qdot, float and IQ types fp16
-    (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
+    types the kernel reads (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, MXFP4) run qdot, float
+    and grid IQ types fp16 (kernels/cpu_qdot.cpu_scheme, the rule the loader follows)."""
     if weights != "qdot":
         return weights
 
@@ -99,6 +107,12 @@ class ModelDesc:
         """The output projection (the embedding's table when tied)."""
         return self.output or self.embed
 
+    def expert_bytes(self, layers: range | None = None) -> int:
+        """File bytes of the expert tensors of `layers` (all by default): what a mixture-of-
+        experts model can keep in system RAM while the rest runs on a GPU."""
+        chosen = self.layers if layers is None else self.layers[layers.start : layers.stop]
+        return sum(t.nbytes for layer in chosen for t in layer if t.is_expert)
+
 
 def from_gguf(path: str) -> ModelDesc:
     """Describe the GGUF file at `path` from its header."""
@@ -137,6 +151,11 @@ def from_shape(shape: str, quant: str = "q4_k_m") -> ModelDesc:
         tied_embeddings=s.tied_embeddings,
         attn_bias=s.attn_bias,
         qk_norm=s.qk_norm,
+        n_experts=s.n_experts,
+        n_experts_used=s.n_experts_used,
+        d_ff_expert=s.d_ff_expert,
+        sliding_window=s.sliding_window,
+        swa_layers=tuple(s.sliding_window > 0 and i % 2 == 0 for i in range(s.n_layers)),
     )
     return _assemble(cfg.name, cfg, infos, f"synth:{shape}:{quant}")
 

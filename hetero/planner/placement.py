@@ -13,6 +13,13 @@ from hetero.config import GPU_WEIGHTS_MODES, RuntimeConfig
 from hetero.engine.config import kv_dtype_rule
 from hetero.planner.cost import DeviceCost, kv_token_bytes
 from hetero.planner.device import DeviceProfile
+from hetero.planner.experts import (
+    check_ram,
+    expert_host,
+    experts_or_layers,
+    may_move_experts,
+    ram_expert_layers,
+)
 from hetero.planner.model_desc import ModelDesc
 from hetero.planner.plan import (
     DEFAULT_CONTEXT_CAP,
@@ -63,10 +70,19 @@ def _budget(dev: DeviceProfile, cfg: PlanConfig) -> float:
     return dev.usable_memory * (1.0 - cfg.margin) - margin
 
 
-def _pick_mode(desc: ModelDesc, dev: DeviceProfile, cfg: PlanConfig, kv: str, compact: bool):
+def _pick_mode(
+    desc: ModelDesc,
+    dev: DeviceProfile,
+    cfg: PlanConfig,
+    kv: str,
+    compact: bool,
+    ram: tuple[int, DeviceCost | None] = (0, None),
+):
+    """Device `dev`'s costs in its fastest weights mode (compact: its smallest); `ram`: the
+    layers whose experts stay in RAM, and the host that multiplies them."""
     graphs = not cfg.engine.enforce_eager
     costs = [
-        DeviceCost(desc, dev, m, kv, graphs, cfg.engine.scheduler.max_num_seqs)
+        DeviceCost(desc, dev, m, kv, graphs, cfg.engine.scheduler.max_num_seqs, *ram)
         for m in _modes(dev, cfg.weights)
     ]
     if compact:
@@ -82,11 +98,27 @@ def _reason(setup: Setup, i: int) -> str:
     return "most compact (the fastest did not fit)" if setup.compact else "fastest that fits"
 
 
-def _attempts(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig, context: int):
+def _attempts(
+    desc: ModelDesc,
+    devices: list[DeviceProfile],
+    cfg: PlanConfig,
+    context: int,
+    ram: int = 0,
+    spill: bool = True,
+):
     gpus = [d for d in devices if not d.is_cpu]
     cpus = [d for d in devices if d.is_cpu]
+    if ram and gpus:  # the GPUs take the layers, the first CPU's RAM the chosen experts
+        host = DeviceCost(desc, expert_host(cpus), "quant", "fp16")
+        for compact in (False, True):
+            kv = cfg.engine.kv_dtype
+            costs = [
+                _pick_mode(desc, d, cfg, kv_dtype_for(d, kv), compact, (ram, host)) for d in gpus
+            ]
+            yield Setup(desc, cfg, context, costs, [_budget(d, cfg) for d in gpus], compact)
+        return
     groups = [gpus, gpus + cpus] if gpus and cpus and not cfg.use_all_devices else [gpus + cpus]
-    for group in groups:
+    for group in groups if spill else groups[:1]:
         for compact in (False, True):
             costs = [
                 _pick_mode(desc, d, cfg, kv_dtype_for(d, cfg.engine.kv_dtype), compact)
@@ -115,18 +147,46 @@ def place(desc: ModelDesc, devices: list[DeviceProfile], cfg: PlanConfig) -> Pla
     if len(set(ids)) != len(ids):
         raise PlanError(f"a device is listed twice: {', '.join(ids)}")
     context = _context(desc, cfg)
+    ram = ram_expert_layers(desc, cfg, devices)
+    if ram:
+        host = expert_host([d for d in devices if d.is_cpu])
+        check_ram(desc, host, ram, _budget(host, cfg))
+    if may_move_experts(desc, devices, cfg):
+        found, last = experts_or_layers(
+            desc.n_layers, lambda n, spill=True: _place_with(desc, devices, cfg, context, n, spill)
+        )
+    else:
+        found, last = _place_with(desc, devices, cfg, context, ram)
+    if found is not None:
+        return found
+    raise PlanError(explain(last))
+
+
+def _place_with(
+    desc: ModelDesc,
+    devices: list[DeviceProfile],
+    cfg: PlanConfig,
+    context: int,
+    ram: int,
+    spill: bool = True,
+) -> tuple[Plan | None, Setup | None]:
+    """The fastest plan that fits with the experts of the first `ram` layers in RAM (None),
+    and the last setup tried (for the refusal's numbers); spill: the CPUs may take the last
+    layers when the GPUs cannot hold them."""
     last: Setup | None = None
-    for setup in _attempts(desc, devices, cfg, context):
+    for setup in _attempts(desc, devices, cfg, context, ram, spill):
         last = setup
+        host = setup.costs[0].expert_host
+        if host is not None and setup.costs[0].ram_expert_bytes() > _budget(host.dev, cfg):
+            return None, last  # the RAM cannot hold them either
         n_dev, n = len(setup.costs), desc.n_layers
         split = search(
             n_dev, n, cfg.concurrency, setup.fits, setup.stage_s, cfg.use_all_devices,
             1 if cfg.in_process else None,
         )  # fmt: skip
         if split is not None:
-            return _build(*_without_idle_shares(setup, split), devices)
-
-    raise PlanError(explain(last))
+            return _build(*_without_idle_shares(setup, split), devices), last
+    return None, last
 
 
 def _without_idle_shares(setup: Setup, split: Split) -> tuple[Setup, Split]:
@@ -243,10 +303,21 @@ def _build(setup: Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         ),
         max_concurrency=blocks // per_seq,
         model_path=desc.source,
-        unused_devices=tuple(d.id for d in devices if d.id not in used_ids),
-        notes=_notes(stages, devices, cfg),
+        unused_devices=tuple(
+            d.id for d in devices if d.id not in used_ids and d.id != _host_id(setup)
+        ),
+        notes=_notes(stages, devices, cfg, _host_id(setup)),
         in_process=cfg.in_process,
+        experts_in_ram=setup.costs[0].ram_experts,
+        expert_device=_host_id(setup),
+        expert_ram_bytes=int(setup.costs[0].ram_expert_bytes()),
+        expert_bytes=desc.expert_bytes(),
     )
+
+
+def _host_id(setup: Setup) -> str:
+    host = setup.costs[0].expert_host
+    return "" if host is None or not setup.costs[0].ram_experts else host.dev.id
 
 
 def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) -> StagePlan:
@@ -254,7 +325,9 @@ def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) ->
     return replace(s, num_kv_blocks=blocks, kv_bytes=blocks * per_block)
 
 
-def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfig) -> tuple:
+def _notes(
+    stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfig, host: str = ""
+) -> tuple:
     notes = []
     measured = {d.id for d in devices if d.source != "datasheet"}  # spec#2 is another card
     shared = sorted({s.base_device for s in stages if "#" in s.device and s.device in measured})
@@ -267,7 +340,7 @@ def _notes(stages: list[StagePlan], devices: list[DeviceProfile], cfg: PlanConfi
     kinds = {s.device in on_cpu for s in stages}
     if kinds == {True, False} and not cfg.use_all_devices:  # the CPU took layers not asked of it
         notes.append("the GPUs cannot hold the model with its KV: the last layers run on the CPU")
-    unused = [d.id for d in devices if d.id not in {s.device for s in stages}]
+    unused = [d.id for d in devices if d.id not in {s.device for s in stages} and d.id != host]
     if unused and cfg.concurrency == 1:
         notes.append(
             f"{', '.join(unused)} unused: one stream is fastest on the fewest devices that hold "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetero.config import RuntimeConfig
+from hetero.config import RuntimeConfig, check_cpu_moe
 from hetero.engine.config import EngineConfig
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc
@@ -49,6 +49,11 @@ class PlanConfig:
         would be fastest, e.g. two MPS shares of one GPU).
     margin / margin_bytes: memory kept free on each device (a fraction of its usable memory,
         plus fixed bytes for the runtime: CUDA context, allocator slack, the process itself).
+    cpu_moe / n_cpu_moe: a mixture-of-experts model's experts of every layer / of the first
+        n_cpu_moe layers held in system RAM and multiplied by the CPU among the devices, the
+        rest on the GPUs (llama.cpp's --cpu-moe / --n-cpu-moe). Neither: the planner keeps the
+        experts with their layers, or moves the fewest layers' experts to RAM that make the
+        model fit the GPUs.
     """
 
     concurrency: int = 1
@@ -63,8 +68,11 @@ class PlanConfig:
     margin: float = 0.05
     gpu_margin_bytes: int = 768 << 20
     cpu_margin_bytes: int = 2 << 30
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
 
     def __post_init__(self) -> None:
+        check_cpu_moe(self.cpu_moe, self.n_cpu_moe)
         for name in ("concurrency", "prompt_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -131,6 +139,12 @@ class Plan:
     model_path: str = ""  # the GGUF file planned (or "synth:SHAPE:QUANT" for a dry run)
     unused_devices: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # mixture of experts: the experts of layers [0, experts_in_ram) held in system RAM and
+    # multiplied on `expert_device` (a CPU), the others with their layers
+    experts_in_ram: int = 0
+    expert_device: str = ""
+    expert_ram_bytes: int = 0
+    expert_bytes: int = 0  # all the experts' bytes (0: not a mixture-of-experts model)
     in_process: bool = False  # the stages run one after the other in one process (segments)
     version: int = PLAN_VERSION
     extra: dict[str, Any] = field(default_factory=dict)

@@ -59,10 +59,26 @@ def format_plan(p: Plan) -> str:
         f"{p.concurrency}: {p.max_context}; max concurrency at context {p.context}: "
         f"{p.max_concurrency}",
     ]
+    if p.expert_bytes:
+        lines.append(_experts_line(p))
     if p.unused_devices:
         lines.append(f"unused: {', '.join(p.unused_devices)}")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+def _experts_line(p: Plan) -> str:
+    """Where a mixture-of-experts model's experts are: in RAM for the first layers, or with
+    their layers."""
+    on_gpu = (p.expert_bytes - p.expert_ram_bytes) / GB
+    n, total = p.experts_in_ram, p.n_layers
+    if n == 0:
+        return f"experts: with their layers ({on_gpu:.2f} GB)"
+    ram = f"in RAM on {p.expert_device} ({p.expert_ram_bytes / GB:.2f} GB)"
+    if n == total:
+        return f"experts: every layer's {ram}; the rest of the model on the GPUs"
+    rest = f"layers {n}-{total - 1} with their layers ({on_gpu:.2f} GB)"
+    return f"experts: layers 0-{n - 1} {ram}, {rest}"
 
 
 def format_profiles(profiles: list[DeviceProfile]) -> str:

@@ -31,12 +31,8 @@ from hetero.server.anthropic_protocol import (
 from hetero.server.chat_request import chat_prompt
 from hetero.server.chat_response import finished_or_503, read_choices
 from hetero.server.generation import Job
-from hetero.server.protocol import (
-    check_fields,
-    check_structured_outputs,
-    make_params,
-    resolve_max_tokens,
-)
+from hetero.server.protocol import check_fields
+from hetero.server.sampling_request import check_structured_outputs, make_params, resolve_max_tokens
 from hetero.server.sse import EventStream, engine_errors, first_event, stopped_message
 from hetero.server.state import STATE, ignore_fields, read_body
 from hetero.tool_parsers import Delta

@@ -22,14 +22,8 @@ from typing import Any
 from aiohttp import web
 
 from hetero.server.generation import Job
-from hetero.server.protocol import (
-    ApiError,
-    Field,
-    bad,
-    check_fields,
-    context_error,
-    make_params,
-)
+from hetero.server.protocol import ApiError, Field, bad, check_fields
+from hetero.server.sampling_request import context_error, make_params
 from hetero.server.sse import EventStream, first_event, stopped_message
 from hetero.server.state import STATE, ignore_fields, read_body
 from hetero.tokenizer import FimTokens

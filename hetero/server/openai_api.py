@@ -26,10 +26,12 @@ from hetero.server.protocol import (
     bad,
     check_fields,
     check_model,
+    prompt_list,
+)
+from hetero.server.sampling_request import (
     check_structured_outputs,
     include_usage,
     make_params,
-    prompt_list,
     resolve_max_tokens,
     sampling_kwargs,
 )

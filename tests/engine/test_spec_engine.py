@@ -235,7 +235,9 @@ def test_auto_guesses_on_cuda_where_guesses_pay_for_the_verify_step():
     assert gpu.max_decodes == cpu.max_decodes == SPEC_AUTO_MAX_DECODES
     assert gpu.adapt.min_gain == pytest.approx(SPEC_CUDA_VERIFY_COST["quant"] - 1)
     assert gpu.adapt.k_min == gpu.adapt.k_max and cpu.adapt.k_min == 1
-    assert spec("auto", "cuda", "dense").adapt.min_gain == pytest.approx(SPEC_CUDA_VERIFY_COST["dense"] - 1)
+    assert spec("auto", "cuda", "dense").adapt.min_gain == pytest.approx(
+        SPEC_CUDA_VERIFY_COST["dense"] - 1
+    )
     assert cpu.adapt.min_gain == 0
     assert spec("ngram", "cuda").max_decodes is None
     assert spec("off", "cuda") is None and spec("off", "cpu") is None

@@ -17,6 +17,8 @@ from hetero.quant import dequantize, get_quant, random_blocks
 pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler builds the kernel")
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TYPES += ("IQ4_NL", "IQ4_XS", "MXFP4")  # the codebook types
+SIGNED = ("Q8_0", "IQ4_NL", "IQ4_XS")  # int8 codes
 VARIANTS = native.supported_variants()
 
 
@@ -70,7 +72,7 @@ def test_the_integer_split_is_the_dequantization(ggml_type: str):
     exact = dequantize(raw, get_quant(ggml_type).ggml_type, (n, k)).double()
     parts = split(raw, int(get_quant(ggml_type).ggml_type), n, k)
     torch.testing.assert_close(parts.weights(), exact, rtol=1e-6, atol=0)
-    assert int(parts.u.min()) >= (-128 if ggml_type == "Q8_0" else 0)
+    assert int(parts.u.min()) >= (-128 if ggml_type in SIGNED + ("MXFP4",) else 0)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -86,7 +88,7 @@ def test_kernel_equals_integer_reference(ggml_type: str, variant: str):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("ggml_type", ("Q4_1", "Q8_0", "Q4_K", "Q6_K"))
+@pytest.mark.parametrize("ggml_type", ("Q4_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"))
 def test_rows_do_not_depend_on_tiles_or_threads(ggml_type: str, variant: str):
     """Each output row is the same sums in the same order whatever the batch and the split."""
     n, k = 70, 1024
@@ -116,30 +118,43 @@ def test_against_exact_weights_within_activation_rounding(ggml_type: str):
     assert float((y - want).norm() / want.norm()) < 2e-2  # measured 5-8e-3
 
 
+def code_bias(ggml_type: str, variant: str) -> int:
+    """What the tile adds to an int8 code so that the dot can read it unsigned: VNNI's u8 x s8
+    takes Q8_0 and IQ4 values + 128; MXFP4's -12 .. 12 is + 12 on every build (cpu_qcodebook.c)."""
+    if ggml_type == "MXFP4":
+        return 12
+    return 128 if variant == "avx512" and ggml_type in SIGNED else 0
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_tile_holds_the_integer_split(variant: str):
-    """One unit of 16 rows unpacked by the C code: codes, sub-block scales and offsets equal the
-    torch split of the same GGUF bytes, integer for integer."""
+    """One unit of 16 rows unpacked by the C code: codes, scales and offsets equal the torch
+    split of the same GGUF bytes, integer for integer (a biased code's offset, -bias times its
+    scale, in the offsets); the float scales bit for bit."""
     for ggml_type in TYPES:
         qt = get_quant(ggml_type)
         raw = weight(ggml_type, 16, qt.block_size, seed=7)
         parts = split(raw, int(qt.ggml_type), 16, qt.block_size)
         tile = cpu_qdot.unpack_unit(qt.ggml_type, pack(raw, qt, 16, qt.block_size).packed, variant)
         codes = tile[: qt.block_size * 16].reshape(-1, 16, 4).permute(1, 0, 2).reshape(16, -1)
-        if ggml_type == "Q8_0":  # VNNI's unsigned codes are the int8 codes + 128
-            codes = codes.long() - 128 if variant == "avx512" else codes.view(torch.int8)
-        codes = codes.long()
+        bias = code_bias(ggml_type, variant)
+        signed = ggml_type in SIGNED and not bias
+        codes = (codes.view(torch.int8) if signed else codes).long() - bias
         assert torch.equal(codes, parts.u[:, 0]), ggml_type
-        if qt.block_size == 256:
-            nsub = parts.sc.shape[2]
-            sc = tile[4096 : 4096 + 64 * nsub].view(torch.int32).reshape(nsub, 16).t()
-            assert torch.equal(sc.long(), parts.sc[:, 0]), ggml_type
-            mn = tile[5120:5632].view(torch.int16).reshape(8, 16, 2).permute(1, 0, 2)
-            assert torch.equal(mn.reshape(16, 16).long(), parts.off[:, 0]), ggml_type
-            dk = tile[5632:5696].view(torch.float32).double()
-            assert torch.equal(dk, parts.d[:, 0]) and torch.equal(
-                tile[5696:5760].view(torch.float32).double(), parts.dm[:, 0]
-            )
+        if qt.block_size == 32:
+            d = tile[512:576].view(torch.float32).double()
+            assert torch.equal(d, parts.d[:, 0]), ggml_type
+            continue
+        nsub = parts.sc.shape[2]
+        sc = tile[4096 : 4096 + 64 * nsub].view(torch.int32).reshape(nsub, 16).t().long()
+        assert torch.equal(sc, parts.sc[:, 0]), ggml_type
+        mn = tile[5120:5632].view(torch.int16).reshape(8, 16, 2).permute(1, 0, 2)
+        offsets = parts.off[:, 0] - bias * sc.repeat_interleave(16 // nsub, dim=1)
+        assert torch.equal(mn.reshape(16, 16).long(), offsets), ggml_type
+        dk = tile[5632:5696].view(torch.float32).double()
+        assert torch.equal(dk, parts.d[:, 0]) and torch.equal(
+            tile[5696:5760].view(torch.float32).double(), parts.dm[:, 0]
+        )
 
 
 def test_the_pool_runs_every_item_once():

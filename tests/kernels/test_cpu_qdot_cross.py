@@ -27,6 +27,7 @@ from hetero.kernels.cpu_qdot_ref import reference_terms
 from hetero.quant import get_quant, random_blocks
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TYPES += ("IQ4_NL", "IQ4_XS", "MXFP4")  # the codebook types
 BUILDS = {"neon": ("generic+dotprod+fullfp16", 1), "generic": ("generic", 0)}  # -mcpu, qdot_isa
 
 

@@ -1,6 +1,7 @@
 """Which packing each GGUF type gets in the CPU's "qdot" mode, and that the planner prices the
 same: every block type the kernel reads runs qdot on its own bytes (weight error 0), float types
-fp16, a fused q|k|v of mixed types one part per type."""
+fp16, a fused q|k|v of mixed types one part per type; models of the codebook types (IQ4_NL,
+IQ4_XS, MXFP4) run every matrix on the kernel."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from gguf import GGMLQuantizationType as T
 from hetero.config import RuntimeConfig
 from hetero.kernels import cpu_qdot
 from hetero.kernels.cpu_linear import pack_error
+from hetero.kernels.cpu_qdot_ref import quantize_x_reference
 from hetero.model.contiguous_kv import ContiguousKV
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.llama import load_model
 from hetero.planner.cost import DeviceCost
 from hetero.planner.device import DeviceProfile, MatmulRate
-from hetero.planner.model_desc import describe, weight_bytes
+from hetero.planner.model_desc import describe, packed_mode, rate_key, weight_bytes
 from hetero.quant import get_quant, random_blocks
 from hetero.synth import write_synthetic
 from hetero.synth_shapes import ModelShape
@@ -30,6 +32,7 @@ SHAPE = ModelShape(
     vocab_size=384, context_length=256, rope_theta=10000.0, norm_eps=1e-5, tied_embeddings=False,
 )  # fmt: skip
 BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+BLOCK_TYPES += ("IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 @needs_qdot
@@ -71,6 +74,50 @@ def test_qdot_mode_packs_each_type_run_as_its_rule_says(q4km) -> None:
     assert (got - want).norm() / want.norm() < 2e-2
 
 
+class RoundedActivations:
+    """A linear's product in torch as the qdot kernel defines it: x rounded to int8 per block
+    (the native quantizer's twin), times the exact weights, in float64. Set as a layer's
+    `offload` hook, which the layer calls in place of its own kernel."""
+
+    def runs(self, x: torch.Tensor) -> bool:
+        return True
+
+    def __call__(self, layer, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for p in layer.packed_parts:
+            qb = cpu_qdot.activation_block(p.weight.ggml_type)
+            xq, xd, _ = quantize_x_reference(x, qb)
+            xr = (xq.double().reshape(len(x), -1, qb) * xd.double()[..., None]).reshape(x.shape)
+            outs.append(xr @ cpu_qdot.unpack(p.weight).double().t())
+        return torch.cat(outs, dim=-1).float()
+
+
+@needs_qdot
+@pytest.mark.parametrize("name", ("IQ4_NL", "IQ4_XS", "MXFP4"))
+def test_a_codebook_model_runs_every_matrix_on_the_kernel(tmp_path, name: str) -> None:
+    """`hetero synth`'s pure-TYPE mix (every matrix, embedding and head included, of the type):
+    qdot mode packs each linear as qdot blocks of that type; its logits are those of the exact
+    weights times activations rounded per block (to float rounding), and near the unrounded
+    fp32 model's."""
+    path = write_synthetic(tmp_path / "m.gguf", SHAPE, f"pure-{name.lower()}", False)
+    _, model = load_model(path, RuntimeConfig(device="cpu", weights="qdot"))
+    linears = [m for m in model.modules() if hasattr(m, "packed_parts")]
+    parts = [p for m in linears for p in m.packed_parts]
+    assert len(parts) == 2 * 4 + 1  # per block q|k|v, o, gate|up, down; the output head
+    assert {(p.scheme, p.weight.ggml_type.name) for p in parts} == {("qdot", name)}
+    got = _logits(model)
+    for m in linears:
+        m.offload = RoundedActivations()
+    rounded = _logits(model)
+    _, dense = load_model(path, RuntimeConfig(device="cpu", weights="dense", dtype="fp32"))
+    exact = _logits(dense)
+    assert torch.isfinite(exact).all() and exact.std() > 0
+    # measured 1e-7: the same sums in another order
+    assert (got - rounded).norm() / rounded.norm() < 1e-5
+    # measured 5.7e-3 (IQ4_NL), 1.6e-2 (IQ4_XS: x per 256, as q4_k_m's 1.3e-2), 1.1e-2 (MXFP4)
+    assert (got - exact).norm() / exact.norm() < 2e-2
+
+
 def test_the_planner_prices_qdot_mode_as_the_loader_packs():
     desc = describe("synth:llama3-8b:q4_k_m")
     head = desc.output
@@ -87,6 +134,17 @@ def test_the_planner_prices_qdot_mode_as_the_loader_packs():
     # a type the profile timed at its own rate, another at the "qdot" (Q4_1) one
     assert cost.linear_seconds(head, 1) == pytest.approx(210 / 256 * head.params / 100e9)
     assert cost.linear_seconds(q, 1) == pytest.approx(144 / 256 * q.params / 50e9)
+
+
+def test_the_planner_prices_codebook_tensors_as_qdot_reads_them():
+    """An IQ4_XS file's matrices: qdot mode reads their own blocks (136 bytes a 256), timed at
+    the profile's IQ4_XS rate where it has one; the grid IQ types are priced as fp16."""
+    desc = describe("synth:llama3-8b:iq4_xs")
+    q = next(t for t in desc.layers[0] if t.name.endswith("attn_q.weight"))
+    assert q.ggml_type == "IQ4_XS"
+    assert weight_bytes(q, "qdot", on_cpu=True) == 136 / 256 * q.params
+    assert rate_key("qdot", "IQ4_XS") == ("qdot", "IQ4_XS")
+    assert packed_mode("qdot", "MXFP4") == "qdot" and packed_mode("qdot", "IQ2_XS") == "fp16"
 
 
 def test_cpu_bandwidth_is_streamed_past_the_last_level_cache():

@@ -9,6 +9,9 @@ enough and units many enough that row tiles are split between programs (the fix-
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -287,3 +290,21 @@ def test_integer_sums_are_exact_in_int32() -> None:
     assert worst_hi * 256 + 32 * 63 * 255 < 2**31
     assert 32 * 255 * 128 * 256 < 2**31  # Q8_0 codes are q + 128 < 256
     assert np.iinfo(np.int32).max >= worst_hi * 256
+
+
+@pytest.mark.parametrize(
+    "path", sorted(Path(gemv_tuning.TABLE_DIR).glob("gemv_tuning_*.json")), ids=lambda p: p.stem
+)
+def test_checked_in_tables_name_their_arch_and_only_runnable_configs(path: Path) -> None:
+    """A table written on one device and checked in: its arch is its file's, and every config
+    it gives can run its type (config_ok on a packed weight of that type), so the registry never
+    meets an entry it must refuse at run time."""
+    table = json.loads(path.read_text())
+    assert path.stem == f"gemv_tuning_{table['arch']}"
+    entries = gemv_tuning.parse_table(table)
+    assert entries
+    for type_name, n, k, cfg in entries:
+        assert n > 0 and k % 256 == 0
+        if cfg is not None:
+            _, pw = bytes_weight(type_name, 8, 512, seed=0)
+            assert streamk.config_ok(cfg, pw), (type_name, n, k, cfg)

@@ -1,0 +1,118 @@
+"""The grouped MoE matmul (kernels/triton_moe.py) on the GPU: time per call against the device's
+copy bandwidth, at a real model's expert shapes.
+
+    python benchmarks/gpu_moe.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--quant q4_k_m|mxfp4_moe]
+                                 [--tokens 1,2,8,32,128,512] [--layers 8]
+
+One MoE layer's three expert tensors (gate, up: [E, F, C]; down: [E, C, F]) in the types
+`hetero synth` gives them, random blocks, copied `--layers` times so the weights streamed per
+step exceed the L2 as a model's layers do. Per T: random routings of T tokens to k experts
+each; the gate, up and down calls of one layer, replayed from a CUDA graph (device time), in us;
+the bytes of the experts the tokens touched, GB/s and its share of the measured copy bandwidth
+(a 4 GiB device-to-device copy). Decode (T = 1) reads k of E experts: its roofline is those
+bytes over the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from hetero.kernels import triton_moe as tm
+from hetero.quant import get_quant, random_blocks
+from hetero.synth import tensor_specs
+from hetero.synth_shapes import get_shape
+
+
+def copy_gbs(device: torch.device) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written (GB/s)."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        b.copy_(a)
+    stop.record()
+    torch.cuda.synchronize()
+    return 5 * 2 * a.numel() / (start.elapsed_time(stop) / 1e3) / 1e9
+
+
+def layer_experts(shape: str, quant: str, device: torch.device, copies: int, rng):
+    """[(name, ggml type, (E, N, K), [packed copies])] of layer 0's expert tensors."""
+    out = []
+    for spec in tensor_specs(shape, quant):
+        if not spec.name.startswith("blk.0.") or len(spec.shape) != 3:
+            continue
+        qt = get_quant(spec.qtype)
+        e, n, k = spec.shape
+        packs = []
+        for _ in range(copies):
+            blocks = random_blocks(spec.qtype, e * n * k // qt.block_size, rng)
+            raw = torch.from_numpy(blocks).reshape(e, n, -1).to(device)
+            packs.append(tm.prepare_moe(raw, int(qt.ggml_type), spec.shape))
+        out.append((spec.name.split(".")[2], int(qt.ggml_type), spec.shape, packs, spec.nbytes))
+    return out
+
+
+def routing(t: int, k: int, e: int, device: torch.device, gen) -> torch.Tensor:
+    return torch.rand(t, e, generator=gen).topk(k, dim=-1).indices.to(device)
+
+
+def time_layer(experts, ids, c: int, device, copies: int) -> float:
+    """us of one layer's gate, up and down calls (graph replays over the weight copies)."""
+    t, k = ids.shape
+    x = torch.randn(t, c, device=device, dtype=torch.bfloat16)
+    f = experts[0][2][1]
+    a = torch.randn(t * k, f, device=device, dtype=torch.bfloat16)
+
+    def step():
+        for i in range(copies):
+            for name, qt, shape, packs, _ in experts:
+                inp = a if name.startswith("ffn_down") else x
+                tm.moe_matmul_triton(inp, packs[i], qt, shape, ids)
+
+    step()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) * 1e3 / 10 / copies
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--quant", default="q4_k_m")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512")
+    ap.add_argument("--layers", type=int, default=8, help="weight copies a step streams")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    s = get_shape(args.shape)
+    bw = copy_gbs(device)
+    rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    experts = layer_experts(args.shape, args.quant, device, args.layers, rng)
+    types = ", ".join(f"{n} {get_quant(q).name}" for n, q, *_ in experts)
+    print(f"{args.shape} {args.quant}: {s.n_experts} experts, {s.n_experts_used} a token; {types}")
+    print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
+    print(f"{'T':>5} {'us/layer':>10} {'touched MB':>11} {'GB/s':>8} {'of copy':>8}")
+    layer_bytes = sum(nb for *_, nb in experts)
+    for t in (int(v) for v in args.tokens.split(",")):
+        ids = routing(t, s.n_experts_used, s.n_experts, device, gen)
+        us = time_layer(experts, ids, s.d_model, device, args.layers)
+        touched = layer_bytes * ids.unique().numel() / s.n_experts
+        gbs = touched / (us / 1e6) / 1e9
+        print(f"{t:>5} {us:>10.1f} {touched / 1e6:>11.1f} {gbs:>8.0f} {gbs / bw:>8.0%}")
+
+
+if __name__ == "__main__":
+    main()

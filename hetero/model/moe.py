@@ -1,0 +1,203 @@
+"""The expert layer of the mixture-of-experts families (qwen3moe, gpt-oss), in plain torch.
+
+A router scores E experts per token and keeps k; each chosen expert runs its own SwiGLU
+feed-forward on the token, and the outputs add up weighted by the router. Shapes: T tokens,
+C model width, E experts, k chosen a token, F expert width, S = T * k slots (token, choice).
+
+    h [T, C]
+    logits = h Wr^T (+ br)                                          [T, E] float32
+    "softmax" (qwen3moe):       p = softmax(logits); w, ids = topk(p, k); w /= sum(w)
+    "softmax_topk" (gpt-oss):   l, ids = topk(logits, k); w = softmax(l)            [T, k]
+    for each slot s = (t, j), e = ids[t, j]:
+        gate, up = h[t] Wg[e]^T (+ bg[e]), h[t] Wu[e]^T (+ bu[e])                  [F] each
+        a = silu(gate) * up                                            ("silu": qwen3moe)
+          = g * sigmoid(1.702 g) * (clamp(up, -7, 7) + 1), g = min(gate, 7)   ("swiglu_oai")
+        o[s] = a Wd[e]^T (+ bd[e])                                                  [C]
+    out[t] = sum_j w[t, j] o[(t, j)]                                                [T, C]
+
+The expert weights are ggml's 3-D tensors ffn_{gate,up,down}_exps [E, N, K], kept in their GGUF
+blocks (the registry's moe_matmul: the reference dequantizes only the experts the tokens chose,
+the GPU kernel reads the blocks in place) in every weights mode but an explicit "dense", which
+dequantizes them once (the exact path of the tests): experts are most of a MoE model's bytes,
+so "auto" keeps them in blocks on a GPU as well (dense, Qwen3-30B-A3B would take 61 GB in bf16).
+
+`Experts` is one call, experts(h, ids, w) -> [T, C], on the device its weights live on: given
+h elsewhere it moves h, ids and w there and the sum back. That is the seam for experts held in
+system RAM and multiplied on the CPU while attention and the router run on a GPU
+(--cpu-moe / --n-cpu-moe: experts_runtime). On a CPU in "qdot" mode (what "auto" means there)
+the experts run on the native grouped kernels (model/moe_qdot.py: slots sorted by expert, only
+the chosen experts' blocks read); types the kernel table lacks keep the reference matmul. A
+step that moves activations to the CPU cannot be captured in a CUDA graph: such an engine logs
+that capture failed and runs its steps eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.config import ModelConfig, RuntimeConfig
+from hetero.gguf_loader import GGUFModel, GGUFTensor
+from hetero.kernels import select
+from hetero.kernels.registry import prepare_weight
+from hetero.model.moe_qdot import QdotExperts, runs_on_qdot
+from hetero.quant import dequantize
+
+GATINGS = ("softmax", "softmax_topk")
+ACTIVATIONS = ("silu", "swiglu_oai")
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp: LLM_FFN_SWIGLU_OAI_MOE)
+
+
+def _dense(t: GGUFTensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(t.torch(), t.ggml_type, t.shape).to(device=device, dtype=dtype)
+
+
+class Router(nn.Module):
+    """ids [T, k] and weights [T, k] float32 of each token's chosen experts.
+
+    The router's matrix is small ([E, C]; llama.cpp never quantizes it) and its choice is
+    discrete, so it runs in float32 whatever the activations' dtype: a bf16 rounding would flip
+    near-ties between experts."""
+
+    def __init__(self, gm: GGUFModel, i: int, rt: RuntimeConfig, gating: str):
+        super().__init__()
+        if gating not in GATINGS:
+            raise ValueError(f"gating {gating!r} is not one of {', '.join(GATINGS)}")
+        cfg, p = gm.config, f"blk.{i}.ffn_gate_inp."
+        self.gating, self.k, self.norm = gating, cfg.n_experts_used, cfg.expert_weights_norm
+        self.weight = nn.Parameter(_dense(gm.tensor(p + "weight"), rt.device, torch.float32), False)
+        bias = gm.get(p + "bias")
+        self.bias = None if bias is None else _dense(bias, rt.device, torch.float32)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(h.float(), self.weight, self.bias)  # [T, E]
+        if self.gating == "softmax":
+            w, ids = logits.softmax(-1).topk(self.k, dim=-1)
+            if self.norm:  # llama.cpp clamps the sum away from 0 (f16's smallest normal)
+                w = w / w.sum(-1, keepdim=True).clamp_min(6.103515625e-5)
+        else:
+            top, ids = logits.topk(self.k, dim=-1)
+            w = top.softmax(-1)
+        return ids, w
+
+
+class ExpertWeight(nn.Module):
+    """One expert tensor [E, N, K] (+ bias [E, N]) and its grouped matmul over routed slots."""
+
+    def __init__(self, t: GGUFTensor, bias: GGUFTensor | None, rt: RuntimeConfig):
+        super().__init__()
+        if len(t.shape) != 3:
+            raise ValueError(f"{t.name} is {list(t.shape)}: expert tensors are 3-D [E, N, K]")
+        self.shape = t.shape
+        self.ggml_type = int(t.ggml_type)
+        impl = select("moe_matmul", torch.device(rt.device))
+        self._matmul = impl.fn
+        if rt.weights == "dense":  # asked for: "auto" keeps experts in blocks on a GPU too
+            self.qweight = _dense(t, rt.device, rt.torch_dtype())
+        else:  # the file's blocks (on a CPU a view of the mapping: no copy)
+            raw = t.torch().to(rt.device)
+            self.qweight = prepare_weight(impl, raw, self.ggml_type, self.shape)
+        self.bias = None if bias is None else _dense(bias, rt.device, rt.torch_dtype())
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, K] or [S, K] -> [S, N]: each slot's row times its expert's matrix (+ bias)."""
+        y = self._matmul(x, self.qweight, self.ggml_type, self.shape, ids)
+        if self.bias is not None:
+            y = y + self.bias[ids.reshape(-1)]
+        return y
+
+
+class Experts(nn.Module):
+    """All E experts of one layer: experts(h [T, C], ids [T, k], w [T, k]) -> [T, C]."""
+
+    def __init__(self, gm: GGUFModel, i: int, rt: RuntimeConfig, activation: str):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        self.activation, self.device = activation, torch.device(rt.device)
+        self.dtype = rt.torch_dtype()
+        p = f"blk.{i}.ffn_"
+        parts = ("gate", "up", "down")
+        weights = [gm.tensor(f"{p}{part}_exps.weight") for part in parts]
+        biases = [gm.get(f"{p}{part}_exps.bias") for part in parts]
+        self.qdot = None  # the CPU's grouped kernels (model/moe_qdot.py), where they apply
+        if runs_on_qdot(rt, weights):
+            fp32 = [None if b is None else _dense(b, "cpu", torch.float32) for b in biases]
+            self.qdot = QdotExperts(weights, fp32)
+        else:
+            self.gate, self.up, self.down = (
+                ExpertWeight(t, b, rt) for t, b in zip(weights, biases, strict=True)
+            )
+        self._silu_mul = select("silu_mul", self.device).fn
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [S, F] -> [S, F]
+        if self.activation == "silu":
+            return self._silu_mul(gate, up)
+        g = gate.clamp(max=OAI_LIMIT)
+        return g * torch.sigmoid(OAI_ALPHA * g) * (up.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        home, dtype = h.device, h.dtype
+        if home != self.device:  # experts held elsewhere (RAM): compute there, return the sum
+            h, ids, w = h.to(self.device, self.dtype), ids.to(self.device), w.to(self.device)
+        if self.qdot is not None:
+            return self.qdot(h, ids, w, self._act).to(home, dtype)
+        t, k = ids.shape
+        a = self._act(self.gate(h, ids), self.up(h, ids))  # [S, F]
+        o = self.down(a, ids).view(t, k, -1)  # [T, k, C]
+        out = (o * w.to(o.dtype)[..., None]).sum(1)  # [T, C]
+        return out.to(home, dtype)
+
+
+def cpu_expert_layers(cfg: ModelConfig, rt: RuntimeConfig) -> int:
+    """How many of the first layers keep their experts in RAM, on the CPU (--cpu-moe: all,
+    --n-cpu-moe N: N); a clear error for a model without experts or N past its layers."""
+    if not (rt.cpu_moe or rt.n_cpu_moe):
+        return 0
+    if not cfg.is_moe:
+        raise ValueError(
+            f"--cpu-moe / --n-cpu-moe: this {cfg.arch} model has no experts (it is not a "
+            "mixture-of-experts model)"
+        )
+    if rt.n_cpu_moe > cfg.n_layers:
+        raise ValueError(f"--n-cpu-moe {rt.n_cpu_moe}: the model has only {cfg.n_layers} layers")
+    return cfg.n_layers if rt.cpu_moe else rt.n_cpu_moe
+
+
+def experts_runtime(cfg: ModelConfig, rt: RuntimeConfig, i: int) -> RuntimeConfig | None:
+    """Where layer i's experts run when not with the rest: on the CPU, float32, for the layers
+    --cpu-moe / --n-cpu-moe name, in the CPU's weights mode: the one `rt` names for the CPU
+    ("cuda=quant,cpu=qdot"), else "auto" (qdot: their GGUF blocks on the native kernels; one
+    mode for every device is the GPU's). None on a CPU, where they are in RAM already."""
+    if i >= cpu_expert_layers(cfg, rt) or rt.device.startswith("cpu"):
+        return None
+    mode = rt.weights_for("cpu") if "=" in rt.weights else "auto"
+    return RuntimeConfig(
+        device="cpu", dtype="fp32", weights=mode, threads=rt.threads,
+        allow_reference=rt.allow_reference,
+    )  # fmt: skip
+
+
+class SparseMoE(nn.Module):
+    """The feed-forward of a mixture-of-experts block: h [T, C] -> [T, C]."""
+
+    def __init__(
+        self,
+        gm: GGUFModel,
+        i: int,
+        rt: RuntimeConfig,
+        gating: str,
+        activation: str,
+        experts_rt: RuntimeConfig | None = None,
+    ):
+        """experts_rt: where and how the experts run, when not with the rest (rt)."""
+        super().__init__()
+        self.router = Router(gm, i, rt, gating)
+        self.experts = Experts(
+            gm, i, experts_rt or experts_runtime(gm.config, rt, i) or rt, activation
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ids, w = self.router(h)
+        return self.experts(h, ids, w)

@@ -1,0 +1,75 @@
+"""Mixture-of-experts matmuls, torch reference: each routed (token, expert) pair times its
+expert's matrix, with only the experts that tokens chose dequantized.
+
+An expert weight is one 3-D GGUF tensor, numpy order [E, N, K] (GGUF ne = [K, N, E], as
+llama.cpp's converter writes `ffn_{gate,up,down}_exps`): expert e's rows are a plain [N, K]
+matrix of GGUF blocks, `qweight[e]`.
+
+Routing gives each of T tokens k experts, topk_ids [T, k]. A *slot* is one (token, choice) pair,
+s = t * k + j, so a layer's experts see S = T * k slots:
+
+    x      [T, K]       the tokens (gate/up: the k slots of token t all read row t), or
+           [S, K]       one row a slot (down: each slot's own activations)
+    y      [S, N]       y[s] = x[row(s)] @ W[topk_ids.flat[s]]^T
+
+The GPU kernel (triton_moe.py) sorts the slots by expert into blocks of one expert each (vLLM's
+fused_moe layout), so each block reads its expert's tiles once; this reference gathers each
+expert's slots and multiplies them (the per-expert loop of transformers' MoE blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetero.kernels.registry import register
+
+
+def expert_matrix(
+    qweight: torch.Tensor, e: int, ggml_type: int, shape: tuple[int, int, int], dtype
+) -> torch.Tensor:
+    """Expert e's W [N, K] in `dtype`: qweight[e] as it is when the experts are already dense
+    (a float tensor [E, N, K]), else its GGUF blocks dequantized."""
+    if qweight.is_floating_point():
+        return qweight[e].to(dtype)
+    from hetero.quant import dequantize
+
+    return dequantize(qweight[e], ggml_type, shape[1:]).to(dtype)
+
+
+def slot_rows(x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The row of x each slot reads [S]: its token's row (x [T, K]) or its own (x [S, K])."""
+    t, k = topk_ids.shape
+    slots = torch.arange(t * k, device=x.device)
+    if x.shape[0] == t * k:
+        return slots
+    if x.shape[0] != t:
+        raise ValueError(f"x has {x.shape[0]} rows: neither T = {t} tokens nor S = {t * k} slots")
+    return slots // k
+
+
+@register("moe_matmul", "torch")
+def moe_matmul_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    ggml_type: int,
+    shape: tuple[int, int, int],
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """y [S, N]: every slot's row of x times its expert's W^T (the module docstring).
+
+    x [T, K] or [S, K]; qweight: the GGUF bytes [E, N, row_bytes] (or dense floats [E, N, K]);
+    shape (E, N, K); topk_ids [T, k] int. Experts no slot chose are never read.
+    """
+    n_experts, n, k = shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
+    flat = topk_ids.reshape(-1)
+    rows = slot_rows(x, topk_ids)
+    y = x.new_empty(flat.shape[0], n)
+    for e in flat.unique().tolist():  # a host sync: the reference, not the fast path
+        if not 0 <= e < n_experts:
+            raise ValueError(f"expert id {e} is outside 0..{n_experts - 1}")
+        sel = (flat == e).nonzero().squeeze(1)
+        w = expert_matrix(qweight, e, ggml_type, shape, x.dtype)
+        y[sel] = x[rows[sel]] @ w.t()
+    return y

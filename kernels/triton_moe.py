@@ -1,0 +1,134 @@
+"""moe_matmul on CUDA through Triton: a grouped matmul over quantized expert weights.
+
+Same contract as `moe_matmul_ref` (kernels/moe.py): y [S, N], slot s = t * k + j of topk_ids
+[T, k] times its expert's W [N, K], x [T, K] (slot s reads row s // k) or [S, K] (row s).
+
+The layout of vLLM's fused_moe (moe_align_block_size): the S slots are sorted by expert into
+blocks of BT, each block one expert's, an expert's last block padded with the id S (no slot):
+
+    topk_ids  [[2, 0], [2, 1], [0, 2]]          T = 3, k = 2, S = 6, BT = 4
+    slots by expert     0: 1 5   1: 3   2: 0 2 4
+    sorted_ids   [1 5 S S | 3 S S S | 0 2 4 S]  (+ unused blocks up to the static bound)
+    expert_ids   [0       | 1       | 2      ]  (-1 for the unused blocks: they exit at once)
+
+One program per (block, tile of BN output rows) decodes its expert's weight tile once and
+multiplies it with the block's BT rows of x on the tensor cores, the `_qmm_kernel` step with
+the rows offset to the expert (the experts' matrices are one packed [E * N, K] weight:
+kernels/repack.py, every packable type including the codebook ones, MXFP4 for gpt-oss).
+
+The sort runs on the device with shapes fixed by (T, k, E) alone (no host sync), so a decode
+step's MoE layers capture in a CUDA graph: the bound on blocks is that of vLLM,
+min(S, E) * (BT - 1) + S rows, so a one-token decode launches k blocks of real work plus
+empty ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hetero.kernels.moe import moe_matmul_ref, slot_rows
+from hetero.kernels.registry import register
+from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
+from hetero.kernels.triton_qmatmul import _plane_args, triton_supported
+
+BLOCK_N = 64
+
+
+@dataclass(eq=False)
+class PackedExperts:
+    """Expert weights [E, N, K] as one packed [E * N, K] weight (expert e: rows e*N ..)."""
+
+    packed: PackedWeight
+    shape: tuple[int, int, int]
+
+
+def prepare_moe(qweight: Any, ggml_type: int, shape: tuple[int, int, int]) -> Any:
+    """Load-time hook: GGUF bytes [E, N, row_bytes] -> PackedExperts (dense floats and types
+    without a packed layout pass through, to the reference)."""
+    if isinstance(qweight, PackedExperts) or qweight.is_floating_point():
+        return qweight
+    if not packable(ggml_type):
+        return qweight
+    e, n, k = shape
+    return PackedExperts(repack(qweight.reshape(e * n, -1), ggml_type, (e * n, k)), tuple(shape))
+
+
+def block_rows(n_slots: int, n_experts: int) -> int:
+    """BT: slots a block, from the slots an expert gets on average (16: tl.dot's least)."""
+    per_expert = n_slots / n_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def sort_by_expert(
+    topk_ids: torch.Tensor, n_experts: int, bt: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids [blocks * bt] int32, expert_ids [blocks] int32): the module docstring's
+    layout, computed on topk_ids' device without reading anything back."""
+    flat = topk_ids.reshape(-1).long()
+    s, dev = flat.numel(), flat.device
+    counts = torch.zeros(n_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + bt - 1) // bt * bt
+    ends = padded.cumsum(0)  # end row of each expert's blocks
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, in slot order
+    by_expert = flat[order]
+    first = counts.cumsum(0) - counts  # rank of each expert's first slot in `order`
+    rank = torch.arange(s, device=dev) - first[by_expert]
+    rows = min(s, n_experts) * (bt - 1) + s
+    n_blocks = -(-rows // bt)
+    sorted_ids = torch.full((n_blocks * bt,), s, dtype=torch.int32, device=dev)
+    sorted_ids[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(n_blocks, device=dev) * bt
+    expert_ids = torch.searchsorted(ends, starts, right=True)
+    expert_ids = torch.where(expert_ids < n_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids
+
+
+@register(
+    "moe_matmul", "triton", priority=10, supports=triton_supported, prepare=prepare_moe
+)  # fmt: skip
+def moe_matmul_triton(
+    x: torch.Tensor,
+    qweight: Any,
+    ggml_type: int,
+    shape: tuple[int, int, int],
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """y [S, N] (moe_matmul_ref's contract); qweight a PackedExperts or the GGUF bytes."""
+    if not isinstance(qweight, PackedExperts):
+        qweight = prepare_moe(qweight, ggml_type, shape)
+        if not isinstance(qweight, PackedExperts):
+            return moe_matmul_ref(x, qweight, ggml_type, shape, topk_ids)
+    n_experts, n, k = shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
+    t, top = topk_ids.shape
+    s = t * top
+    slot_rows(x, topk_ids)  # checks x's row count
+    x_div = 1 if x.shape[0] == s else top
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(s, n, dtype=x.dtype, device=x.device)
+    if s == 0:
+        return y
+    pw = qweight.packed
+    bt = block_rows(s, n_experts)
+    sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
+    args, meta = _plane_args(pw)
+    e = chunk_codes(pw.spec.low_bits)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid = (expert_ids.shape[0], -(-n // BLOCK_N))
+    _kernels()._moe_mm_kernel[grid](
+        x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0), y.stride(0),
+        *args[6:], **meta, BN=BLOCK_N, BT=bt, S=128 // e, PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+def _kernels() -> Any:
+    from hetero.kernels import triton_moe_kernels  # imports triton: first use only
+
+    return triton_moe_kernels

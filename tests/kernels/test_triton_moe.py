@@ -1,0 +1,143 @@
+"""The grouped MoE matmul (kernels/triton_moe.py) against the torch reference (kernels/moe.py).
+
+Random expert weights in every packable GGUF type (MXFP4 included), random routings (some
+experts chosen by many slots, some by none), x one row a token (gate/up) or one row a slot
+(down). Without CUDA the kernel runs under Triton's interpreter on small shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.kernels import implementations
+from hetero.kernels import triton_moe as tm
+from hetero.kernels.moe import moe_matmul_ref
+from hetero.kernels.registry import prepare_weight
+from hetero.kernels.repack import SPECS
+from hetero.quant import dequantize, get_quant, random_blocks
+from tests.support.triton_interp import (  # noqa: F401  (kernels_runnable: an autouse fixture)
+    CUDA,
+    DEVICE,
+    kernels_runnable,
+    rerun_test,
+)
+
+triton = pytest.importorskip("triton")
+
+test_in_a_fresh_interpreter_process = rerun_test(__file__)
+
+TYPES = [t.name for t in SPECS]
+
+
+def experts(ggml_type: str, e: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random GGUF bytes [E, N, row_bytes] on DEVICE."""
+    qt = get_quant(ggml_type)
+    blocks = random_blocks(ggml_type, e * n * k // qt.block_size, np.random.default_rng(seed))
+    return torch.from_numpy(blocks).reshape(e, n, -1).to(DEVICE)
+
+
+def routing(t: int, top: int, e: int, seed: int) -> torch.Tensor:
+    """topk_ids [T, top]: distinct experts a token, expert 0 favoured, the last never chosen."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(t, e - 1, generator=g)
+    scores[:, 0] += 0.5
+    return scores.topk(top, dim=-1).indices.to(DEVICE)
+
+
+def test_sort_by_expert_puts_each_slot_once_in_a_block_of_its_expert():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [5, 2]], device=DEVICE)
+    sorted_ids, expert_ids = tm.sort_by_expert(ids, 6, 4)
+    s, flat = ids.numel(), ids.flatten().tolist()
+    blocks = sorted_ids.view(-1, 4).tolist()
+    seen = []
+    for block, e in zip(blocks, expert_ids.tolist()):
+        real = [i for i in block if i < s]
+        if e < 0:
+            assert not real
+            continue
+        assert real and all(flat[i] == e for i in real)
+        assert real == sorted(real) and block[: len(real)] == real  # padding only at the end
+        seen += real
+    assert sorted(seen) == list(range(s))
+    assert expert_ids.tolist()[:4] == [0, 1, 2, 5]
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_grouped_matmul_equals_reference(ggml_type: str):
+    e, n = 5, 40  # 40 rows: a masked tile of 64
+    k = 512 if get_quant(ggml_type).block_size == 256 else 352  # 11 blocks of 32: a ragged step
+    raw = experts(ggml_type, e, n, k, seed=len(ggml_type))
+    qt = int(get_quant(ggml_type).ggml_type)
+    packed = tm.prepare_moe(raw, qt, (e, n, k))
+    for t, top in ((1, 2), (7, 3)):
+        ids = routing(t, top, e, seed=t)
+        g = torch.Generator().manual_seed(t)
+        for rows in (t, t * top):  # gate/up read a token's row, down a slot's
+            x = torch.randn(rows, k, generator=g).to(DEVICE)
+            want = moe_matmul_ref(x, raw, qt, (e, n, k), ids)
+            got = tm.moe_matmul_triton(x, packed, qt, (e, n, k), ids)
+            w = dequantize(raw.reshape(e * n, -1), qt, (e * n, k)).abs().view(e, n, k)
+            bound = (x.abs()[tm.slot_rows(x, ids)][:, None, :] * w[ids.flatten()]).sum(-1)
+            assert got.shape == want.shape == (t * top, n)
+            assert torch.allclose(got, want, atol=1e-6, rtol=0) or bool(
+                ((got - want).abs() <= 4e-6 * bound + 1e-6).all()
+            ), f"{ggml_type} T={t} k={top}: max error {(got - want).abs().max().item():.2e}"
+
+
+def test_every_registered_implementation_equals_the_reference():
+    e, n, k = 4, 24, 256
+    raw = experts("Q4_K", e, n, k, seed=7)
+    qt = int(get_quant("Q4_K").ggml_type)
+    ids = routing(3, 2, e, seed=3)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    want = moe_matmul_ref(x, raw, qt, (e, n, k), ids)
+    impls = implementations("moe_matmul")
+    assert {i.name for i in impls} >= {"torch", "triton"}
+    for impl in impls:
+        w = prepare_weight(impl, raw, qt, (e, n, k))
+        got = impl.fn(x, w, qt, (e, n, k), ids)
+        assert (got - want).abs().max().item() < 1e-4, impl.name
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (bf16 tensor cores)")
+@pytest.mark.gpu
+def test_bf16_on_the_device_and_dense_experts_fall_back():
+    e, n, k = 8, 96, 512
+    raw = experts("Q4_K", e, n, k, seed=1)
+    qt = int(get_quant("Q4_K").ggml_type)
+    ids = routing(33, 4, e, seed=5)
+    x = torch.randn(33, k, device=DEVICE, dtype=torch.bfloat16)
+    want = moe_matmul_ref(x.float(), raw, qt, (e, n, k), ids)
+    got = tm.moe_matmul_triton(x, tm.prepare_moe(raw, qt, (e, n, k)), qt, (e, n, k), ids)
+    assert ((got.float() - want).abs() / (want.abs() + 1)).max().item() < 3e-2
+    dense = dequantize(raw.reshape(e * n, -1), qt, (e * n, k)).view(e, n, k)
+    assert torch.equal(tm.moe_matmul_triton(x.float(), dense, qt, (e, n, k), ids), want)
+
+
+def test_gpt_oss_as_released_through_the_kernel(tmp_path):
+    """A whole forward of a tiny gpt-oss with MXFP4 experts (`hetero synth`), the experts
+    through the kernel (prepared at load, as on a GPU) against the reference path."""
+    from hetero.config import RuntimeConfig
+    from hetero.kernels.registry import forcing
+    from hetero.model.contiguous_kv import ContiguousKV
+    from hetero.model.forward_batch import ForwardBatch
+    from hetero.model.llama import load_model
+    from hetero.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "g.gguf", "tiny-gpt-oss", "mxfp4_moe", progress=False)
+    ids = torch.tensor([3, 901, 17, 2048, 77, 5])
+
+    def logits() -> torch.Tensor:
+        rt = RuntimeConfig(device=str(DEVICE), weights="quant", dtype="fp32", allow_reference=True)
+        _, model = load_model(path, rt)
+        kv = ContiguousKV(model.config, len(ids), torch.float32, str(DEVICE))
+        kv.begin(len(ids))
+        rows = torch.arange(len(ids))
+        return model(ids.to(DEVICE), ForwardBatch(rows.to(DEVICE), rows.to(DEVICE), kv))
+
+    want = logits()
+    with forcing({"moe_matmul": "triton"}):
+        got = logits()
+    assert (got - want).abs().max().item() < 1e-4
