@@ -24,6 +24,7 @@ from tests.support.server_fixture import HOST, start_daemon
 KEY = "office-key-123"
 NAME = "office"
 BEARER = {"Authorization": f"Bearer {KEY}"}
+RAM_GB = 0.05  # a RAM tier below the CPU's pool: the page shows both
 WAIT_MS = 60_000  # the model answers in seconds, on a busy machine in more
 
 
@@ -32,6 +33,7 @@ def daemon():
     d = start_daemon(
         "--api-key", KEY, "--served-model-name", NAME, "--log-format", "json",
         "--num-kv-blocks", "256", "--max-num-seqs", "16", "--threads", "1",
+        "--kv-ram-gb", str(RAM_GB),
     )  # fmt: skip
     yield d
     assert d.finish() == 0, d.log()
@@ -124,6 +126,16 @@ def test_the_page_draws_the_running_plan(page, daemon, smollm2_path):
     assert f"{n_layers} layers" in page.inner_text("#model-detail")
 
 
+def test_the_data_lists_kv_use_per_tier(daemon):
+    status = json.loads(daemon.request("GET", "/status", headers=BEARER)[2])
+    (stage,) = status["plan"]["stages"]
+    pool, ram = status["live"]["kv"]
+    assert pool["tier"] == "cpu" and pool["total"] == stage["num_kv_blocks"] == 256
+    block = stage["kv_bytes"] / stage["num_kv_blocks"]
+    assert ram["tier"] == "ram" and ram["total"] == int(RAM_GB * 2**30 // block)
+    assert 0 <= ram["used"] <= ram["total"] and 0 <= pool["used"] <= pool["total"]
+
+
 def stream(daemon, max_tokens: int, done: threading.Event) -> None:
     body = {"messages": [{"role": "user", "content": "Tell me about rivers."}],
             "max_tokens": max_tokens, "stream": True, "ignore_eos": True}  # fmt: skip
@@ -156,7 +168,7 @@ def test_counters_move_while_a_client_streams(page, daemon):
         busy = page.inner_text("#stages")
         assert "stage 0: cpu" in busy and "not measured" not in busy
         kv = page.inner_text("#kv")
-        assert "/ 256 blocks" in kv
+        assert "/ 256 blocks" in kv and "ram" in kv
     finally:
         client.join(300)
     page.wait_for_function("document.getElementById('running').textContent === '0'")
