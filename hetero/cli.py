@@ -306,7 +306,13 @@ def profile(refresh, shares, as_json):
 @moe_options
 @click.option("--refresh", is_flag=True, help="profile this machine again first")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan JSON here")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    help="write the plan here: JSON (for hetero-serve --plan), or its drawing when the name "
+    "ends in .svg",
+)
 def plan(model, devices, refresh, as_json, output, pipeline, **config):
     """Plan MODEL over devices without loading it: layers, KV and kernels per device, and the
     predicted speed. MODEL: a GGUF path, or synth:SHAPE[:QUANT] for a `hetero synth` model."""

@@ -12,6 +12,7 @@ import click
 from hetero.config import device_key
 from hetero.factory import LaunchConfig
 from hetero.models import resolve_model
+from hetero.planner.drawing import svg_of_plan
 from hetero.planner.model_desc import describe
 from hetero.planner.plan import Plan, PlanConfig, PlanError, plan
 from hetero.planner.report import format_plan, format_profiles
@@ -102,7 +103,9 @@ def run_plan(
     profiles = resolve_devices(names, ThisMachine(refresh, progress=not as_json))
     in_process = not pipeline and in_one_process(profiles)
     result = plan(desc, profiles, plan_config(**config_opts, in_process=in_process))
-    if output:
+    if output and Path(output).suffix.lower() == ".svg":
+        Path(output).write_text(svg_of_plan(result))  # the picture the status page draws
+    elif output:
         Path(output).write_text(result.to_json() + "\n")
     click.echo(result.to_json() if as_json else format_plan(result))
     return result

@@ -116,6 +116,9 @@ class EngineConfig:
     kv_ram_gb: float | None = None
     kv_disk_dir: str | None = None
     kv_disk_gb: float | None = None
+    # steps each finished request reports in its timeline (engine/timeline.py), for request
+    # traces (the server's --log-requests); 0: the phase sums only
+    trace_steps: int = 0
 
     @property
     def prompt_graph_rows(self) -> int:
@@ -132,6 +135,8 @@ class EngineConfig:
             )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.trace_steps < 0:
+            raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         for name in ("kv_ram_gb", "kv_disk_gb"):

@@ -35,6 +35,7 @@ from hetero.engine.spec import make_speculator
 from hetero.engine.spec.speculator import fit_rows
 from hetero.engine.stats import EngineGauges, EngineStats
 from hetero.engine.step_sampling import sample_logits
+from hetero.engine.timeline import Timelines
 from hetero.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Engine:
         self.spec = make_speculator(config, executor.info, self.params, draft)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
+        self.timelines = Timelines(config.trace_steps)
         self.restarts = 0
         self._start()
 
@@ -127,6 +129,7 @@ class Engine:
         )
         self.constraints.add(request_id, params)  # a grammar that does not compile refuses here
         req = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_ids)
+        req.timeline = self.timelines.new()
         self.scheduler.add(req)
         self.params[request_id] = params
 
@@ -229,14 +232,16 @@ class Engine:
         now = time.perf_counter()
         seconds = now - max(started, self._last_done)
         self._last_done = now
-        self.stats.record(out, seconds, res.graphed)
+        self.stats.record(out, seconds, res.graphed, res.stages)
+        self.timelines.observe(self.stats.steps, out, started, seconds, res.stages, sampled)
         if self.spec is not None:
             self.spec.observe(out, sampled, finished)
         if self.executor.kv_tiers is not None:
             self.executor.kv_tiers.step_done(out.num_batched_tokens, seconds)
         for req in finished:
-            results[req.request_id].finished = True
-            results[req.request_id].finish_reason = req.finish_reason
+            o = results[req.request_id]
+            o.finished, o.finish_reason = True, req.finish_reason
+            o.timeline = Timelines.finish(req)
             self._forget(req.request_id)
 
     def _take(self, res: ModelOutput, producing, results) -> dict[str, list[int]]:
@@ -316,6 +321,7 @@ class Engine:
             spec_accepted=0 if spec is None else spec.accepted,
             restarts=self.restarts,
             tiers=None if tiers is None else tiers.gauges(),
+            stage_busy_s=tuple(stats.stage_s),
         )
 
 

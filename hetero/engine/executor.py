@@ -38,6 +38,26 @@ class ExecutorFailure(RuntimeError):
 
 
 @dataclass(frozen=True)
+class StageLayout:
+    """Where one run of layers lives, as it was loaded: what a status page draws (the planner's
+    StagePlan has the same names for the same things, so one drawing serves both)."""
+
+    device: str
+    layer_start: int
+    layer_end: int  # exclusive
+    weights: str  # the resolved weights mode
+    kernels: dict[str, str]  # op -> the implementation the registry selected there
+    kv_dtype: str
+    num_kv_blocks: int
+    kv_bytes: int  # the KV pool on this device
+    weight_bytes: int  # tensors of the layers (and embedding or head) held on this device
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     """What the engine needs to know of an executor.
 
@@ -51,6 +71,7 @@ class ExecutorInfo:
         with prompt_graphs, steps with prompt rows replay too and the scheduler keeps a step
         beside running decodes within it.
     description: the KV pool (and the stages) in words, for the start line.
+    stages: where the layers are, in order (a status page's drawing of the running model).
     """
 
     num_blocks: int
@@ -62,6 +83,7 @@ class ExecutorInfo:
     graph_rows: int = 0
     prompt_graphs: bool = False
     description: str = ""
+    stages: tuple[StageLayout, ...] = ()
 
 
 @dataclass
@@ -106,6 +128,8 @@ class ModelOutput:
     logits: torch.Tensor | None = None  # [N, V] float32: ModelRunner.run's rows
     sampled: SampledRows | None = None
     graphed: bool = False  # the step replayed CUDA graphs
+    # each stage the step went through, in order: (where it ran, seconds; None: not measured)
+    stages: tuple[tuple[str, float | None], ...] = ()
 
 
 class Executor(Protocol):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.engine.request import Request
+from hetero.engine.timeline import RequestTimeline, Timelines
 from hetero.sampling import SamplingParams
 
 
@@ -27,6 +28,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    timeline: RequestTimeline | None = None  # on the last output: where the request's time went
 
 
 def sampled_lists(so) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
@@ -57,4 +59,5 @@ def final_output(req: Request, error: str | None = None) -> StepOutput:
         num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=req.num_cached_tokens,
         error=req.error if error is None else error,
+        timeline=Timelines.finish(req),
     )

@@ -64,6 +64,8 @@ class Request:
         "num_preemptions",
         "block_table",
         "arrival",
+        "admitted",
+        "timeline",
         "stop_now",
         "_seq",
     )
@@ -103,6 +105,8 @@ class Request:
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.arrival = time.monotonic() if arrival is None else arrival
+        self.admitted: float | None = None  # perf_counter when first given KV blocks
+        self.timeline: Any = None  # the engine's RequestTimeline of it (engine/timeline.py)
         self.stop_now = False  # set by the engine when its grammar has ended (structured outputs)
         self._seq = next(_ARRIVAL_SEQ)
 

@@ -323,6 +323,8 @@ class Scheduler:
                 break  # head of line waits: FIFO, no overtaking by smaller prompts
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.admitted is None:  # its timeline's end of queueing (engine/timeline.py)
+                req.admitted = time.perf_counter()
             self._insert_running(req)
             if not bm.is_loading(req):  # else it runs once its restored prefix is in place
                 self._put(req, req.num_computed_tokens, n)

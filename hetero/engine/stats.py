@@ -24,9 +24,16 @@ class EngineStats:
         self.decode = [0, 0, 0.0]  # plain decode steps: steps, rows, seconds
         self.verify = [0, 0, 0.0]  # decode steps with guesses: steps, rows, seconds
         self.graphed = 0  # steps run through the CUDA graphs' static buffers (cuda_graph.py)
+        self.stage_s: list[float] = []  # seconds each stage ran steps, where the executor says
 
-    def record(self, out, seconds: float, graphed: bool = False) -> None:
+    def record(self, out, seconds: float, graphed: bool = False, stages=()) -> None:
+        """`stages`: the executor's (where, seconds or None) per stage of this step."""
         self.steps += 1
+        for i, (_, s) in enumerate(stages):
+            if s is not None:
+                if i >= len(self.stage_s):
+                    self.stage_s += [0.0] * (i + 1 - len(self.stage_s))
+                self.stage_s[i] += s
         self.graphed += graphed
         self.tokens += out.num_batched_tokens
         self.busy_s += seconds
@@ -73,3 +80,4 @@ class EngineGauges:
     spec_accepted: int
     restarts: int = 0
     tiers: TierGauges | None = None
+    stage_busy_s: tuple[float, ...] = ()  # per stage of the executor: seconds running steps

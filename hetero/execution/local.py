@@ -13,6 +13,7 @@ decode steps stay on the CPU, which reads its weights where they are.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from hetero.config import bind_device
@@ -20,6 +21,7 @@ from hetero.embedding import Embedder
 from hetero.engine.config import EngineConfig
 from hetero.engine.executor import ExecutorFailure, ExecutorInfo, ModelOutput, Step
 from hetero.execution.cuda_graph import DecodeGraphs
+from hetero.execution.layout import segment_layout
 from hetero.execution.offload import StreamedMatmuls
 from hetero.execution.segment import Segment
 from hetero.kv_tiers.tiering import TieredKV, build_tiers
@@ -103,6 +105,7 @@ class LocalExecutor:
             graph_rows=min(g.buckets[-1] for g in graphs) if whole else 0,
             prompt_graphs=whole and all(g.buckets[-1] > g.max_batch for g in graphs),
             description=self.describe_kv(),
+            stages=tuple(segment_layout(s) for s in self.segments),
         )
 
     def describe_kv(self) -> str:
@@ -125,14 +128,22 @@ class LocalExecutor:
         bind_device(self.info.device)  # steps may run on another thread than the load
         hidden = None
         big = self.offload is not None and self.offload.wants(step.out.num_batched_tokens)
+        # each segment's time as the host sees it (on a GPU: until the next segment, or the
+        # sampler, waits for its output), and where it ran
+        stages, t = [], time.perf_counter()
         for s in self.segments:
+            where = str(s.device)
             if big and s.device.type == "cpu":
                 with self.offload.active():
                     hidden = s.run(step.out, hidden)
+                where = f"cpu, matmuls on {self.offload.device}"
             else:
                 hidden = s.run(step.out, hidden)
+            now = time.perf_counter()
+            stages.append((where, now - t))
+            t = now
         graphed = all(s.runner.replayed for s in self.segments)
-        self._out = ModelOutput(logits=hidden, graphed=graphed)
+        self._out = ModelOutput(logits=hidden, graphed=graphed, stages=tuple(stages))
 
     def collect(self) -> ModelOutput:
         out, self._out = self._out, None

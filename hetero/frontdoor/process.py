@@ -38,6 +38,7 @@ from hetero.frontdoor.wire import (
     dumps,
     pack_outputs,
 )
+from hetero.log_format import configure as configure_logging
 
 log = logging.getLogger("hetero.engine")
 IDLE_WAIT_S = 0.5  # how long an idle loop waits for a command before looking again
@@ -47,7 +48,7 @@ def engine_main(cmd: Connection, out: Connection, model_path, launch, level: int
     """Process entry point: load the engine, say ready (or why not), then serve commands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(level)  # in the server's --log-format (inherited through the environment)
     from hetero.launch import build_engine  # torch loads here, after the signals are set
 
     try:

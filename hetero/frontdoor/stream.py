@@ -89,4 +89,5 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
         b.num_prompt_tokens or a.num_prompt_tokens,
         b.num_cached_tokens or a.num_cached_tokens,
         b.error or a.error,
+        b.timeline or a.timeline,
     )

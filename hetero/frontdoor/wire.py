@@ -34,11 +34,17 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     kv_description: str  # the pool (and stages), for the ready line
+    stages: tuple = ()  # engine/executor.py's StageLayouts: where the layers are, as loaded
+    max_num_seqs: int = 0  # sequences the scheduler runs at once (llama.cpp's slots)
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         bm = engine.block_manager
-        return cls(engine.max_model_len, bm.num_blocks, bm.block_size, engine.describe_kv())
+        seqs = engine.config.scheduler.max_num_seqs
+        stages = engine.executor.info.stages
+        return cls(
+            engine.max_model_len, bm.num_blocks, bm.block_size, engine.describe_kv(), stages, seqs
+        )
 
     @property
     def pool_tokens(self) -> int:
@@ -132,6 +138,7 @@ def pack_outputs(outs: list) -> list[tuple]:
             o.num_prompt_tokens,
             o.num_cached_tokens,
             o.error,
+            o.timeline,
         )
         for o in outs
     ]

@@ -19,7 +19,14 @@ import weakref
 
 from hetero.config import PipelineConfig, RuntimeConfig
 from hetero.engine.config import EngineConfig
-from hetero.engine.executor import ExecutorFailure, ExecutorInfo, ModelOutput, SampledRows, Step
+from hetero.engine.executor import (
+    ExecutorFailure,
+    ExecutorInfo,
+    ModelOutput,
+    SampledRows,
+    StageLayout,
+    Step,
+)
 from hetero.pipeline.processes import Pipeline, StageFailure
 from hetero.pipeline.stages import StageSpec
 from hetero.pipeline.step import StepPlan
@@ -70,7 +77,11 @@ class PipelineExecutor:
             max_in_flight=self.pipeline_config.micro_batches or len(self.stages),
             samples=True,
             description=self.pipeline.describe(),
+            stages=tuple(
+                _layout(s, r, self.pipeline.num_blocks) for s, r in zip(self.stages, reports)
+            ),
         )
+        self._devices = [s.device for s in self.stages]
 
     def submit(self, step: Step) -> None:
         try:
@@ -89,7 +100,10 @@ class PipelineExecutor:
             raise self._failed(
                 f"pipeline answered micro-batch {res.micro_batch}, expected {expected}"
             )
-        return ModelOutput(sampled=SampledRows(res.token_ids, res.logprobs, res.top))
+        sampled = SampledRows(res.token_ids, res.logprobs, res.top)
+        # every step goes through every stage; each measured its own time (the host's on a GPU:
+        # its launches, and the last stage's wait for its tokens)
+        return ModelOutput(sampled=sampled, stages=tuple(zip(self._devices, res.stage_s)))
 
     def _failed(self, why: str) -> ExecutorFailure:
         self.failure = why
@@ -118,3 +132,18 @@ class PipelineExecutor:
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+
+
+def _layout(spec: StageSpec, report: dict, num_blocks: int) -> StageLayout:
+    """A stage as its process loaded it (its report: worker.Stage._report)."""
+    return StageLayout(
+        device=spec.device,
+        layer_start=spec.layer_start,
+        layer_end=spec.layer_end,
+        weights=report["weights"],
+        kernels=report["kernels"],
+        kv_dtype=report["kv_dtype"],
+        num_kv_blocks=num_blocks,
+        kv_bytes=report["kv_bytes"],
+        weight_bytes=report["weight_bytes"],
+    )

@@ -81,3 +81,4 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top: tuple[list, list] | None = None  # (top ids, top logprobs) per row
+    stage_s: list[float] = field(default_factory=list)  # each stage's time running the step

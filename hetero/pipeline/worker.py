@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from hetero.engine.config import EngineConfig
 from hetero.engine.output import sampled_lists
 from hetero.execution.cuda_graph import DecodeGraphs, capture_decode_graphs
 from hetero.execution.kv_pool import KVPool, cpu_pool_need, resolve_kv_dtype, size_pool
+from hetero.execution.layout import kernels_on, tensor_bytes
 from hetero.execution.runner import ModelRunner
 from hetero.gguf_loader import load_gguf
 from hetero.kernels import cpu_threads
@@ -106,11 +108,21 @@ class Stage:
         self.runner = ModelRunner(self.model, pool)
         self.runner.graphs = self._decode_graphs(pool)
         # what each stage resolved (its device's KV dtype and weights mode) and how it decodes
-        self.reports = self.links.gather_all(
-            {"kv_dtype": self.kv_dtype, "weights": rt.weights_mode(), "decode": self._decode_path()}
-        )
+        self.reports = self.links.gather_all(self._report(rt, pool))
         self.sampler = Sampler(args.engine.seed) if self.last else None
         status.phase("KV pool allocated; ready")
+
+    def _report(self, rt: RuntimeConfig, pool: KVPool) -> dict:
+        """What this stage resolved for its device and holds there (the engine's StageLayout)."""
+        weights = rt.weights_mode()
+        return {
+            "kv_dtype": self.kv_dtype,
+            "weights": weights,
+            "decode": self._decode_path(),
+            "kernels": kernels_on(self.args.spec.device, weights),
+            "weight_bytes": tensor_bytes(self.model),
+            "kv_bytes": tensor_bytes(pool),
+        }
 
     def _make_pool(self, config) -> KVPool:
         """The KV pool every stage agrees on: the smallest stage's block count."""
@@ -224,11 +236,12 @@ class Stage:
             clock.lap("waiting")
             out = self.run(plan, hidden)
             decode = all(len(q.tokens) == 1 for q in plan.seqs)
-            clock.lap("running decodes" if decode else "running prompt tokens")
-            if self.last:
+            ran = clock.lap("running decodes" if decode else "running prompt tokens")
+            if self.last:  # every stage's time, for the engine's per-stage busy share
+                out.stage_s = [*stage_times(payload, self.args.rank), ran]
                 self._pass_on(pickle.dumps(out), results)
             else:
-                self.links.send_next(payload, out)
+                self.links.send_next(payload + struct.pack("<d", ran), out)
             clock.lap("passing on")
         if thread is not None:
             thread.join()  # the stop message came back round: every result is delivered
@@ -268,13 +281,16 @@ class _Clock:
     def __init__(self):
         self.t, self.spent, self.laps, self.steps = time.perf_counter(), {}, {}, 0
 
-    def lap(self, what: str) -> None:
+    def lap(self, what: str) -> float:
+        """End the current lap as `what`; its seconds."""
         now = time.perf_counter()
+        took = now - self.t
         if self.steps or what != "waiting":  # not the idle time before the first step
-            self.spent[what] = self.spent.get(what, 0.0) + now - self.t
+            self.spent[what] = self.spent.get(what, 0.0) + took
             self.laps[what] = self.laps.get(what, 0) + 1
         self.t = now
         self.steps += what == "waiting"
+        return took
 
     def report(self) -> str:
         per = ", ".join(
@@ -282,6 +298,14 @@ class _Clock:
             for k, v in self.spent.items()
         )
         return f"{self.steps} steps, ms per step: {per}"
+
+
+def stage_times(payload: bytes, rank: int) -> list[float]:
+    """The run times the stages before `rank` appended to the step's payload, 8 bytes each
+    (pickle.loads ignores bytes past the pickled plan, so they travel with it unread)."""
+    if rank == 0:
+        return []
+    return list(struct.unpack(f"<{rank}d", payload[-8 * rank :]))
 
 
 def _memory(device: torch.device) -> str:

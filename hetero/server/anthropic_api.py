@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from hetero.chat_output import ChatFormat, ChatOutput
+from hetero.server.access_log import note_prompt_text
 from hetero.server.anthropic_protocol import (
     COUNT_FIELDS,
     MESSAGES_FIELDS,
@@ -59,6 +60,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     engine, ae = state.require_ready()
     chat = chat_input(body)
     prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat, state.plain_content)
+    note_prompt_text(prompt.text)  # for a request trace
     ignore_fields(request, ignored + chat.ignored)
     kw = sampling(body)
     if prompt.special_tokens:

@@ -8,13 +8,13 @@ once; the application itself is in `hetero.server.daemon`.
 from __future__ import annotations
 
 import asyncio
-import logging
-import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from hetero.cli_options import FloatRange, engine_options
+from hetero.log_format import configure as configure_logging
 from hetero.server.config_file import apply_config
 from hetero.server.safety_options import KEYS as SAFETY_KEYS
 from hetero.server.safety_options import safety_options
@@ -30,6 +30,9 @@ SERVER_KEYS = (
     "max_request_bytes",
     "shutdown_grace",
     "log_level",
+    "log_format",
+    "log_requests",
+    "log_requests_max_mb",
     "engine_process",
     "stream_interval_ms",
     "embedding_model",
@@ -104,6 +107,27 @@ class AutoOrMs(click.ParamType):
     show_default=True,
 )
 @click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="log lines as text, or one JSON object per line (with the request log's fields)",
+)
+@click.option(
+    "--log-requests",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="write a JSON line per generation request here: the rendered prompt, token ids in and "
+    "out with logprobs, sampling parameters, the engine's timing of each phase and step",
+)
+@click.option(
+    "--log-requests-max-mb",
+    type=FloatRange(0.001),
+    default=64.0,
+    show_default=True,
+    help="rotate the --log-requests file at this size (3 older files are kept)",
+)
+@click.option(
     "--engine-process/--no-engine-process",
     default=True,
     show_default=True,
@@ -136,11 +160,7 @@ def serve_cli(ctx: click.Context, config_path: str | None, **values) -> None:
     if config_path:
         values = apply_config(ctx, values, config_path)
     server = {k: values.pop(k) for k in SERVER_KEYS}
-    logging.basicConfig(
-        level=server.pop("log_level").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(server.pop("log_level"), server.pop("log_format"))
     try:
         if not server["host"].strip():
             raise ValueError("--host is empty: give an address (0.0.0.0: every interface)")
@@ -159,8 +179,11 @@ def _serve(model_path, server: dict, engine_options: dict) -> int:
     # torch and the engine load here, once the command line is known to be good.
     from hetero.factory import LaunchConfig
     from hetero.server.daemon import serve
+    from hetero.server.request_trace import STEP_RECORDS
     from hetero.server.state import ServerSettings
 
     launch = LaunchConfig.from_options(**engine_options)
+    if server["log_requests"] is not None:  # traces list the engine's steps of each request
+        launch = replace(launch, engine=replace(launch.engine, trace_steps=STEP_RECORDS))
     settings = ServerSettings(model_path, **server, launch=launch)
     return asyncio.run(serve(settings))

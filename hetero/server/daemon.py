@@ -19,9 +19,12 @@ import sys
 
 from aiohttp import web
 
-from hetero.server import anthropic_api, embeddings, infill, openai_api, tokenize
+from hetero.server import anthropic_api, embeddings, infill, openai_api, status_page, tokenize
+from hetero.server.access_log import ACCESS, AccessLog, access_middleware, echo_request_id
 from hetero.server.anthropic_protocol import error_body as anthropic_error
+from hetero.server.llama_props import props, slots
 from hetero.server.protocol import ApiError, error_body
+from hetero.server.request_trace import open_trace
 from hetero.server.state import STATE, ServerSettings, ServerState, add_ignored_header
 
 log = logging.getLogger("hetero.server")
@@ -65,7 +68,7 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
         else:
             response = web.json_response(e.body(), status=e.status)
         if e.status == 401:
-            response.headers["WWW-Authenticate"] = "Bearer"
+            response.headers["WWW-Authenticate"] = status_page.challenge(request.path)
         return response
     except web.HTTPRequestEntityTooLarge as e:
         status = e.status
@@ -90,7 +93,7 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     if key and request.path not in PUBLIC:
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else None
-        given = given or request.headers.get("X-Api-Key")
+        given = given or status_page.basic_key(request) or request.headers.get("X-Api-Key")
         if not given:
             raise ApiError(
                 401,
@@ -116,13 +119,18 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware, auth_middleware],
+        middlewares=[access_middleware, errors_middleware, auth_middleware],
         client_max_size=state.settings.max_request_bytes,
     )
     app[STATE] = state
-    app.on_response_prepare.append(add_ignored_header)
+    app[ACCESS] = AccessLog(open_trace(state))  # the request log, and its traces
+    app.on_response_prepare.extend([add_ignored_header, echo_request_id])
+    app.on_cleanup.append(lambda app: app[ACCESS].close())
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/props", props)  # llama.cpp's tooling endpoints
+    app.router.add_get("/slots", slots)
+    status_page.add_routes(app, state)  # /, /status, /plan.svg, /static/*
     for prefix in ("/v1", ""):  # clients configured with a base URL without /v1 work too
         app.router.add_get(f"{prefix}/models", openai_api.models)
         app.router.add_get(f"{prefix}/models/{{model:.+}}", openai_api.model)  # names hold "/"

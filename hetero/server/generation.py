@@ -13,11 +13,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetero.engine.output import TokenLogprob
 from hetero.frontdoor.thread import AsyncEngine, Pace
 from hetero.sampling import SamplingParams
+from hetero.server.access_log import attach_job
 from hetero.server.metrics import Metrics, SequenceClock
 from hetero.text_stream import TextStream
 
@@ -34,7 +35,17 @@ class Event:
 
 
 class Choice:
-    __slots__ = ("index", "prompt", "stream", "clock", "started", "cached_tokens", "error")
+    __slots__ = (
+        "index",
+        "prompt",
+        "stream",
+        "clock",
+        "started",
+        "cached_tokens",
+        "error",
+        "timeline",
+        "logprobs",
+    )
 
     def __init__(self, index: int, prompt: int, stream: TextStream, clock: SequenceClock):
         self.index = index
@@ -44,6 +55,8 @@ class Choice:
         self.started = False  # the engine admitted it (its first step came)
         self.cached_tokens = 0
         self.error: str | None = None
+        self.timeline = None  # the engine's RequestTimeline, with the last output
+        self.logprobs: list[float] | None = None  # every output token's, for a request trace
 
     @property
     def finished(self) -> bool:
@@ -96,6 +109,9 @@ class Job:
             for p in range(len(self.prompts))
             for i in range(params.n)
         ]
+        # the request's log record; a traced one keeps every token's logprob
+        self.record = attach_job(self)
+        self.traced = self.record is not None and self.record.traced
 
     async def events(self) -> AsyncIterator[Event]:
         """Every choice's events until all are finished (ValueError: the engine refused one)."""
@@ -117,8 +133,16 @@ class Job:
         sid = f"{self.id}/{choice.index}"
         prompt = self.prompts[choice.prompt]
         stream = choice.stream
-        async with aclosing(self.ae.generate(sid, prompt, stream.params, self.pace)) as steps:
+        params = stream.params
+        if self.traced:  # the engine computes the chosen tokens' logprobs; the client's answer
+            choice.logprobs = []  # shows them only if it asked (stream.params)
+            params = replace(params, logprobs=params.logprobs or 0)
+        async with aclosing(self.ae.generate(sid, prompt, params, self.pace)) as steps:
             async for step in steps:
+                if choice.logprobs is not None and step.logprobs:
+                    choice.logprobs += [lp.logprob for lp in step.logprobs]
+                if step.timeline is not None:
+                    choice.timeline = step.timeline
                 if choice.clock.last is None and step.num_prompt_tokens:
                     choice.started = True
                     choice.cached_tokens = step.num_cached_tokens

@@ -59,6 +59,7 @@ class Metrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.in_flight = 0  # generation requests being served
         self.engine_restarts = 0  # engines started again after one died
+        self.streamed_tokens = 0  # tokens handed to streams as they came (the live tok/s)
 
     def sequence_started(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prefix_queries += prompt_tokens
@@ -237,12 +238,13 @@ class _Writer:
 class SequenceClock:
     """Times one sequence for the histograms: first token from arrival, then each gap."""
 
-    __slots__ = ("metrics", "arrival", "last")
+    __slots__ = ("metrics", "arrival", "last", "first")
 
     def __init__(self, metrics: Metrics, arrival: float) -> None:
         self.metrics = metrics
         self.arrival = arrival
         self.last: float | None = None
+        self.first: float | None = None  # when the first token came (perf_counter)
 
     def tokens(self, n: int) -> None:
         """n tokens arrived now (one per decode step, or several steps' at once when the caller
@@ -250,7 +252,9 @@ class SequenceClock:
         if n <= 0:
             return
         now = time.perf_counter()
+        self.metrics.streamed_tokens += n
         if self.last is None:
+            self.first = now
             self.metrics.ttft.observe(now - self.arrival)
             gaps, gap = n - 1, 0.0  # tokens that came with the first reached the client with it
         else:

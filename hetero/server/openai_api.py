@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from hetero.server import logprobs as lp
+from hetero.server.access_log import note_prompt_text
 from hetero.server.chat_request import chat_prompt, openai_input
 from hetero.server.chat_response import chat_body, finished_or_503, stream_chat
 from hetero.server.generation import Job
@@ -164,6 +165,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = openai_input(body)
     # the template's rendering checks the messages, before JSON mode reads their content
     prompt = await state.off_loop(chat_prompt, ae.tokenizer, chat, state.plain_content)
+    note_prompt_text(prompt.text)  # for a request trace
     ignore_fields(request, ignored + chat.ignored)
     if prompt.special_tokens and body.get("skip_special_tokens") is None:
         kw["skip_special_tokens"] = False  # the format's markers are control tokens

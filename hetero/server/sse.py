@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from hetero.frontdoor.thread import EngineDeadError
+from hetero.server.access_log import note_error
 from hetero.server.generation import Event
 from hetero.server.protocol import ApiError, bad, error_body
 
@@ -43,11 +44,14 @@ class EventStream:
 
     async def send_named(self, event: str, obj: Any) -> None:
         """An event with a name line (Anthropic's streams name every event)."""
+        if event == "error":
+            note_error(obj["error"]["message"])
         await self.response.write(f"event: {event}\ndata: {dumps(obj)}\n\n".encode())
 
     async def send_error(self, message: str, status: int = 503) -> None:
         """An error event (the OpenAI clients raise it as an APIError with this message)."""
         kind = "server_error" if status >= 500 else "invalid_request_error"
+        note_error(message)
         await self.send(error_body(message, kind, None, status))
 
     async def done(self, marker: bool = True) -> web.StreamResponse:

@@ -29,6 +29,7 @@ from hetero.frontdoor.supervisor import EngineSupervisor, RestartPolicy
 from hetero.frontdoor.thread import AsyncEngine
 from hetero.frontdoor.wire import EngineInfo
 from hetero.launch import build_engine
+from hetero.server.access_log import note_model
 from hetero.server.metrics import Metrics
 from hetero.server.protocol import ApiError, check_model, parse_json
 from hetero.tokenizer import Tokenizer
@@ -67,6 +68,9 @@ class ServerSettings:
     engine_restart_window: float = 600.0
     # Control-token texts inside chat messages read as control tokens (by default plain text).
     parse_special_in_messages: bool = False
+    # request traces (request_trace.py): the JSON-lines file, rotated at this size
+    log_requests: Path | None = None
+    log_requests_max_mb: float = 64.0
 
     @property
     def served_name(self) -> str:
@@ -256,7 +260,9 @@ class ServerState:
 
     def model_for(self, body: dict[str, Any]) -> str:
         """The name to answer `body` with (protocol.check_model: a 404 only under strict names)."""
-        return check_model(body, self.model_names, self.settings.strict_model_name)
+        name = check_model(body, self.model_names, self.settings.strict_model_name)
+        note_model(name)  # for the request's log line
+        return name
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)

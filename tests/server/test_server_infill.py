@@ -211,3 +211,11 @@ def test_n_indent_holds_on_the_endpoint(daemon):
     lines = out["content"].split("\n")
     for line in lines[1:-1]:
         assert line.startswith("    "), json.dumps(out["content"])
+
+
+def test_props_name_the_fim_tokens(daemon):
+    """llama.cpp's /props: a plugin learns that /infill works here, and with which tokens."""
+    status, _, raw = daemon.request("GET", "/props")
+    assert status == 200
+    want = {"supported": True, "prefix": RENAMED[11], "middle": RENAMED[12], "suffix": RENAMED[13]}
+    assert json.loads(raw)["fim"] == want
