@@ -41,9 +41,9 @@ def daemon():
 
 @pytest.fixture(scope="module")
 def browser():
+    path = chromium()  # skips, saying what is missing, where there is no browser or Playwright
     from playwright.sync_api import sync_playwright
 
-    path = chromium()
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=path, args=["--no-sandbox"])
         yield b
