@@ -98,8 +98,10 @@ if has peer; then
   stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
     -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,16,64
   for f in peer_gpu_q4 peer_gpu_q6 peer_split peer_cpu; do
-    "$PY" -c "import json,sys; [print('$f', r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1))
-      for r in json.load(open('$OUT/$f.log'))]" 2>/dev/null || tail -3 "$OUT/$f.log"
+    # the JSON array among llama-bench's log lines (stderr shares the file)
+    "$PY" -c "import json; t = open('$OUT/$f.log').read(); t = t[t.index('['):t.rindex(']') + 1]
+[print('$f', r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1), '+-', round(r['stddev_ts'], 1))
+ for r in json.loads(t)]" 2>/dev/null || tail -3 "$OUT/$f.log"
   done
   grep -E "^\|" "$OUT/peer_batched.log" | tail -5
 fi
