@@ -9,7 +9,7 @@ import torch
 from hetero.model.contiguous_kv import ContiguousKV
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.llama import LlamaModel
-from hetero.sampling import sample_next
+from hetero.sampler import sample_next
 
 
 def generate_ids(

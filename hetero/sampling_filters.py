@@ -16,7 +16,7 @@ import torch
 from hetero.penalties import apply_penalties
 
 if TYPE_CHECKING:
-    from hetero.sampling import SamplingState
+    from hetero.sampler import SamplingState
 
 
 def penalized(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:

@@ -10,12 +10,8 @@ import torch
 
 from hetero.penalties import apply_penalties
 from hetero.rng import GOLDEN, stream_key, uniform, uniform_reference
-from hetero.sampling import (
-    Sampler,
-    SamplingParams,
-    make_batch,
-    sample_next,
-)
+from hetero.sampler import Sampler, make_batch, sample_next
+from hetero.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

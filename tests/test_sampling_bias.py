@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from hetero.sampling import Sampler, SamplingParams, make_batch
+from hetero.sampler import Sampler, make_batch
+from hetero.sampling import SamplingParams
 from hetero.sampling_filters import probabilities, unpack_allowed, unpack_on_device
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,11 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hetero.sampling import (
-    Sampler,
-    SamplingParams,
-    make_batch,
-)
+from hetero.sampler import Sampler, make_batch
+from hetero.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

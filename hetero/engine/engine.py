@@ -36,7 +36,7 @@ from hetero.engine.spec.speculator import fit_rows
 from hetero.engine.stats import EngineGauges, EngineStats
 from hetero.engine.step_sampling import sample_logits
 from hetero.engine.timeline import Timelines
-from hetero.sampling import Sampler
+from hetero.sampler import Sampler
 
 if TYPE_CHECKING:
     from hetero.config import ModelConfig

@@ -13,7 +13,7 @@ import torch
 from hetero.engine.output import StepOutput, TokenLogprob, sampled_lists
 from hetero.engine.scheduler import ScheduledRequest
 from hetero.engine.spec.verify import accept_rows, expand_rows
-from hetero.sampling import Sampler, make_batch
+from hetero.sampler import Sampler, make_batch
 
 
 def sample_logits(

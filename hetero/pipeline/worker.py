@@ -38,7 +38,7 @@ from hetero.pipeline.links import Links
 from hetero.pipeline.stages import StageSpec
 from hetero.pipeline.startup import StageStatus
 from hetero.pipeline.step import StepPlan, StepResult
-from hetero.sampling import Sampler, make_batch
+from hetero.sampler import Sampler, make_batch
 
 STOP = pickle.dumps(None)
 

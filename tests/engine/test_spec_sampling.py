@@ -12,7 +12,8 @@ import torch
 
 from hetero.engine.spec.verify import accept_draft, accept_sampled, draft_rule, expand_rows
 from hetero.rng import random_keys
-from hetero.sampling import Sampler, SamplingParams, make_batch
+from hetero.sampler import Sampler, make_batch
+from hetero.sampling import SamplingParams
 from hetero.sampling_filters import probabilities
 
 V, CHI2_CRIT_DF4 = 5, 18.47

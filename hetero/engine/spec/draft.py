@@ -26,7 +26,7 @@ from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.engine.spec.speculator import Speculator
 from hetero.engine.spec.verify import accept_draft, accept_sampled, draft_rule
 from hetero.rng import gumbel, random_keys
-from hetero.sampling import make_batch
+from hetero.sampler import make_batch
 from hetero.sampling_filters import probabilities
 
 
