@@ -21,6 +21,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from hetero.kernels.triton_qdecode import _shift_to
 from hetero.kernels.triton_streamk_kernels import (
+    NO_SPECIALIZE_SK,
     _dp4a,
     _emit,
     _halves,
@@ -261,7 +262,7 @@ def _rows_int_step(
 
 
 # As NO_SPECIALIZE_SK, but grp_stride specialized: divisible by 16, the scale vectors load whole
-NO_SPECIALIZE_ROWS = ["N", "n_chunks", "KS", "U", "P", "MAXC", "sb_stride", "zero"]
+NO_SPECIALIZE_ROWS = [n for n in NO_SPECIALIZE_SK if n != "grp_stride"]
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE_ROWS)
