@@ -18,6 +18,7 @@ import torch
 
 from hetero.kernels import select
 from hetero.kernels.cpu_linear import available_schemes, pack_linear, packed_linear
+from hetero.kernels.cpu_qdot import cpu_scheme
 from hetero.kernels.registry import prepare_weight
 from hetero.planner.device import MatmulRate
 from hetero.quant import get_quant, random_blocks
@@ -115,6 +116,10 @@ def linear_rate(
 
 
 CPU_CURVE_T = (4, 16)  # few points: the CPU profile stays quick
+# The GGUF types the CPU profile times qdot on besides Q4_1 ("qdot"): a Q4_K_M file's (Q4_K, Q6_K),
+# Q8_0, and the codebook types (kernels/cpu_qcodebook.c), whose table lookups unpack at their own
+# rates (IQ4_XS files; gpt-oss's MXFP4 experts)
+QDOT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 # Every graph bucket a batched decode runs at on CUDA, the qmm/dense crossover, a prefill chunk.
 GPU_CURVE_T = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPU_PREFILL_T = 2048
@@ -144,8 +149,8 @@ def cpu_stream_bytes(least: int) -> int:
 def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
     """qdot (where it builds), fp16 (fbgemm repack) and dense fp32: the modes a CPU stage runs.
     qdot reads each GGUF type's own blocks, whose unpacking costs differ: it is timed on Q4_1
-    (the default model's) as "qdot", and as "qdot:<type>" on Q8_0, Q4_K and Q6_K (a Q4_K_M
-    file's); the cost model asks for a tensor's own type first (model_desc.rate_key,
+    (the default model's) as "qdot", and as "qdot:<type>" on each of QDOT_TYPES the kernel
+    table has; the cost model asks for a tensor's own type first (model_desc.rate_key,
     DeviceProfile.matmul_rate). Weights rotate through copies larger than the last-level
     cache."""
     from gguf import GGMLQuantizationType
@@ -162,7 +167,11 @@ def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) ->
     rates = {}
     modes = (
         ("qdot", "qdot", "cpu-qdot", blocks("Q4_1")),
-        *((f"qdot:{t}", "qdot", "cpu-qdot", blocks(t)) for t in ("Q8_0", "Q4_K", "Q6_K")),
+        *(
+            (f"qdot:{t}", "qdot", "cpu-qdot", blocks(t))
+            for t in QDOT_TYPES
+            if cpu_scheme(t) == "qdot"
+        ),
         ("fp16", "fp16", "fbgemm-fp16", (w, f32)),
         ("dense", "fp32", "torch", (w, f32)),
     )

@@ -14,7 +14,7 @@ from hetero.planner.plan import Plan, PlanConfig, PlanError, plan
 from hetero.planner.shares import derive_share, parse_share
 from hetero.planner.specs import available, load_spec
 from hetero.profiler.machine import ThisMachine
-from hetero.profiler.measure import CPU_CURVE_T
+from hetero.profiler.measure import CPU_CURVE_T, QDOT_TYPES
 
 SPECS = ("rtx5090", "rtx4090", "rtx4080", "rtx3090", "rtx3060", "a4000", "h200", "desktop-ddr5")
 
@@ -181,8 +181,9 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     assert cpu.eager_step_overhead_s + 2 * cpu.eager_layer_overhead_s > 0
     assert [t for t, _ in cpu.matmul["fp16"].curve] == list(CPU_CURVE_T)
     assert cpu.kernels["qlinear"] == "torch"
-    if "qdot" in cpu.matmul:  # each type on its own blocks: Q4_1, Q8_0, Q4_K, Q6_K timed
-        for t in ("Q8_0", "Q4_K", "Q6_K"):
+    if "qdot" in cpu.matmul:  # each type on its own blocks: Q4_1, QDOT_TYPES (codebooks too)
+        assert {"IQ4_NL", "IQ4_XS", "MXFP4"} <= set(QDOT_TYPES)
+        for t in QDOT_TYPES:
             rate = cpu.matmul[f"qdot:{t}"]
             assert rate.decode_gbs > 0 and rate.prefill_tflops > 0
             assert cpu.matmul_rate(*rate_key("qdot", t)) is rate
