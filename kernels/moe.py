@@ -23,6 +23,34 @@ import torch
 
 from hetero.kernels.registry import register
 
+GATINGS = ("softmax", "softmax_topk")
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp: LLM_FFN_SWIGLU_OAI_MOE)
+NORM_EPS = 6.103515625e-5  # llama.cpp clamps the sum of the k weights away from 0 (f16's min)
+
+
+def choose_experts(
+    logits: torch.Tensor, gating: str, k: int, norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice from its logits [T, E] float32: ids [T, k], weights [T, k].
+
+    "softmax" (qwen3moe): p = softmax(logits); w, ids = topk(p, k); w /= sum(w) where norm
+    "softmax_topk" (gpt-oss): l, ids = topk(logits, k); w = softmax(l)"""
+    if gating == "softmax":
+        w, ids = logits.softmax(-1).topk(k, dim=-1)
+        if norm:
+            w = w / w.sum(-1, keepdim=True).clamp_min(NORM_EPS)
+        return ids, w
+    if gating != "softmax_topk":
+        raise ValueError(f"gating {gating!r} is not one of {', '.join(GATINGS)}")
+    top, ids = logits.topk(k, dim=-1)
+    return ids, top.softmax(-1)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's activation: g sigmoid(1.702 g) (clamp(up, -7, 7) + 1), g = min(gate, 7)."""
+    g = gate.clamp(max=OAI_LIMIT)
+    return g * torch.sigmoid(OAI_ALPHA * g) * (up.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)
+
 
 def expert_matrix(
     qweight: torch.Tensor, e: int, ggml_type: int, shape: tuple[int, int, int], dtype

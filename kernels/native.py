@@ -32,7 +32,7 @@ from pathlib import Path
 
 _NAMES = (
     "cpu_qdot.c", "cpu_qunpack.c", "cpu_qcodebook.c", "cpu_pool.c", "cpu_features.c",
-    "cpu_small_ops.c", "cpu_attention.c", "cpu_qdot_moe.c",
+    "cpu_small_ops.c", "cpu_attention.c", "cpu_qdot_moe.c", "cpu_moe_layer.c",
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _NAMES)
 HEADERS = tuple(  # included by the sources: in the cache key
@@ -67,6 +67,7 @@ SIGNATURES = {  # C function -> (argument types, result type)
         [_INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _I64, _PTR, _INT],
         _INT,
     ),
+    "moe_layer_forward": ([_PTR, _PTR, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT], _INT),
     "native_rms_norm": ([_PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "native_silu_mul": ([_PTR, _PTR, _PTR, _I64, _I64, _I64], None),

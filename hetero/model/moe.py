@@ -26,9 +26,10 @@ h elsewhere it moves h, ids and w there and the sum back. That is the seam for e
 system RAM and multiplied on the CPU while attention and the router run on a GPU
 (--cpu-moe / --n-cpu-moe: experts_runtime). On a CPU in "qdot" mode (what "auto" means there)
 the experts run on the native grouped kernels (model/moe_qdot.py: slots sorted by expert, only
-the chosen experts' blocks read); types the kernel table lacks keep the reference matmul. A
-step that moves activations to the CPU cannot be captured in a CUDA graph: such an engine logs
-that capture failed and runs its steps eagerly.
+the chosen experts' blocks read), the whole layer in one native call where the router is on that
+CPU too; types the kernel table lacks keep the reference matmul. A step that moves activations
+to the CPU cannot be captured in a CUDA graph: such an engine logs that capture failed and runs
+its steps eagerly.
 """
 
 from __future__ import annotations
@@ -40,13 +41,12 @@ from torch import nn
 from hetero.config import ModelConfig, RuntimeConfig
 from hetero.gguf_loader import GGUFModel, GGUFTensor
 from hetero.kernels import select
+from hetero.kernels.moe import GATINGS, choose_experts, swiglu_oai
 from hetero.kernels.registry import prepare_weight
 from hetero.model.moe_qdot import QdotExperts, runs_on_qdot
 from hetero.quant import dequantize
 
-GATINGS = ("softmax", "softmax_topk")
 ACTIVATIONS = ("silu", "swiglu_oai")
-OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp: LLM_FFN_SWIGLU_OAI_MOE)
 
 
 def _dense(t: GGUFTensor, device: str, dtype: torch.dtype) -> torch.Tensor:
@@ -72,14 +72,7 @@ class Router(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(h.float(), self.weight, self.bias)  # [T, E]
-        if self.gating == "softmax":
-            w, ids = logits.softmax(-1).topk(self.k, dim=-1)
-            if self.norm:  # llama.cpp clamps the sum away from 0 (f16's smallest normal)
-                w = w / w.sum(-1, keepdim=True).clamp_min(6.103515625e-5)
-        else:
-            top, ids = logits.topk(self.k, dim=-1)
-            w = top.softmax(-1)
-        return ids, w
+        return choose_experts(logits, self.gating, self.k, self.norm)
 
 
 class ExpertWeight(nn.Module):
@@ -124,7 +117,7 @@ class Experts(nn.Module):
         self.qdot = None  # the CPU's grouped kernels (model/moe_qdot.py), where they apply
         if runs_on_qdot(rt, weights):
             fp32 = [None if b is None else _dense(b, "cpu", torch.float32) for b in biases]
-            self.qdot = QdotExperts(weights, fp32)
+            self.qdot = QdotExperts(weights, fp32, activation)
         else:
             self.gate, self.up, self.down = (
                 ExpertWeight(t, b, rt) for t, b in zip(weights, biases, strict=True)
@@ -134,15 +127,14 @@ class Experts(nn.Module):
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [S, F] -> [S, F]
         if self.activation == "silu":
             return self._silu_mul(gate, up)
-        g = gate.clamp(max=OAI_LIMIT)
-        return g * torch.sigmoid(OAI_ALPHA * g) * (up.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)
+        return swiglu_oai(gate, up)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         home, dtype = h.device, h.dtype
         if home != self.device:  # experts held elsewhere (RAM): compute there, return the sum
             h, ids, w = h.to(self.device, self.dtype), ids.to(self.device), w.to(self.device)
         if self.qdot is not None:
-            return self.qdot(h, ids, w, self._act).to(home, dtype)
+            return self.qdot(h, ids, w).to(home, dtype)
         t, k = ids.shape
         a = self._act(self.gate(h, ids), self.up(h, ids))  # [S, F]
         o = self.down(a, ids).view(t, k, -1)  # [T, k, C]
@@ -193,11 +185,16 @@ class SparseMoE(nn.Module):
     ):
         """experts_rt: where and how the experts run, when not with the rest (rt)."""
         super().__init__()
-        self.router = Router(gm, i, rt, gating)
+        self.router = r = Router(gm, i, rt, gating)
         self.experts = Experts(
             gm, i, experts_rt or experts_runtime(gm.config, rt, i) or rt, activation
         )
+        self._routed = None  # router and experts on this CPU: the layer in one native call
+        if self.experts.qdot is not None and r.weight.device.type == "cpu":
+            self._routed = self.experts.qdot.take_router(r.weight, r.bias, r.gating, r.k, r.norm)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self._routed is not None:
+            return self._routed(h).to(h.dtype)
         ids, w = self.router(h)
         return self.experts(h, ids, w)

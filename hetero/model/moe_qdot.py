@@ -1,8 +1,9 @@
-"""A layer's experts on the CPU's qdot kernels (kernels/cpu_qdot_moe.py): the expert layer of
-model/moe.py when its experts run on a CPU in "qdot" weights mode (what "auto" means there).
+"""A layer's experts on the CPU's qdot kernels: the expert layer of model/moe.py when its experts
+run on a CPU in "qdot" weights mode (what "auto" means there), one native call a layer
+(kernels/cpu_moe_layer.py):
 
-    h [T, C], ids [T, k], w [T, k]
-    slots sorted by expert (route)                                   S = T * k
+    h [T, C], ids [T, k], w [T, k]  (or the router's, where it runs on this CPU too)
+    slots sorted by expert                                           S = T * k
     gate, up = grouped(h, Wg, Wu)   one quantization of h, one job   [S, F] each, sorted order
     a = act(gate (+ bg), up (+ bu))                                  [S, F]
     o = grouped(a, Wd) (+ bd)                                        [S, C], sorted order
@@ -10,11 +11,12 @@ model/moe.py when its experts run on a CPU in "qdot" weights mode (what "auto" m
 
 Each expert tensor is packed once at load (its GGUF bytes moved, none changed, as the dense
 qdot linears'); a call reads only the chosen experts' byte ranges. Layers whose expert types the
-kernel table lacks (MXFP4 before its CPU kernel; float experts) keep the registry's moe_matmul.
+kernel table lacks (float experts) keep the registry's moe_matmul.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -22,13 +24,8 @@ from torch import nn
 
 from hetero.config import RuntimeConfig
 from hetero.gguf_loader import GGUFTensor
-from hetero.kernels.cpu_qdot_moe import (
-    PackedExperts,
-    grouped_matmul,
-    pack_experts,
-    route,
-    runs_natively,
-)
+from hetero.kernels.cpu_moe_layer import MoeLayer, RouterWeights, moe_layer
+from hetero.kernels.cpu_qdot_moe import pack_experts, runs_natively
 
 
 def runs_on_qdot(rt: RuntimeConfig, tensors: list[GGUFTensor]) -> bool:
@@ -42,32 +39,24 @@ def runs_on_qdot(rt: RuntimeConfig, tensors: list[GGUFTensor]) -> bool:
 class QdotExperts(nn.Module):
     """Gate, up and down expert tensors packed for qdot (+ float32 biases [E, N])."""
 
-    def __init__(self, weights: list[GGUFTensor], biases: list[torch.Tensor | None]):
+    def __init__(
+        self, weights: list[GGUFTensor], biases: list[torch.Tensor | None], activation: str
+    ):
         super().__init__()
-        self.gate, self.up, self.down = (
-            pack_experts(t.torch(), t.ggml_type, tuple(t.shape)) for t in weights
-        )
-        self.biases = [None if b is None else b.float() for b in biases]
-        self.n_experts = self.gate.n_experts
+        gate, up, down = (pack_experts(t.torch(), t.ggml_type, tuple(t.shape)) for t in weights)
+        fp32 = tuple(None if b is None else b.float().contiguous() for b in biases)
+        self.layer = MoeLayer(gate, up, down, fp32, activation)  # type: ignore[arg-type]
+        self.n_experts = gate.n_experts
 
-    def _matmuls(self, x: torch.Tensor, ws: list[PackedExperts], r, gather: bool):
-        if len({w.ggml_type for w in ws}) == 1:  # one quantization of x, one pool job
-            return grouped_matmul(x, ws, r, gather)
-        return [grouped_matmul(x, [w], r, gather)[0] for w in ws]
+    def take_router(
+        self, weight: torch.Tensor, bias, gating: str, k: int, norm: bool
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The layer with its router (float32 weight [E, C] + bias [E], on this CPU) in the
+        same native call: h [T, C] -> [T, C] float32."""
+        router = RouterWeights(weight.detach().contiguous(), bias, gating, k, norm)
+        routed = dataclasses.replace(self.layer, router=router)
+        return lambda h: moe_layer(routed, h.float())[0]
 
-    def _bias(self, y: torch.Tensor, i: int, expert_of: torch.Tensor) -> torch.Tensor:
-        b = self.biases[i]
-        return y if b is None else y + b[expert_of]
-
-    def forward(
-        self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: Callable
-    ) -> torch.Tensor:
-        """h [T, C], ids [T, k], w [T, k] -> [T, C] float32; act(gate, up) [S, F] -> [S, F]."""
-        t, k = ids.shape
-        r = route(ids, self.n_experts)
-        gate, up = self._matmuls(h.float(), [self.gate, self.up], r, gather=True)
-        a = act(self._bias(gate, 0, r.expert_of), self._bias(up, 1, r.expert_of))
-        (down,) = grouped_matmul(a.contiguous(), [self.down], r, gather=False)
-        o = torch.empty_like(down)
-        o[r.order] = self._bias(down, 2, r.expert_of)  # back to slot order (t, j)
-        return (o.view(t, k, -1) * w.float()[..., None]).sum(1)
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """h [T, C], ids [T, k], w [T, k] -> [T, C] float32."""
+        return moe_layer(self.layer, h.float(), ids, w)[0]

@@ -99,6 +99,20 @@ def test_expert_layer_is_the_exact_layer_on_rounded_activations(files, arch, qty
                 assert rel(got, want) < 1e-5, f"{arch} {qtype.name} T={t}"
 
 
+@pytest.mark.parametrize(("arch", "qtype"), FILES[:2])
+def test_router_and_experts_on_the_cpu_run_as_one_call(files, arch, qtype):
+    """Router and experts on this CPU: the block's feed-forward routes inside the native call,
+    as the router module routes (float32 dot products in another order: within 1e-5)."""
+    gm, model = load_model(files[arch, qtype][1], RuntimeConfig(device="cpu", weights="auto"))
+    for block in model.blocks:
+        ffn = block.ffn
+        assert ffn._routed is not None
+        for t in (1, 13):
+            h = torch.randn(t, model.config.d_model, generator=torch.Generator().manual_seed(t))
+            want = ffn.experts(h, *ffn.router(h))
+            assert rel(ffn(h), want) < 1e-5, f"{arch} T={t}"
+
+
 def test_cpu_moe_experts_match_transformers(files):
     """Every logits row the engine produced (prompts, decode steps) within ROW_REL of
     transformers' at that position, and every greedy token transformers' top token or one

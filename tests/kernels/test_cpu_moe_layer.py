@@ -1,0 +1,103 @@
+"""The MoE layer in one native call (kernels/cpu_moe_layer.py) against its torch reference around
+the same grouped matmuls (moe_layer_ref): bit for bit given the experts' choice, and within the
+router's float32 rounding when the call routes too; decode steps and prompts (whose routing,
+activation and sum run as pool jobs), both gatings, both activations, biases, mixed types."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.kernels import cpu_qdot
+from hetero.kernels.cpu_moe_layer import MoeLayer, RouterWeights, moe_layer, moe_layer_ref
+from hetero.kernels.cpu_qdot_moe import pack_experts
+from hetero.quant import get_quant, random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler builds the kernel")
+
+E, C, F = 8, 256, 512  # widths the K-quants divide (the grouped tests pad rows)
+
+
+def packed(ggml_type: str, n: int, k: int, seed: int):
+    qt = get_quant(ggml_type)
+    raw = random_blocks(ggml_type, E * n * k // qt.block_size, np.random.default_rng(seed))
+    return pack_experts(torch.from_numpy(raw).reshape(E, n, -1), ggml_type, (E, n, k))
+
+
+def layer(
+    types=("Q4_K", "Q4_K", "Q6_K"), act="silu", bias=False, gating="softmax", k=2, norm=True
+) -> MoeLayer:
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (
+        packed(t, n, kk, seed=i) for i, (t, n, kk) in enumerate(zip(types, (F, F, C), (C, C, F)))
+    )
+    biases = tuple(torch.randn(E, n, generator=g) if bias else None for n in (F, F, C))
+    rb = torch.randn(E, generator=g) if bias else None
+    router = RouterWeights(torch.randn(E, C, generator=g) / 16, rb, gating, k, norm)
+    return MoeLayer(gate, up, down, biases, act, router)
+
+
+def tokens(t: int) -> torch.Tensor:
+    return torch.randn(t, C, generator=torch.Generator().manual_seed(t))
+
+
+def choice(t: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(t)])
+    return ids, torch.rand(t, k)
+
+
+CASES = [
+    dict(),
+    dict(types=("Q4_0", "Q4_0", "Q8_0"), bias=True),
+    dict(types=("Q4_K", "Q5_K", "Q4_K")),  # gate and up of two types: two grouped jobs
+    dict(types=("IQ4_NL", "IQ4_NL", "IQ4_XS"), k=3),
+    dict(types=("MXFP4", "MXFP4", "MXFP4"), act="swiglu_oai", bias=True, gating="softmax_topk"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c.get("types", ["Q4_K"])))
+@pytest.mark.parametrize(("t", "threads"), [(1, 1), (1, 2), (5, 2), (64, 3)])
+def test_given_the_choice_it_is_the_reference_bit_for_bit(case, t, threads):
+    lay = layer(**case)
+    ids, w = choice(t, lay.router.k)
+    got, gi, gw = moe_layer(lay, tokens(t), ids, w, threads=threads)
+    want, _, _ = moe_layer_ref(lay, tokens(t), ids, w, threads=threads)
+    assert torch.equal(gi, ids) and torch.equal(gw, w)
+    if case.get("act") == "swiglu_oai":  # expf against torch's sigmoid: an ulp here and there
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c.get("types", ["Q4_K"])))
+@pytest.mark.parametrize("t", [1, 3, 64])
+def test_routing_in_the_call_makes_the_routers_choice(case, t):
+    lay = layer(**case)
+    got, ids, w = moe_layer(lay, tokens(t), threads=2)
+    want, want_ids, want_w = moe_layer_ref(lay, tokens(t), threads=2)
+    assert torch.equal(ids, want_ids)  # random logits: no near-ties at float32 rounding
+    assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-7)
+    assert (got - want).norm() <= 1e-5 * want.norm()
+    if case.get("gating", "softmax") == "softmax":
+        assert torch.allclose(w.sum(1), torch.ones(t))  # renormalized
+
+
+def test_without_renormalizing_the_weights_are_the_softmax_probabilities():
+    lay = layer(norm=False)
+    _, ids, w = moe_layer(lay, tokens(4))
+    p = torch.nn.functional.linear(tokens(4), lay.router.weight).softmax(-1)
+    assert torch.allclose(w, p.gather(1, ids), rtol=1e-5) and (w.sum(1) < 1).all()
+
+
+def test_bad_choices_are_refused():
+    lay = layer()
+    with pytest.raises(ValueError, match="0..7"):
+        moe_layer(lay, tokens(2), torch.tensor([[0, 8], [1, 2]]), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="must be"):
+        moe_layer(lay, tokens(2), torch.tensor([[0, 1], [1, 2]]), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="float32"):
+        moe_layer(lay, tokens(2).double())
+    no_router = MoeLayer(lay.gate, lay.up, lay.down, lay.biases, "silu")
+    with pytest.raises(ValueError, match="router"):
+        moe_layer(no_router, tokens(2))
