@@ -63,12 +63,12 @@ typedef struct { /* one call's arrays, shared by its steps' pool jobs */
 /* ---- routing -------------------------------------------------------------------------------- */
 
 static float dot(const float *a, const float *b, int64_t n) {
-    float acc[16] = {0}; /* 16 lanes the compiler keeps in vector registers */
+    float acc[32] = {0}; /* lanes the compiler keeps in vector registers, several chains */
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+    for (; i + 32 <= n; i += 32)
+        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * b[i + l];
     float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += acc[l];
+    for (int l = 0; l < 32; l++) s += acc[l];
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
@@ -91,16 +91,30 @@ static void softmax(float *v, int64_t n) {
     for (int64_t i = 0; i < n; i++) v[i] /= sum;
 }
 
-static void route_token(void *ctx, int64_t t, int worker) {
+#define ROUTE_E 16 /* experts a routing item scores */
+
+/* logits[t, e] = h[t] . Wr[e] (+ br[e]) for ROUTE_E experts of one token */
+static void score(void *ctx, int64_t item, int worker) {
     const moe_ctx *c = ctx;
     const moe_layer *L = c->L;
-    const int64_t E = L->n_experts, C = L->d_model;
+    const int64_t E = L->n_experts, C = L->d_model, per = (E + ROUTE_E - 1) / ROUTE_E;
+    const int64_t t = item / per, e0 = item % per * ROUTE_E;
+    const int64_t e1 = e0 + ROUTE_E < E ? e0 + ROUTE_E : E;
+    (void)worker;
+    for (int64_t e = e0; e < e1; e++)
+        c->logits[t * E + e] = dot(c->h + t * C, L->router + e * C, C) +
+                               (L->router_bias ? L->router_bias[e] : 0.0f);
+}
+
+/* token t's ids and weights [k] from its logits (the gatings above) */
+static void choose(void *ctx, int64_t t, int worker) {
+    const moe_ctx *c = ctx;
+    const moe_layer *L = c->L;
+    const int64_t E = L->n_experts;
     const int k = c->k;
     float *l = c->logits + t * E, *w = c->wts + t * k;
     int64_t *ids = c->ids + t * k;
     (void)worker;
-    for (int64_t e = 0; e < E; e++)
-        l[e] = dot(c->h + t * C, L->router + e * C, C) + (L->router_bias ? L->router_bias[e] : 0);
     if (L->gating == 0) {
         softmax(l, E);
         top_k(l, E, k, ids, w);
@@ -114,6 +128,12 @@ static void route_token(void *ctx, int64_t t, int worker) {
         top_k(l, E, k, ids, w);
         softmax(w, k);
     }
+}
+
+static void route(moe_ctx *c, int64_t T, int nthreads) {
+    const int64_t E = c->L->n_experts, per = (E + ROUTE_E - 1) / ROUTE_E;
+    pool_run(score, c, T * per, T * E * c->L->d_model >= SMALL ? nthreads : 1);
+    pool_run(choose, c, T, T * E >= SMALL ? nthreads : 1);
 }
 
 /* Slots grouped by expert, stably (a counting sort): experts [A] the active ones ascending,
@@ -232,22 +252,22 @@ static int gate_up(const moe_ctx *c, int A, const int64_t *experts, const int64_
     return 0;
 }
 
-/* out [T, C] = the layer (above) of h [T, C], k experts a token. route: compute ids, wts [T, k]
- * with the router (L->router must be set), else read them. Returns 0; -1 for a type the qdot
- * kernels do not take (or no router to route with); -2 when memory runs out; -3 for k outside
- * 1 .. E or an expert id outside 0 .. E - 1. */
+/* out [T, C] = the layer (above) of h [T, C], k experts a token. route_here: compute ids, wts
+ * [T, k] with the router (L->router must be set), else read them. Returns 0; -1 for a type the
+ * qdot kernels do not take (or no router to route with); -2 when memory runs out; -3 for k
+ * outside 1 .. E or an expert id outside 0 .. E - 1. */
 int moe_layer_forward(const moe_layer *L, const float *h, int64_t T, int k, int64_t *ids,
-                      float *wts, float *out, int route, int nthreads) {
+                      float *wts, float *out, int route_here, int nthreads) {
     moe_ctx c = {L, h, k, T * k};
     c.ids = ids, c.wts = wts, c.out = out;
     if (T <= 0) return 0;
     if (k < 1 || k > L->n_experts) return -3;
     if (nthreads < 1) nthreads = 1;
-    if (route && !L->router) return -1;
+    if (route_here && !L->router) return -1;
     int64_t *count, *experts, *offsets, *rows;
     if (!scratch(&c, T, &count, &experts, &offsets, &rows)) return -2;
     const int64_t E = L->n_experts, C = L->d_model, F = L->d_ff;
-    if (route) pool_run(route_token, &c, T, T * E * C >= SMALL ? nthreads : 1);
+    if (route_here) route(&c, T, nthreads);
     const int A = sort_slots(ids, c.S, k, E, count, experts, offsets, rows, c.pos,
                              c.expert_of);
     if (A < 0) return -3;

@@ -19,22 +19,21 @@ pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler 
 E, C, F = 8, 256, 512  # widths the K-quants divide (the grouped tests pad rows)
 
 
-def packed(ggml_type: str, n: int, k: int, seed: int):
+def packed(ggml_type: str, e: int, n: int, k: int, seed: int):
     qt = get_quant(ggml_type)
-    raw = random_blocks(ggml_type, E * n * k // qt.block_size, np.random.default_rng(seed))
-    return pack_experts(torch.from_numpy(raw).reshape(E, n, -1), ggml_type, (E, n, k))
+    raw = random_blocks(ggml_type, e * n * k // qt.block_size, np.random.default_rng(seed))
+    return pack_experts(torch.from_numpy(raw).reshape(e, n, -1), ggml_type, (e, n, k))
 
 
 def layer(
-    types=("Q4_K", "Q4_K", "Q6_K"), act="silu", bias=False, gating="softmax", k=2, norm=True
+    types=("Q4_K", "Q4_K", "Q6_K"), act="silu", bias=False, gating="softmax", k=2, norm=True, e=E
 ) -> MoeLayer:
     g = torch.Generator().manual_seed(0)
-    gate, up, down = (
-        packed(t, n, kk, seed=i) for i, (t, n, kk) in enumerate(zip(types, (F, F, C), (C, C, F)))
-    )
-    biases = tuple(torch.randn(E, n, generator=g) if bias else None for n in (F, F, C))
-    rb = torch.randn(E, generator=g) if bias else None
-    router = RouterWeights(torch.randn(E, C, generator=g) / 16, rb, gating, k, norm)
+    shapes = zip(types, (F, F, C), (C, C, F))
+    gate, up, down = (packed(t, e, n, kk, seed=i) for i, (t, n, kk) in enumerate(shapes))
+    biases = tuple(torch.randn(e, n, generator=g) if bias else None for n in (F, F, C))
+    rb = torch.randn(e, generator=g) if bias else None
+    router = RouterWeights(torch.randn(e, C, generator=g) / 16, rb, gating, k, norm)
     return MoeLayer(gate, up, down, biases, act, router)
 
 
@@ -81,6 +80,17 @@ def test_routing_in_the_call_makes_the_routers_choice(case, t):
     assert (got - want).norm() <= 1e-5 * want.norm()
     if case.get("gating", "softmax") == "softmax":
         assert torch.allclose(w.sum(1), torch.ones(t))  # renormalized
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_routing_over_many_experts_scores_them_in_parts(t):
+    """40 experts: three routing items a token (16, 16, 8), a prompt's as a pool job."""
+    lay = layer(e=40, k=6, bias=True)
+    got, ids, w = moe_layer(lay, tokens(t), threads=2)
+    want, want_ids, want_w = moe_layer_ref(lay, tokens(t), threads=2)
+    assert torch.equal(ids, want_ids) and torch.allclose(w, want_w, rtol=1e-5, atol=1e-7)
+    assert (got - want).norm() <= 1e-5 * want.norm()
+    assert int(ids.max()) >= 16  # experts of the later parts chosen too
 
 
 def test_without_renormalizing_the_weights_are_the_softmax_probabilities():
