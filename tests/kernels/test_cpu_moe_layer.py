@@ -1,7 +1,8 @@
 """The MoE layer in one native call (kernels/cpu_moe_layer.py) against its torch reference around
 the same grouped matmuls (moe_layer_ref): bit for bit given the experts' choice, and within the
 router's float32 rounding when the call routes too; decode steps and prompts (whose routing,
-activation and sum run as pool jobs), both gatings, both activations, biases, mixed types."""
+activation and sum run as pool jobs), both gatings, both activations, biases, mixed types (gate
+and up of one type share one pool job with down; of two types they run in turn)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from hetero.quant import get_quant, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler builds the kernel")
 
+# gpt-oss's activation in C (expf) against torch's sigmoid: an ulp in an activation can carry a
+# down-projection input across an int8 rounding step (or move its block's scale), which moves
+# that row's output by a step times the weights; measured up to 6.6e-5 of the output's norm
+# over 600 draws (MXFP4 with biases)
+SWIGLU_REL = 2e-4
 E, C, F = 8, 256, 512  # widths the K-quants divide (the grouped tests pad rows)
 
 
@@ -63,8 +69,8 @@ def test_given_the_choice_it_is_the_reference_bit_for_bit(case, t, threads):
     got, gi, gw = moe_layer(lay, tokens(t), ids, w, threads=threads)
     want, _, _ = moe_layer_ref(lay, tokens(t), ids, w, threads=threads)
     assert torch.equal(gi, ids) and torch.equal(gw, w)
-    if case.get("act") == "swiglu_oai":  # expf against torch's sigmoid: an ulp here and there
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if case.get("act") == "swiglu_oai":
+        assert (got - want).norm() <= SWIGLU_REL * want.norm()
     else:
         assert torch.equal(got, want)
 
@@ -77,7 +83,7 @@ def test_routing_in_the_call_makes_the_routers_choice(case, t):
     want, want_ids, want_w = moe_layer_ref(lay, tokens(t), threads=2)
     assert torch.equal(ids, want_ids)  # random logits: no near-ties at float32 rounding
     assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-7)
-    assert (got - want).norm() <= 1e-5 * want.norm()
+    assert (got - want).norm() <= (SWIGLU_REL if "act" in case else 1e-5) * want.norm()
     if case.get("gating", "softmax") == "softmax":
         assert torch.allclose(w.sum(1), torch.ones(t))  # renormalized
 
