@@ -14,10 +14,13 @@
  *   o = grouped(a, Wd) (+ bd)                                              [S, C], sorted
  *   out[t] = sum_j w[t, j] o[pos(t, j)]            j in order, no FMA      [T, C]
  *
- * The steps are those of kernels/cpu_moe_layer.py's torch reference, which rounds the same way
- * but for the router's dot products (summed in another order than torch's GEMM) and exp.
- * Scratch lives in a per-thread buffer kept between calls. Small steps (a decode token's
- * routing, 8 slots' activations) run on the calling thread; large ones (a prompt's) as pool jobs.
+ * gate|up, the activation and down are one pool job where gate and up share a type
+ * (qdot_moe_pair: an expert's activation is made as soon as its gate|up items are done, its
+ * down items wait for it), so a decode step's layer wakes the pool once. The steps are those
+ * of kernels/cpu_moe_layer.py's torch reference, which rounds the same way but for the
+ * router's dot products (summed in another order than torch's GEMM) and exp. Scratch lives in
+ * a per-thread buffer kept between calls. Small steps (a decode token's routing, its sum) run
+ * on the calling thread; large ones (a prompt's) as pool jobs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,11 +28,8 @@
 #include <string.h>
 
 #include "cpu_pool.h"
+#include "cpu_qdot_moe.h"
 
-int qdot_moe(int ggml_type, int nw, const uint8_t *const *w, float *const *y,
-             int64_t expert_bytes, int64_t N, int64_t K, int nactive, const int64_t *experts,
-             const int64_t *offsets, const float *x, int64_t X, const int64_t *rows,
-             int nthreads);
 void native_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t F,
                      int64_t stride);
 
@@ -58,6 +58,7 @@ typedef struct { /* one call's arrays, shared by its steps' pool jobs */
     int64_t S;
     float *logits, *wts, *a, *u, *o, *out; /* [T, E], [T, k], [S, F], [S, F], [S, C], [T, C] */
     int64_t *ids, *pos, *expert_of;        /* [T, k], [S] slot -> sorted, [S] sorted -> expert */
+    const int64_t *offsets;                /* [A + 1] active expert a's sorted slots */
 } moe_ctx;
 
 /* ---- routing -------------------------------------------------------------------------------- */
@@ -165,13 +166,11 @@ static int sort_slots(const int64_t *ids, int64_t S, int k, int64_t E, int64_t *
 
 #define ACT_ROWS 8 /* sorted slots an activation item takes */
 
-/* a = act(gate (+ bg), up (+ bu)) in place of gate, for sorted slots of one item */
-static void activate(void *ctx, int64_t item, int worker) {
-    const moe_ctx *c = ctx;
+/* a = act(gate (+ bg), up (+ bu)) in place of gate, for sorted slots i0 .. i1 - 1 */
+static void activate_rows(const moe_ctx *c, int64_t i0, int64_t i1) {
     const moe_layer *L = c->L;
-    const int64_t F = L->d_ff, i1 = (item + 1) * ACT_ROWS < c->S ? (item + 1) * ACT_ROWS : c->S;
-    (void)worker;
-    for (int64_t i = item * ACT_ROWS; i < i1; i++) {
+    const int64_t F = L->d_ff;
+    for (int64_t i = i0; i < i1; i++) {
         float *g = c->a + i * F, *u = c->u + i * F;
         const int64_t e = c->expert_of[i];
         if (L->bias[0])
@@ -187,6 +186,17 @@ static void activate(void *ctx, int64_t item, int worker) {
             g[f] = x * (1.0f / (1.0f + expf(-OAI_ALPHA * x))) * (y + 1.0f);
         }
     }
+}
+
+static void activate(void *ctx, int64_t item, int worker) { /* ACT_ROWS slots a pool item */
+    const moe_ctx *c = ctx;
+    (void)worker;
+    activate_rows(c, item * ACT_ROWS, (item + 1) * ACT_ROWS < c->S ? (item + 1) * ACT_ROWS : c->S);
+}
+
+static void activate_expert(void *ctx, int a) { /* active expert a's slots (moe_between) */
+    const moe_ctx *c = ctx;
+    activate_rows(c, c->offsets[a], c->offsets[a + 1]);
 }
 
 /* out[t] = sum_j w[t, j] (o[pos(t, j)] + bd[e]): each product rounded, then added in order of
@@ -235,21 +245,30 @@ static int scratch(moe_ctx *c, int64_t T, int64_t **count, int64_t **experts, in
     return 1;
 }
 
-/* gate, up = grouped(h): one job for both where they share a type, else one each */
-static int gate_up(const moe_ctx *c, int A, const int64_t *experts, const int64_t *offsets,
-                   const int64_t *rows, int64_t T, int nthreads) {
+/* o = down(act(gate(h), up(h))): where gate and up share a type, one pool job for all three
+ * (qdot_moe_pair: an expert's activation made between its gate|up and its down items); else
+ * gate, up, the activation and down in turn */
+static int experts_forward(moe_ctx *c, int A, const int64_t *experts, const int64_t *rows,
+                           int64_t T, int nthreads) {
     const moe_layer *L = c->L;
     const int64_t F = L->d_ff, C = L->d_model;
     float *y[2] = {c->a, c->u};
-    if (L->type[0] == L->type[1] && L->expert_bytes[0] == L->expert_bytes[1])
-        return qdot_moe(L->type[0], 2, L->w, y, L->expert_bytes[0], F, C, A, experts, offsets,
-                        c->h, T, rows, nthreads);
+    const moe_product down = {L->type[2], 1, L->w + 2, &c->o, L->expert_bytes[2], C, F,
+                              c->a, c->S, NULL};
+    if (L->type[0] == L->type[1] && L->expert_bytes[0] == L->expert_bytes[1]) {
+        const moe_product gate_up = {L->type[0], 2, L->w, y, L->expert_bytes[0], F, C,
+                                     c->h, T, rows};
+        return qdot_moe_pair(&gate_up, &down, A, experts, c->offsets, activate_expert, c,
+                             nthreads);
+    }
     for (int i = 0; i < 2; i++) {
         const int rc = qdot_moe(L->type[i], 1, L->w + i, y + i, L->expert_bytes[i], F, C, A,
-                                experts, offsets, c->h, T, rows, nthreads);
+                                experts, c->offsets, c->h, T, rows, nthreads);
         if (rc) return rc;
     }
-    return 0;
+    pool_run(activate, c, (c->S + ACT_ROWS - 1) / ACT_ROWS, c->S * F >= SMALL ? nthreads : 1);
+    return qdot_moe(down.type, 1, down.w, down.y, down.expert_bytes, C, F, A, experts,
+                    c->offsets, c->a, c->S, NULL, nthreads);
 }
 
 /* out [T, C] = the layer (above) of h [T, C], k experts a token. route_here: compute ids, wts
@@ -266,17 +285,13 @@ int moe_layer_forward(const moe_layer *L, const float *h, int64_t T, int k, int6
     if (route_here && !L->router) return -1;
     int64_t *count, *experts, *offsets, *rows;
     if (!scratch(&c, T, &count, &experts, &offsets, &rows)) return -2;
-    const int64_t E = L->n_experts, C = L->d_model, F = L->d_ff;
+    const int64_t E = L->n_experts, C = L->d_model;
     if (route_here) route(&c, T, nthreads);
     const int A = sort_slots(ids, c.S, k, E, count, experts, offsets, rows, c.pos,
                              c.expert_of);
     if (A < 0) return -3;
-    int rc = gate_up(&c, A, experts, offsets, rows, T, nthreads);
-    if (rc) return rc;
-    const int64_t items = (c.S + ACT_ROWS - 1) / ACT_ROWS;
-    pool_run(activate, &c, items, c.S * F >= SMALL ? nthreads : 1);
-    rc = qdot_moe(L->type[2], 1, L->w + 2, &c.o, L->expert_bytes[2], C, F, A, experts, offsets,
-                  c.a, c.S, NULL, nthreads);
+    c.offsets = offsets;
+    const int rc = experts_forward(&c, A, experts, rows, T, nthreads);
     if (rc) return rc;
     pool_run(combine, &c, T, c.S * C >= SMALL ? nthreads : 1);
     return 0;

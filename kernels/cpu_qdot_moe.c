@@ -11,15 +11,24 @@
  *
  * x is quantized once (per block, as qdot_linear does), then its rows are gathered into slot
  * order: gate and up read the same quantized rows, and each expert's slots are one run of rows
- * at one stride, as the register tiles want. One pool job covers every (weight, expert, row
- * group range, slot range) item, so a decode step of k experts of a few rows each keeps every
- * thread busy without a barrier per expert.
+ * at one stride, as the register tiles want. One pool job covers every (expert, weight, row
+ * group range, slot range) item, expert by expert, so a decode step of k experts of a few rows
+ * each keeps every thread busy without a barrier per expert.
+ *
+ * A layer's two products (gate|up, then down on their activation) can share one job too
+ * (qdot_moe_pair): expert a's down items wait until its gate|up items are done and a callback
+ * made its activation, which the thread finishing them quantizes; no thread waits for the whole
+ * first product, and none sleeps between the two (a pool worker idle for 10 us sleeps, and a
+ * sleeper's wake-up costs a job part of a thread).
  */
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_pool.h"
+#include "cpu_qdot_moe.h"
 #include "cpu_qtypes.h"
 
 void qdot_quantize(const float *x, int64_t T, int64_t K, int qb, int8_t *xq, float *xd,
@@ -31,102 +40,130 @@ int qdot_gemm_range(int ggml_type, const uint8_t *w, int64_t N, int64_t K, const
 #define MOE_TT 8 /* slot ranges split in multiples of the widest register tile */
 
 typedef struct {
-    int type, nw, nactive;
-    const uint8_t *const *w;
-    float *const *y;
-    int64_t expert_bytes, N, K, qb, gper, gitems;
+    moe_product p;
+    int nactive;
+    int64_t qb, gper, gitems;
     const int64_t *experts, *offsets;
-    const int64_t *tper;  /* [nactive] slots an item of expert a takes */
-    const int64_t *first; /* [nw * nactive + 1] first item of (weight i, expert a) */
-    const int8_t *xq;
-    const float *xd;
-    const int16_t *bs;
+    int64_t *tper;  /* [nactive] slots an item of expert a takes */
+    int64_t *first; /* [nactive * nw + 1] first item of (expert a, weight i) */
+    int8_t *xq;
+    float *xd;
+    int16_t *bs;
     _Atomic int failed;
 } moe_job;
 
-static void moe_item(void *ctx, int64_t item, int worker) {
-    moe_job *j = ctx;
-    (void)worker;
-    int lo = 0, hi = j->nw * j->nactive - 1; /* the last (weight, expert) starting at or before */
+/* Which (expert a, weight i) item `item` belongs to, and its place among their items. */
+static int64_t item_place(const moe_job *j, int64_t item, int *a, int *i) {
+    int lo = 0, hi = j->nactive * j->p.nw - 1; /* the last pair starting at or before item */
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
         if (j->first[mid] <= item) lo = mid;
         else hi = mid - 1;
     }
-    const int i = lo / j->nactive, a = lo % j->nactive;
-    const int64_t local = item - j->first[lo], s0 = j->offsets[a], n = j->offsets[a + 1] - s0;
-    const int64_t groups = (j->N + QR - 1) / QR;
+    *a = lo / j->p.nw, *i = lo % j->p.nw;
+    return item - j->first[lo];
+}
+
+static void run_item(moe_job *j, int a, int i, int64_t local) {
+    const int64_t s0 = j->offsets[a], n = j->offsets[a + 1] - s0;
+    const int64_t groups = (j->p.N + QR - 1) / QR, K = j->p.K;
     const int64_t g0 = (local % j->gitems) * j->gper, t0 = (local / j->gitems) * j->tper[a];
     const int64_t g1 = g0 + j->gper < groups ? g0 + j->gper : groups;
     const int64_t t1 = t0 + j->tper[a] < n ? t0 + j->tper[a] : n;
-    const uint8_t *w = j->w[i] + j->experts[a] * j->expert_bytes;
-    const int64_t nb = j->K / j->qb;
+    const uint8_t *w = j->p.w[i] + j->experts[a] * j->p.expert_bytes;
     /* the expert's slots as a T = n matrix of their own: row 0 is slot s0 */
-    const int rc = qdot_gemm_range(j->type, w, j->N, j->K, j->xq + s0 * j->K, j->xd + s0 * nb,
-                                   j->bs + s0 * (j->K / 16), j->y[i] + s0 * j->N, g0, g1, t0, t1);
+    const int rc = qdot_gemm_range(j->p.type, w, j->p.N, K, j->xq + s0 * K,
+                                   j->xd + s0 * (K / j->qb), j->bs + s0 * (K / 16),
+                                   j->p.y[i] + s0 * j->p.N, g0, g1, t0, t1);
     if (rc) j->failed = rc;
 }
 
-/* Quantized x in slot order, in a per-thread buffer kept between calls: xq, xd, bs of S rows
- * (and the X rows before the gather where rows is not NULL). NULL where malloc fails. */
-static int8_t *slot_rows(const float *x, int64_t X, int64_t S, const int64_t *rows, int64_t K,
-                         int qb, float **xd, int16_t **bs, int nthreads) {
-    static __thread void *buf = 0;
-    static __thread size_t cap = 0;
-    const int64_t row_bytes = K + 4 * (K / qb) + 2 * (K / 16), total = rows ? X + S : S;
-    const size_t need = (size_t)(total * row_bytes) + 64;
-    if (need > cap) {
-        free(buf);
-        buf = malloc(need);
-        cap = buf ? need : 0;
-        if (!buf) return 0;
-    }
-    /* [total rows] float xd | int16 bs | int8 xq, the gathered slots first */
-    float *d = buf;
-    int16_t *b = (int16_t *)(d + total * (K / qb));
-    int8_t *q = (int8_t *)(b + total * (K / 16));
-    *xd = d, *bs = b;
-    if (!rows) {
-        qdot_quantize(x, S, K, qb, q, d, b, nthreads);
-        return q;
-    }
-    float *xd_x = d + S * (K / qb);
-    int16_t *bs_x = b + S * (K / 16);
-    int8_t *xq_x = q + S * K;
-    qdot_quantize(x, X, K, qb, xq_x, xd_x, bs_x, nthreads);
-    for (int64_t s = 0; s < S; s++) {
-        const int64_t r = rows[s];
-        memcpy(q + s * K, xq_x + r * K, (size_t)K);
-        memcpy(d + s * (K / qb), xd_x + r * (K / qb), sizeof(float) * (size_t)(K / qb));
-        memcpy(b + s * (K / 16), bs_x + r * (K / 16), sizeof(int16_t) * (size_t)(K / 16));
-    }
-    return q;
+static void moe_item(void *ctx, int64_t item, int worker) {
+    moe_job *j = ctx;
+    int a, i;
+    (void)worker;
+    const int64_t local = item_place(j, item, &a, &i);
+    run_item(j, a, i, local);
 }
 
-/* Items: about 16 a thread over all (weight, expert) pairs; where row groups are few and an
- * expert has many slots (a prompt), its slots split too, in whole register tiles. */
-static int64_t plan_items(moe_job *j, int64_t *tper, int64_t *first, int nthreads) {
-    const int64_t groups = (j->N + QR - 1) / QR, all = groups * j->nw * j->nactive;
+/* The quantized activations of S slot rows (xq, xd, bs: cpu_qdot.c) in per-thread buffer
+ * `which` (two: a pair's products), kept between calls, and X rows more where rows gathers.
+ * quantize 0: room only, filled later. 0 where malloc fails. */
+static int slot_rows(moe_job *j, int64_t X, int64_t S, int which, int quantize, int nthreads) {
+    static __thread void *buf[2] = {0, 0};
+    static __thread size_t cap[2] = {0, 0};
+    const int64_t K = j->p.K, qb = j->qb, row_bytes = K + 4 * (K / qb) + 2 * (K / 16);
+    const int64_t total = j->p.rows ? X + S : S;
+    const size_t need = (size_t)(total * row_bytes) + 64;
+    if (need > cap[which]) {
+        free(buf[which]);
+        buf[which] = malloc(need);
+        cap[which] = buf[which] ? need : 0;
+        if (!buf[which]) return 0;
+    }
+    /* [total rows] float xd | int16 bs | int8 xq, the gathered slots first */
+    j->xd = buf[which];
+    j->bs = (int16_t *)(j->xd + total * (K / qb));
+    j->xq = (int8_t *)(j->bs + total * (K / 16));
+    if (!quantize) return 1;
+    if (!j->p.rows) {
+        qdot_quantize(j->p.x, S, K, (int)qb, j->xq, j->xd, j->bs, nthreads);
+        return 1;
+    }
+    float *xd_x = j->xd + S * (K / qb);
+    int16_t *bs_x = j->bs + S * (K / 16);
+    int8_t *xq_x = j->xq + S * K;
+    qdot_quantize(j->p.x, X, K, (int)qb, xq_x, xd_x, bs_x, nthreads);
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t r = j->p.rows[s];
+        memcpy(j->xq + s * K, xq_x + r * K, (size_t)K);
+        memcpy(j->xd + s * (K / qb), xd_x + r * (K / qb), sizeof(float) * (size_t)(K / qb));
+        memcpy(j->bs + s * (K / 16), bs_x + r * (K / 16), sizeof(int16_t) * (size_t)(K / 16));
+    }
+    return 1;
+}
+
+/* Items: about 16 a thread over all (expert, weight) pairs; where row groups are few and an
+ * expert has many slots (a prompt), its slots split too, in whole register tiles. Returns the
+ * item count, or -2 where the plan's memory cannot be had. */
+static int64_t plan_items(moe_job *j, int nthreads) {
+    const int nw = j->p.nw, A = j->nactive;
+    const int64_t groups = (j->p.N + QR - 1) / QR, all = groups * nw * A;
+    j->tper = malloc(sizeof(int64_t) * (size_t)(A + A * nw + 1));
+    if (!j->tper) return -2;
+    j->first = j->tper + A;
     j->gper = all / (16 * nthreads) > 1 ? all / (16 * nthreads) : 1;
     j->gitems = (groups + j->gper - 1) / j->gper;
-    const int64_t gitems_all = j->gitems * j->nw * j->nactive;
-    for (int a = 0; a < j->nactive; a++) {
+    const int64_t gitems_all = j->gitems * nw * A;
+    int64_t total = 0;
+    for (int a = 0; a < A; a++) {
         const int64_t n = j->offsets[a + 1] - j->offsets[a];
-        tper[a] = n > 0 ? n : 1;
+        j->tper[a] = n > 0 ? n : 1;
         if (gitems_all < 4 * nthreads && n > MOE_TT) {
             const int64_t parts = (4 * nthreads + gitems_all - 1) / gitems_all;
-            tper[a] = ((n + parts - 1) / parts + MOE_TT - 1) / MOE_TT * MOE_TT;
+            j->tper[a] = ((n + parts - 1) / parts + MOE_TT - 1) / MOE_TT * MOE_TT;
+        }
+        for (int i = 0; i < nw; i++) {
+            j->first[a * nw + i] = total;
+            total += n > 0 ? j->gitems * ((n + j->tper[a] - 1) / j->tper[a]) : 0;
         }
     }
-    int64_t total = 0;
-    for (int i = 0; i < j->nw; i++)
-        for (int a = 0; a < j->nactive; a++) {
-            first[i * j->nactive + a] = total;
-            const int64_t n = j->offsets[a + 1] - j->offsets[a];
-            total += n > 0 ? j->gitems * ((n + tper[a] - 1) / tper[a]) : 0;
-        }
-    first[j->nw * j->nactive] = total;
+    j->first[A * nw] = total;
     return total;
+}
+
+/* A job over product p, its x quantized into buffer `which` (or room made there, quantize 0):
+ * 0, or -1 (a type the kernel does not take, K not whole blocks), -2 (memory). */
+static int prepare(moe_job *j, const moe_product *p, int nactive, const int64_t *experts,
+                   const int64_t *offsets, int which, int quantize, int nthreads,
+                   int64_t *items) {
+    const qtype *qt = qtype_of(p->type);
+    memset(j, 0, sizeof *j);
+    if (!qt || p->K % qt->qb || p->nw < 1) return -1;
+    j->p = *p, j->nactive = nactive, j->qb = qt->qb, j->experts = experts, j->offsets = offsets;
+    if (!slot_rows(j, p->X, offsets[nactive], which, quantize, nthreads)) return -2;
+    *items = plan_items(j, nthreads);
+    return *items < 0 ? -2 : 0;
 }
 
 /* The grouped product (above). w, y: nw pointers; experts [nactive], offsets [nactive + 1].
@@ -136,24 +173,86 @@ int qdot_moe(int ggml_type, int nw, const uint8_t *const *w, float *const *y,
              int64_t expert_bytes, int64_t N, int64_t K, int nactive, const int64_t *experts,
              const int64_t *offsets, const float *x, int64_t X, const int64_t *rows,
              int nthreads) {
-    const qtype *qt = qtype_of(ggml_type);
-    if (!qt || K % qt->qb || nw < 1) return -1;
     if (nthreads < 1) nthreads = 1;
-    const int64_t S = offsets[nactive];
-    if (S == 0) return 0;
-    moe_job j = {ggml_type, nw, nactive, w, y, expert_bytes, N, K, qt->qb};
-    j.experts = experts, j.offsets = offsets;
-    float *xd;
-    int16_t *bs;
-    j.xq = slot_rows(x, X, S, rows, K, qt->qb, &xd, &bs, nthreads);
-    if (!j.xq) return -2;
-    j.xd = xd, j.bs = bs;
-    int64_t *plan = malloc(sizeof(int64_t) * (size_t)(nactive + nw * nactive + 1));
-    if (!plan) return -2;
-    j.tper = plan, j.first = plan + nactive;
-    const int64_t items = plan_items(&j, plan, plan + nactive, nthreads);
-    j.failed = 0;
-    pool_run(moe_item, &j, items, nthreads);
-    free(plan);
-    return j.failed;
+    if (offsets[nactive] == 0) return 0;
+    const moe_product p = {ggml_type, nw, w, y, expert_bytes, N, K, x, X, rows};
+    moe_job j;
+    int64_t items;
+    int rc = prepare(&j, &p, nactive, experts, offsets, 0, 1, nthreads, &items);
+    if (!rc) {
+        pool_run(moe_item, &j, items, nthreads);
+        rc = j.failed;
+    }
+    free(j.tper);
+    return rc;
+}
+
+/* ---- two products in one job ---------------------------------------------------------------- */
+
+typedef struct {
+    moe_job p[2];
+    int64_t n0;            /* items of the first product; the second's follow */
+    _Atomic int64_t *left; /* [nactive] first-product items of expert a not yet done */
+    _Atomic int *ready;    /* [nactive] expert a's second-product input is quantized */
+    moe_between between;
+    void *ctx;
+} moe_pair_job;
+
+/* expert a's rows of the second product's input, made by `between`, quantized in place */
+static void second_input(moe_pair_job *c, int a) {
+    moe_job *j = &c->p[1];
+    const int64_t s0 = j->offsets[a], n = j->offsets[a + 1] - s0, K = j->p.K;
+    c->between(c->ctx, a);
+    qdot_quantize(j->p.x + s0 * K, n, K, (int)j->qb, j->xq + s0 * K, j->xd + s0 * (K / j->qb),
+                  j->bs + s0 * (K / 16), 1);
+    atomic_store_explicit(&c->ready[a], 1, memory_order_release);
+}
+
+static void pair_item(void *ctx, int64_t item, int worker) {
+    moe_pair_job *c = ctx;
+    int a, i;
+    (void)worker;
+    if (item < c->n0) {
+        const int64_t local = item_place(&c->p[0], item, &a, &i);
+        run_item(&c->p[0], a, i, local);
+        /* acq_rel: the last of expert a's items sees what the others wrote */
+        if (atomic_fetch_sub(&c->left[a], 1) == 1) second_input(c, a);
+        return;
+    }
+    const int64_t local = item_place(&c->p[1], item - c->n0, &a, &i);
+    /* its first-product items are all claimed (items are claimed in order) and running */
+    for (int spins = 1; !atomic_load_explicit(&c->ready[a], memory_order_acquire); spins++)
+        if (spins % 256 == 0) sched_yield();
+    run_item(&c->p[1], a, i, local);
+}
+
+/* first, then second, in one pool job (above): second reads x [S, K2] in slot order (rows
+ * NULL), which between(ctx, a) writes for expert a's slots once its first-product outputs are
+ * there. Returns as qdot_moe. */
+int qdot_moe_pair(const moe_product *first, const moe_product *second, int nactive,
+                  const int64_t *experts, const int64_t *offsets, moe_between between, void *ctx,
+                  int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    if (offsets[nactive] == 0) return 0;
+    if (second->rows || !second->x) return -1;
+    moe_pair_job c = {.between = between, .ctx = ctx};
+    int64_t n1 = 0;
+    int rc = prepare(&c.p[0], first, nactive, experts, offsets, 0, 1, nthreads, &c.n0);
+    if (!rc) rc = prepare(&c.p[1], second, nactive, experts, offsets, 1, 0, nthreads, &n1);
+    c.left = rc ? NULL : malloc((sizeof *c.left + sizeof *c.ready) * (size_t)nactive);
+    if (!rc && !c.left) rc = -2;
+    if (!rc) {
+        c.ready = (_Atomic int *)(c.left + nactive);
+        for (int a = 0; a < nactive; a++) {
+            const int nw = first->nw;
+            atomic_init(&c.left[a], c.p[0].first[(a + 1) * nw] - c.p[0].first[a * nw]);
+            atomic_init(&c.ready[a], 0);
+        }
+        pool_run(pair_item, &c, c.n0 + n1, nthreads);
+        rc = c.p[0].failed ? c.p[0].failed : c.p[1].failed;
+    }
+    free(c.left);
+    free(c.p[0].tper);
+    free(c.p[1].tper);
+    return rc;
 }

@@ -35,10 +35,11 @@ _NAMES = (
     "cpu_small_ops.c", "cpu_attention.c", "cpu_qdot_moe.c", "cpu_moe_layer.c",
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _NAMES)
-HEADERS = tuple(  # included by the sources: in the cache key
-    Path(__file__).with_name(n)
-    for n in ("cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h", "cpu_qunpack.h")
-)
+_HEADER_NAMES = (
+    "cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h", "cpu_qunpack.h",
+    "cpu_qdot_moe.h",
+)  # fmt: skip
+HEADERS = tuple(Path(__file__).with_name(n) for n in _HEADER_NAMES)  # in the cache key
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-Wno-psabi")
 VARIANT_FLAGS = {
     "avx512": (
