@@ -41,6 +41,10 @@ BLOCK_N = 64
 # a decode step's k slots choose k distinct experts, so sorting them would only add launches and
 # pad each expert's one row to a tensor-core tile of 16
 GEMV_MAX_SLOTS = 16
+# Rows a GEMV program; 0: the dense decode kernel's (gemv_block_n). A decode step's expert
+# matrices are small (8 x 1536 x 2048 codes), so fewer rows a program give more programs to fill
+# the SMs: benchmarks/gpu_moe.py --block-n sweeps it
+GEMV_BLOCK_N = 0
 
 
 @dataclass(eq=False)
@@ -126,7 +130,7 @@ def moe_matmul_triton(
     e = chunk_codes(pw.spec.low_bits)
     if s <= GEMV_MAX_SLOTS:
         ids = topk_ids.reshape(-1).contiguous()
-        bn = gemv_block_n(pw.spec)
+        bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
         _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
             x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:], **meta,
             BN=bn, S=256 // e, num_warps=_GEMV_WARPS,

@@ -177,3 +177,19 @@ def test_every_combine_implementation_sums_the_slots_by_their_weights():
             assert got.dtype == dtype and got.shape == (t, c), impl.name
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             assert (got.float() - want).abs().max().item() < tol * (1 + want.abs().max().item())
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "MXFP4"])
+def test_the_gemvs_rows_a_program_leave_every_sum_as_it_was(ggml_type: str, monkeypatch):
+    """GEMV_BLOCK_N (what benchmarks/gpu_moe.py sweeps) only regroups rows into programs: each
+    row's sum runs the same steps, so the outputs are equal bit for bit."""
+    e, n, k = 6, 96, 512
+    raw = experts(ggml_type, e, n, k, seed=3)
+    qt = int(get_quant(ggml_type).ggml_type)
+    packed = tm.prepare_moe(raw, qt, (e, n, k))
+    ids = routing(2, 2, e, seed=4)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    want = tm.moe_matmul_triton(x, packed, qt, (e, n, k), ids)
+    for bn in (16, 32):
+        monkeypatch.setattr(tm, "GEMV_BLOCK_N", bn)
+        assert torch.equal(tm.moe_matmul_triton(x, packed, qt, (e, n, k), ids), want), bn
