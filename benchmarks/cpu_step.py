@@ -1,6 +1,6 @@
 """Where one engine decode step goes on the CPU: step time, and each qdot linear's share.
 
-    python benchmarks/cpu_step.py [MODEL] -c 16 [--steps 20]
+    python benchmarks/cpu_step.py [MODEL] -c 16 [--steps 20] [--profile 25]
 
 C requests of --input-len random tokens are prefilled in one step, a few decode steps warm up,
 then --steps decode steps are timed. The qdot linears (kernels/cpu_qdot.py) and the native paged
@@ -12,6 +12,10 @@ step and its rate in GFLOP/s (2 N K T per call).
 from __future__ import annotations
 
 import collections
+import contextlib
+import cProfile
+import io
+import pstats
 import time
 
 import click
@@ -20,14 +24,35 @@ from click.core import ParameterSource
 from hetero.cli_options import engine_options
 
 
+@contextlib.contextmanager
+def profiled(top: int, what: str):
+    """cProfile around the block when top > 0: the `top` functions of most own time (a native
+    call's time is its Python caller's own), printed after it."""
+    if not top:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        click.echo(f"-- profile: {what}")
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        click.echo("\n".join(line[:150] for line in out.getvalue().splitlines()[6:]))
+
+
 @click.command()
 @click.pass_context
 @click.argument("model", required=False)
 @click.option("--concurrency", "-c", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--input-len", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=20, show_default=True)
+@click.option("--profile", type=click.IntRange(0), default=0, help="print the N functions of "
+              "most own time (cProfile) of the prefill and of the decode steps")  # fmt: skip
 @engine_options
-def main(ctx, model, concurrency, input_len, steps, **options) -> None:
+def main(ctx, model, concurrency, input_len, steps, profile, **options) -> None:
     from hetero.bench import make_prompts
     from hetero.factory import LaunchConfig
     from hetero.kernels import cpu_qdot, native
@@ -67,14 +92,16 @@ def main(ctx, model, concurrency, input_len, steps, **options) -> None:
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     t0 = time.perf_counter()
-    engine.step()
+    with profiled(profile, "prefill"):
+        engine.step()
     click.echo(f"prefill of {concurrency} x {input_len} tokens: {time.perf_counter() - t0:.3f} s")
     for _ in range(3):
         engine.step()
     spent.clear()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
+    with profiled(profile, "decode"):
+        for _ in range(steps):
+            engine.step()
     step = (time.perf_counter() - t0) / steps
     click.echo(f"decode step {step * 1e3:.1f} ms: {concurrency / step:.1f} tok/s")
     for key, (s, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):

@@ -3,6 +3,7 @@ reference path (every op forced to its torch reference, eager), and both against
 path: tokens equal, and the largest logprob error of the chosen tokens.
 
     python benchmarks/gpu_check_smollm2.py [--kv-dtype fp16] [--tokens 32] [--dtypes float32,bf16]
+                                           [--model FILE] [--cpu-moe]
 
 Per activation dtype. In float32 (both GPU paths) the Triton kernels agree with the references
 to ~1e-6 relative, so greedy output must be equal and the logprobs within FP32_LOGPROB_TOL: the
@@ -37,11 +38,11 @@ MODEL: str | None = None  # --model; None: the default model (SmolLM2)
 
 
 def run(
-    device: str, kv_dtype: str, tokens: int, eager: bool, dtype: str = "auto"
+    device: str, kv_dtype: str, tokens: int, eager: bool, dtype: str = "auto", **extra
 ) -> list[tuple[list, list]]:
     weights = "quant" if device.startswith("cuda") else "dense"
     llm = LLM(MODEL, device=device, weights=weights, kv_dtype=kv_dtype, enforce_eager=eager,
-              num_kv_blocks=256, dtype=dtype)  # fmt: skip
+              num_kv_blocks=256, dtype=dtype, **extra)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=1)
     outs = llm.generate(PROMPTS, params)
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes, in turn")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
+    ap.add_argument("--cpu-moe", action="store_true", help="also: the experts on the CPU")
     args = ap.parse_args()
     global MODEL
     MODEL = args.model
@@ -80,6 +82,10 @@ def main() -> None:
         same, err = compare("GPU Triton + graphs vs GPU reference", fast, ref)
         compare("GPU Triton + graphs vs CPU fp32", fast, cpu)
         compare("GPU reference vs CPU fp32", ref, cpu)
+        if args.cpu_moe:  # attention on the GPU, experts in RAM through the CPU kernels
+            split = run("cuda", args.kv_dtype, args.tokens, eager=False, dtype=dtype, cpu_moe=True)
+            compare("GPU + experts on the CPU vs GPU reference", split, ref)
+            compare("GPU + experts on the CPU vs CPU fp32", split, cpu)
         for toks, _ in fast[:2]:
             print("  ", toks[:16])
         if dtype in ("float32", "fp32") and (same < len(PROMPTS) or err > FP32_LOGPROB_TOL):

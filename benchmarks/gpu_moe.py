@@ -3,10 +3,11 @@ copy bandwidth, at a real model's expert shapes.
 
     python benchmarks/gpu_moe.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--quant q4_k_m|mxfp4_moe]
                                  [--tokens 1,2,8,32,128,512] [--layers 8]
+                                 [--block-n 0,32,16] [--gemv-max-slots 16,32,64]
 
-One MoE layer's three expert tensors (gate, up: [E, F, C]; down: [E, C, F]) in the types
-`hetero synth` gives them, random blocks, copied `--layers` times so the weights streamed per
-step exceed the L2 as a model's layers do. Per T: random routings of T tokens to k experts
+One MoE layer's expert tensors (gate|up joined as the model loads them: [E, 2F, C]; down:
+[E, C, F]) in the types `hetero synth` gives them, random blocks, copied `--layers` times so
+the weights streamed per step exceed the L2 as a model's layers do. Per T: random routings of T tokens to k experts
 each; the gate, up and down calls of one layer, replayed from a CUDA graph (device time), in us;
 the bytes of the experts the tokens touched, GB/s and its share of the measured copy bandwidth
 (a 4 GiB device-to-device copy). Decode (T = 1) reads k of E experts: its roofline is those
@@ -41,19 +42,25 @@ def copy_gbs(device: torch.device) -> float:
 
 
 def layer_experts(shape: str, quant: str, device: torch.device, copies: int, rng):
-    """[(name, ggml type, (E, N, K), [packed copies])] of layer 0's expert tensors."""
+    """[(name, ggml type, (E, N, K), [packed copies], bytes)] of layer 0's expert tensors, gate
+    and up joined into one [E, 2F, K] tensor where they share a type, as the model loads them
+    (model/moe.py)."""
+    specs = [s for s in tensor_specs(shape, quant) if s.name.startswith("blk.0.")]
+    specs = {s.name.split(".")[2]: s for s in specs if len(s.shape) == 3}
+    gate, up = specs.pop("ffn_gate_exps"), specs.pop("ffn_up_exps")
+    parts = [[gate, up]] if gate.qtype == up.qtype else [[gate], [up]]
     out = []
-    for spec in tensor_specs(shape, quant):
-        if not spec.name.startswith("blk.0.") or len(spec.shape) != 3:
-            continue
-        qt = get_quant(spec.qtype)
-        e, n, k = spec.shape
+    for group in [*parts, *([s] for s in specs.values())]:
+        qt = get_quant(group[0].qtype)
+        e, k = group[0].shape[0], group[0].shape[2]
+        n = sum(s.shape[1] for s in group)
         packs = []
         for _ in range(copies):
-            blocks = random_blocks(spec.qtype, e * n * k // qt.block_size, rng)
+            blocks = random_blocks(group[0].qtype, e * n * k // qt.block_size, rng)
             raw = torch.from_numpy(blocks).reshape(e, n, -1).to(device)
-            packs.append(tm.prepare_moe(raw, int(qt.ggml_type), spec.shape))
-        out.append((spec.name.split(".")[2], int(qt.ggml_type), spec.shape, packs, spec.nbytes))
+            packs.append(tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k)))
+        name = "|".join(s.name.split(".")[2] for s in group)
+        out.append((name, int(qt.ggml_type), (e, n, k), packs, sum(s.nbytes for s in group)))
     return out
 
 
@@ -65,7 +72,7 @@ def time_layer(experts, ids, c: int, device, copies: int) -> float:
     """us of one layer's gate, up and down calls (graph replays over the weight copies)."""
     t, k = ids.shape
     x = torch.randn(t, c, device=device, dtype=torch.bfloat16)
-    f = experts[0][2][1]
+    f = next(shape[2] for name, _, shape, *_ in experts if name.startswith("ffn_down"))
     a = torch.randn(t * k, f, device=device, dtype=torch.bfloat16)
 
     def step():
@@ -95,6 +102,11 @@ def main() -> None:
     ap.add_argument("--quant", default="q4_k_m")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--layers", type=int, default=8, help="weight copies a step streams")
+    ap.add_argument("--block-n", default="0", help="GEMV rows a program, in turn (0: default)")
+    ap.add_argument(
+        "--gemv-max-slots", default=str(tm.GEMV_MAX_SLOTS),
+        help="the most slots the GEMV takes (more: the sorted kernel), in turn",
+    )  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     s = get_shape(args.shape)
@@ -104,14 +116,19 @@ def main() -> None:
     types = ", ".join(f"{n} {get_quant(q).name}" for n, q, *_ in experts)
     print(f"{args.shape} {args.quant}: {s.n_experts} experts, {s.n_experts_used} a token; {types}")
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
-    print(f"{'T':>5} {'us/layer':>10} {'touched MB':>11} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'us/layer':>10} {'touched MB':>11} {'GB/s':>8} "
+          f"{'of copy':>8}")  # fmt: skip
     layer_bytes = sum(nb for *_, nb in experts)
     for t in (int(v) for v in args.tokens.split(",")):
         ids = routing(t, s.n_experts_used, s.n_experts, device, gen)
-        us = time_layer(experts, ids, s.d_model, device, args.layers)
         touched = layer_bytes * ids.unique().numel() / s.n_experts
-        gbs = touched / (us / 1e6) / 1e9
-        print(f"{t:>5} {us:>10.1f} {touched / 1e6:>11.1f} {gbs:>8.0f} {gbs / bw:>8.0%}")
+        for bn in (int(v) for v in args.block_n.split(",")):
+            for most in (int(v) for v in args.gemv_max_slots.split(",")):
+                tm.GEMV_BLOCK_N, tm.GEMV_MAX_SLOTS = bn, most
+                us = time_layer(experts, ids, s.d_model, device, args.layers)
+                gbs = touched / (us / 1e6) / 1e9
+                print(f"{t:>5} {bn or 'auto':>5} {most:>6} {us:>10.1f} {touched / 1e6:>11.1f} "
+                      f"{gbs:>8.0f} {gbs / bw:>8.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,10 +17,22 @@
 #   split    hetero with 24 of 32 layers on the GPU, the rest on the CPU (-ngl 24, 16 threads):
 #            decode 1 stream, prompt 512, 16 streams aggregate
 #   cpu      hetero on the CPU alone, 16 threads: decode 1 stream, prompt 512
+#   profile  `hetero profile --refresh`: the planner's device profiles, cached for what follows
+#   moe      llama-bench on the MoE files (hetero synth: Qwen3-30B-A3B Q4_K_M, gpt-oss-20b
+#            MXFP4): all on the GPU (decode 1 stream, prompt 512; llama-batched-bench at 32
+#            streams), experts in RAM (-ncmoe 99, 16 threads), gpt-oss decode
+#   moecheck the tiny MoE models' greedy tokens on the GPU (and with --cpu-moe) against the
+#            references
+#   moeours  hetero on the MoE files, as the moe stage runs the peer
+#   moeprof  the MoE kernels' tests, the MoE decode step by kernel (gpu_step_profile.py), 32
+#            streams
+#   diag     where the time goes: the CPU's decode step at 16 threads (pool spin 10/1000
+#            us, cProfile), the split's prompt step, llama.cpp's split prompt and its CPU
+#            decode at 4, 8 and 16 threads
 #
 #   STAGES="setup peer" benchmarks/gpu_session.sh OUTDIR
 #       PY (python3); PEER_SRC (.peer/llama.cpp); PEER_BIN (.peerbin: prebuilt, tried first);
-#       Q4, Q6 (bench_out/llama3-8b-{q4_k_m,q6_k}.gguf)
+#       Q4, Q6 (bench_out/llama3-8b-{q4_k_m,q6_k}.gguf); QM, GO (the MoE files)
 #
 # Every stage has a timeout; a stage that fails is reported and the next runs. Logs and JSON go to
 # OUTDIR; the last lines printed are a summary of each stage.
@@ -34,8 +46,11 @@ PEER_BIN=${PEER_BIN:-.peerbin}
 BUILD=/tmp/llbuild
 Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
 Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
+QM=${QM:-bench_out/qwen3-30b-a3b-q4_k_m.gguf}
+GO=${GO:-bench_out/gpt-oss-20b-mxfp4.gguf}
 mkdir -p "$OUT" bench_out
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONFAULTHANDLER=1  # a crash in native code prints the Python stacks
 
 source benchmarks/gpu_stages.sh
 BENCH=("$PY" -m hetero.cli bench --speculative off --num-kv-blocks 4096)
@@ -67,7 +82,8 @@ if has setup; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
-  stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
+  has peer || has gpu || has split || has cpu || has gemv || has diag \
+    && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m; [ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b --quant q6_k"
   ls -la bench_out/*.gguf
   if [ "${GPU_TESTS:-1}" = 1 ]; then
@@ -116,7 +132,8 @@ if has gpu; then  # the checked-in tuning table of this GPU's arch, as a user ge
 fi
 
 if has split; then
-  stage split_1 240 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 --input-len 512 \
+  stage split_1 240 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 \
+    --input-len 512 \
     --output-len 128
   rows "$OUT/split_1.log"
   stage split_16 200 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 16 -n 16 \
@@ -128,4 +145,94 @@ if has cpu; then
   stage cpu_1 300 "${BENCH[@]}" "$Q4" --device cpu --threads 16 -c 1 -n 2 --input-len 512 \
     --output-len 64
   rows "$OUT/cpu_1.log"
+fi
+
+moe_files() {  # the MoE files, written once a lease
+  stage moe_synth 240 bash -c "[ -f $QM ] || $PY -m hetero.cli synth $QM --shape qwen3-30b-a3b \
+    --quant q4_k_m; [ -f $GO ] || $PY -m hetero.cli synth $GO --shape gpt-oss-20b \
+    --quant mxfp4_moe; for s in tiny-qwen3moe tiny-gpt-oss; do q=q4_k_m; \
+    [ \$s = tiny-gpt-oss ] && q=mxfp4_moe; [ -f bench_out/\$s.gguf ] || $PY -m hetero.cli synth \
+    bench_out/\$s.gguf --shape \$s --quant \$q; done"
+  tail -1 "$OUT/moe_synth.log"
+}
+
+if has moecheck; then
+  moe_files
+  for s in tiny-qwen3moe tiny-gpt-oss; do
+    stage "moe_check_$s" 150 "$PY" benchmarks/gpu_check_smollm2.py --model "bench_out/$s.gguf" \
+      --dtypes float32 --tokens 24 --cpu-moe
+    grep -E "outputs equal|FAIL|Error|File" "$OUT/moe_check_$s.log" | tail -12
+  done
+fi
+
+if has moe; then
+  moe_files
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  LB="$BUILD/bin/llama-bench -r 2 -o json"
+  stage peer_moe_gpu 150 $LB -m "$QM" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_moe_cpu 200 $LB -m "$QM" -ngl 99 -ncmoe 99 -t 16 -fa 1 -p 512 -n 64
+  stage peer_goss 150 $LB -m "$GO" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_moe_batched 150 "$BUILD/bin/llama-batched-bench" -m "$QM" -ngl 99 -fa 1 \
+    -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,32
+  for f in peer_moe_gpu peer_moe_cpu peer_goss; do
+    "$PY" -c "import json; t = open('$OUT/$f.log').read(); t = t[t.index('['):t.rindex(']') + 1]
+[print('$f', r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1), '+-', round(r['stddev_ts'], 1))
+ for r in json.loads(t)]" 2>/dev/null || tail -3 "$OUT/$f.log"
+  done
+  grep -E "^\|" "$OUT/peer_moe_batched.log" | tail -3
+fi
+
+if has moeours; then
+  moe_files
+  stage moe_1 200 "${BENCH[@]}" "$QM" --device cuda -ngl 99 -c 1 -n 3 --input-len 512 \
+    --output-len 128
+  rows "$OUT/moe_1.log"
+  stage moe_32 150 "${BENCH[@]}" "$QM" --device cuda -ngl 99 -c 32 -n 32 --input-len 128 \
+    --output-len 128
+  rows "$OUT/moe_32.log"
+  stage moe_cpu 240 "${BENCH[@]}" "$QM" --device cuda -ngl 99 --cpu-moe --threads 16 -c 1 -n 2 \
+    --input-len 512 --output-len 64
+  rows "$OUT/moe_cpu.log"
+  stage goss_1 200 "${BENCH[@]}" "$GO" --device cuda -ngl 99 -c 1 -n 3 --input-len 512 \
+    --output-len 128
+  rows "$OUT/goss_1.log"
+fi
+
+if has moeprof; then  # the MoE kernels' tests, the MoE decode step by kernel, 32 streams
+  timeout 200 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_moe.py \
+    tests/test_launch.py -k "Q4_K or Q6_K or MXFP4 or Q8_0 or sort or registered or bf16 or \
+    router or combine or fits" >"$OUT/moe_tests.log" 2>&1 &  # compiling while the files are written
+  tests=$!
+  moe_files
+  wait $tests
+  echo "== moe_tests: exit $?"
+  tail -4 "$OUT/moe_tests.log"
+  stage moe_profile 200 "$PY" benchmarks/gpu_step_profile.py "$QM" --batches 1 --top 16
+  grep -E "wall|step|^ " "$OUT/moe_profile.log" | tail -30
+  stage moe_32 150 "${BENCH[@]}" "$QM" --device cuda -ngl 99 -c 32 -n 32 --input-len 128 \
+    --output-len 128
+  rows "$OUT/moe_32.log"
+fi
+
+if has profile; then  # the planner's device profiles (cached for the calls that follow)
+  stage profile 200 "$PY" -m hetero.cli profile --refresh
+  tail -12 "$OUT/profile.log"
+fi
+
+if has diag; then
+  for spin in 10 1000; do
+    stage "cpu_step_$spin" 150 env HETERO_POOL_SPIN_US=$spin "$PY" benchmarks/cpu_step.py "$Q4" \
+      --device cpu --threads 16 -c 1 --steps 8 --input-len 64 --profile 12
+    grep -E "^(prefill|decode step|  linear|  paged)" "$OUT/cpu_step_$spin.log" | head -9
+  done
+  sed -n '/profile: decode/,/^$/p' "$OUT/cpu_step_10.log" | head -14
+  stage split_step 150 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl 24 --threads 16 \
+    -c 1 --steps 8 --input-len 512 --profile 20
+  grep -E "^(prefill|decode step|  linear|  paged)" "$OUT/split_step.log" | head -9
+  sed -n '/profile: prefill/,/^$/p' "$OUT/split_step.log" | head -22
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  stage peer_split_pp 120 "$BUILD/bin/llama-bench" -r 2 -m "$Q4" -ngl 24 -t 16 -fa 1 -p 512 -n 0
+  grep -E "^\|" "$OUT/peer_split_pp.log" | tail -2
+  stage peer_threads 200 "$BUILD/bin/llama-bench" -r 2 -m "$Q4" -ngl 0 -t 4,8,16 -p 0 -n 32
+  grep -E "^\|" "$OUT/peer_threads.log" | tail -4
 fi

@@ -64,7 +64,8 @@ def runtime_options(f):
         type=click.IntRange(0),
         default=rt.n_gpu_layers,
         help="with a GPU device: its first N layers there, the rest on the CPU, in one process "
-        "(default: all there, or the planner's split when the model does not fit the card)",
+        "(default: all there, or the planner's split when the model does not fit the card; "
+        "N past the model's layers: all there, as llama.cpp's -ngl 99)",
     )(f)
     f = click.option(
         "--offload-min-tokens",

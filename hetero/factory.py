@@ -107,9 +107,8 @@ def _splits(rt: RuntimeConfig) -> bool:
 def _segments(gguf: GGUFModel, rt: RuntimeConfig, gpu: str, progress: bool) -> list[LlamaModel]:
     """Layers 0 .. n_gpu_layers - 1 on the GPU, the rest on the CPU (each device with its own
     weights mode and activation dtype), as llama.cpp's -ngl places them."""
-    n, cut = gguf.config.n_layers, rt.n_gpu_layers
-    if cut > n:
-        raise ValueError(f"n_gpu_layers {cut}: the model has {n} layers (give at most {n})")
+    n = gguf.config.n_layers
+    cut = min(rt.n_gpu_layers, n)  # as llama.cpp's -ngl 99: more than the model has means all
     parts = [(gpu, range(0, cut)), ("cpu", range(cut, n))]
     return [
         LlamaModel(gguf, rt.resolved(device), layers, progress=progress)

@@ -82,8 +82,9 @@ def placed(path: str | Path, launch: LaunchConfig) -> LaunchConfig:
     """The launch with its placement settled: a plan file that runs in one process becomes the
     runtime's -ngl; with nothing asked (no --split, --plan, --devices, --n-gpu-layers) and a
     GPU present, the planner places the model over it and the CPU, as llama.cpp's automatic
-    fit does: all on the GPU when it holds the model beside its KV, else its first layers there
-    and the rest on the CPU, each device in the weights mode the plan chose."""
+    fit does: all on the GPU when it holds the model beside its KV (at once where the weights
+    take at most FIT_SHARE of its free memory), else its first layers there and the rest on the
+    CPU, each device in the weights mode the plan chose."""
     pc, rt = launch.pipeline, launch.runtime
     if pc.plan and not (pc.devices or pc.split):
         plan = _plan_file(pc.plan)
@@ -93,9 +94,30 @@ def placed(path: str | Path, launch: LaunchConfig) -> LaunchConfig:
     device = rt.resolved().device
     if pc.enabled or rt.n_gpu_layers is not None or not device.startswith("cuda"):
         return launch
+    if fits_whole(path, device):  # what the plan would say, without profiling the devices
+        return launch
     profiles = resolve_devices([device_key(device), "cpu"], ThisMachine())
     plan = make_plan(describe(str(path)), profiles, plan_config(launch, in_process=True))
     return _running(launch, plan, reason="the planner's split for the devices here")
+
+
+# A model whose weights take at most this share of a GPU's free memory runs all there without a
+# plan: the rest holds its KV and activations at any usual context, and the planner, which would
+# place it all there too, first profiles the devices (minutes on a new machine)
+FIT_SHARE = 0.6
+
+
+def fits_whole(path: str | Path, device: str) -> bool:
+    """Whether the model's weights fit in FIT_SHARE of the GPU's free memory (logged)."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    weights = sum(t.nbytes for t in load_gguf(path).tensors.values())
+    if weights > FIT_SHARE * free:
+        return False
+    log.info("placement: every layer on %s (the weights take %.1f GB of its %.1f GB free)",
+             device, weights / 1e9, free / 1e9)  # fmt: skip
+    return True
 
 
 def _plan_file(path: str) -> Plan | None:

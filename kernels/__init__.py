@@ -11,6 +11,7 @@ from hetero.kernels import reference as _reference  # noqa: F401  (registers the
 from hetero.kernels import streamk as _streamk  # noqa: F401  (CUDA; no triton import)
 from hetero.kernels import triton_fused as _triton_fused  # noqa: F401  (CUDA; no triton import)
 from hetero.kernels import triton_moe as _triton_moe  # noqa: F401  (CUDA; no triton import)
+from hetero.kernels import triton_moe_route as _triton_moe_route  # noqa: F401  (CUDA)
 from hetero.kernels import triton_paged as _triton_paged  # noqa: F401  (CUDA; no triton import)
 from hetero.kernels import triton_qmatmul as _triton_qmatmul  # noqa: F401  (CUDA; no triton import)
 from hetero.kernels.registry import (

@@ -3,7 +3,7 @@ router's choice, the grouped expert matmuls on the qdot kernels (kernels/cpu_qdo
 activation and the weighted sum. T tokens, C model width, E experts, k a token, F expert width:
 
     h [T, C] float32
-    ids, w = choose_experts(h Wr^T (+ br))   (kernels/moe.py; or given)     [T, k]
+    ids, w = moe_route(h Wr^T (+ br))        (kernels/moe.py; or given)     [T, k]
     slots sorted by expert (route)                                           S = T * k
     gate, up = grouped(h, Wg, Wu) (+ bg, bu)     one quantization of h       [S, F] each
     a = silu(gate) * up, or swiglu_oai(gate, up)                             [S, F]
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hetero.kernels import cpu_qdot, cpu_threads, select
 from hetero.kernels.cpu_qdot_moe import PackedExperts, grouped_matmul, route
-from hetero.kernels.moe import GATINGS, choose_experts, swiglu_oai
+from hetero.kernels.moe import GATINGS, moe_combine_ref, moe_route_ref, swiglu_oai
 
 ACTIVATIONS = ("silu", "swiglu_oai")
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -154,8 +154,7 @@ def moe_layer_ref(
         r = layer.router
         if r is None:
             raise ValueError("no router in this layer: pass ids and w")
-        ids, w = choose_experts(F.linear(h, r.weight, r.bias), r.gating, r.k, r.norm)
-    t, k = ids.shape
+        ids, w = moe_route_ref(F.linear(h, r.weight, r.bias), r.k, r.gating, r.norm)
     rt = route(ids, layer.gate.n_experts)
     same = layer.gate.ggml_type == layer.up.ggml_type
     pairs = [[layer.gate, layer.up]] if same else [[layer.gate], [layer.up]]
@@ -170,4 +169,4 @@ def moe_layer_ref(
     (down,) = grouped_matmul(a.contiguous(), [layer.down], rt, False, threads)
     o = torch.empty_like(down)
     o[rt.order] = biased(down, bd)  # back to slot order (t, j)
-    return (o.view(t, k, -1) * w.float()[..., None]).sum(1), ids, w
+    return moe_combine_ref(o, w.float()), ids, w

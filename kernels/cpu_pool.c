@@ -149,12 +149,19 @@ void pool_run(pool_fn fn, void *ctx, int64_t n_items, int nthreads) {
     pthread_mutex_lock(&job_lock);
     const uint32_t g = atomic_load(&P.gen) + 1;
     grow(nthreads);
+    /* The new generation's state first: a worker still in the last job's `work` loop (its items
+     * all done, about to look for another, perhaps descheduled in between) must not pair the
+     * last job's state with this job's count, fn or ctx. Once the state names g, its check
+     * fails and its compare-and-swap of the old state cannot succeed. (Stored last, as it once
+     * was, such a worker claimed an item of the last job's numbering and ran it with this
+     * job's fn and, or, ctx: items ran twice or late, and a call returned early.) No worker
+     * claims an item of g before P.gen says g, stored last. */
+    atomic_store(&P.state, (uint64_t)g << 32);
     atomic_store(&P.fn, fn);
     atomic_store(&P.ctx, ctx);
     atomic_store(&P.n, n_items);
     atomic_store(&P.nthreads, P.started + 1 < nthreads ? P.started + 1 : nthreads);
     atomic_store(&P.done, 0);
-    atomic_store_explicit(&P.state, (uint64_t)g << 32, memory_order_release);
     atomic_store(&P.gen, g);
     if (atomic_load(&P.sleepers) > 0) wake_sleepers();
     in_job = 1;
@@ -184,4 +191,28 @@ int native_pool_selftest(int64_t n, int nthreads, int64_t *sums) {
         used += sums[i] != 0;
     }
     return used;
+}
+
+/* For tests: `jobs` short jobs back to back, alternating two contexts (as kernels alternate),
+ * n items each (1 .. 97); returns how many jobs' sums were wrong when pool_run returned or a
+ * moment later (an item run twice, run late, or run with the other job's context). */
+int native_pool_stress(int jobs, int nthreads) {
+    static _Atomic int64_t acc[2][POOL_MAX_THREADS];
+    int bad = 0;
+    for (int j = 0; j < jobs; j++) {
+        _Atomic int64_t *ctx = acc[j & 1];
+        const int64_t n = 1 + (int64_t)j * 7919 % 97;
+        for (int i = 0; i < POOL_MAX_THREADS; i++) atomic_store(&ctx[i], 0);
+        pool_run(add_index, ctx, n, nthreads);
+        for (int check = 0; check < 2; check++) {
+            int64_t total = 0;
+            for (int i = 0; i < POOL_MAX_THREADS; i++) total += atomic_load(&ctx[i]);
+            if (total != n * (n + 1) / 2) {
+                bad++;
+                break;
+            }
+            if (check == 0) sched_yield(); /* a late item of this job would land meanwhile */
+        }
+    }
+    return bad;
 }

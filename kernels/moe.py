@@ -25,25 +25,6 @@ from hetero.kernels.registry import register
 
 GATINGS = ("softmax", "softmax_topk")
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp: LLM_FFN_SWIGLU_OAI_MOE)
-NORM_EPS = 6.103515625e-5  # llama.cpp clamps the sum of the k weights away from 0 (f16's min)
-
-
-def choose_experts(
-    logits: torch.Tensor, gating: str, k: int, norm: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's choice from its logits [T, E] float32: ids [T, k], weights [T, k].
-
-    "softmax" (qwen3moe): p = softmax(logits); w, ids = topk(p, k); w /= sum(w) where norm
-    "softmax_topk" (gpt-oss): l, ids = topk(logits, k); w = softmax(l)"""
-    if gating == "softmax":
-        w, ids = logits.softmax(-1).topk(k, dim=-1)
-        if norm:
-            w = w / w.sum(-1, keepdim=True).clamp_min(NORM_EPS)
-        return ids, w
-    if gating != "softmax_topk":
-        raise ValueError(f"gating {gating!r} is not one of {', '.join(GATINGS)}")
-    top, ids = logits.topk(k, dim=-1)
-    return ids, top.softmax(-1)
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -101,3 +82,34 @@ def moe_matmul_ref(
         w = expert_matrix(qweight, e, ggml_type, shape, x.dtype)
         y[sel] = x[rows[sel]] @ w.t()
     return y
+
+
+# llama.cpp clamps the sum of a token's chosen weights away from 0 (f16's smallest normal)
+NORM_FLOOR = 6.103515625e-5
+
+
+@register("moe_route", "torch")
+def moe_route_ref(
+    logits: torch.Tensor, k: int, gating: str, norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice from its logits [T, E] (float32): (ids [T, k] int64, w [T, k] float32).
+
+    "softmax": the k largest of softmax(logits), their weights renormalized to sum to 1 where
+    `norm` (Qwen3 MoE); "softmax_topk": the k largest logits, softmax over those k (gpt-oss)."""
+    if gating == "softmax":
+        w, ids = logits.softmax(-1).topk(k, dim=-1)
+        if norm:
+            w = w / w.sum(-1, keepdim=True).clamp_min(NORM_FLOOR)
+        return ids, w
+    if gating == "softmax_topk":
+        top, ids = logits.topk(k, dim=-1)
+        return ids, top.softmax(-1)
+    raise ValueError(f"gating {gating!r} is not one of softmax, softmax_topk")
+
+
+@register("moe_combine", "torch")
+def moe_combine_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A token's expert outputs summed by their weights: o [T * k, C] (slot t * k + j), w [T, k]
+    float32 -> [T, C] in o's dtype, accumulated in float32 and rounded once."""
+    t, k = w.shape
+    return (o.float().view(t, k, -1) * w[..., None]).sum(1).to(o.dtype)

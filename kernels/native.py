@@ -59,6 +59,7 @@ _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 SIGNATURES = {  # C function -> (argument types, result type)
     "native_cpu_features": ([], _INT),
     "native_pool_selftest": ([_I64, _INT, _PTR], _INT),
+    "native_pool_stress": ([_INT, _INT], _INT),
     "qdot_isa": ([], _INT),
     "qdot_quantize": ([_PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT], None),
     "qdot_gemm": ([_INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT], _INT),

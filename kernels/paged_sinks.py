@@ -10,9 +10,10 @@ Same paged cache and metadata as kernels/paged.py, two more arguments:
 
         o = sum_j exp(s_j - m) v_j / (exp(sink - m) + sum_j exp(s_j - m)),  m = max(sink, s_j)
 
-A window layer keeps all its context's KV in the pool (one block table serves every layer, and
-gpt-oss alternates window and full layers): the window is a mask here, and the Triton kernels
-skip the key tiles before it.
+A window layer reads its KV through its own block table (engine/kv_groups.py: a KV cache group
+of the window layers), whose blocks before the window are released and read as the pool's
+zeroed null block: the window is a mask here, and the Triton kernels skip the key tiles before
+it (the first tile they read may start in the null block: zeros, masked out).
 """
 
 from __future__ import annotations

@@ -11,15 +11,17 @@ blocks of BT, each block one expert's, an expert's last block padded with the id
     sorted_ids   [1 5 S S | 3 S S S | 0 2 4 S]  (+ unused blocks up to the static bound)
     expert_ids   [0       | 1       | 2      ]  (-1 for the unused blocks: they exit at once)
 
-One program per (block, tile of BN output rows) decodes its expert's weight tile once and
-multiplies it with the block's BT rows of x on the tensor cores, the `_qmm_kernel` step with
-the rows offset to the expert (the experts' matrices are one packed [E * N, K] weight:
-kernels/repack.py, every packable type including the codebook ones, MXFP4 for gpt-oss).
+Few slots (a decode step's, up to GEMV_MAX_SLOTS) skip the sort: one program per (slot, tile
+of rows) reads its expert's rows straight from topk_ids (`_moe_gemv_kernel`, the float decode
+loop of the dense GEMV). Otherwise one program per (block, tile of BN output rows) decodes its
+expert's weight tile once and multiplies it with the block's BT rows of x on the tensor cores,
+the `_qmm_kernel` step with the rows offset to the expert (the experts' matrices are one packed
+[E * N, K] weight: kernels/repack.py, every packable type including the codebook ones, MXFP4
+for gpt-oss).
 
 The sort runs on the device with shapes fixed by (T, k, E) alone (no host sync), so a decode
 step's MoE layers capture in a CUDA graph: the bound on blocks is that of vLLM,
-min(S, E) * (BT - 1) + S rows, so a one-token decode launches k blocks of real work plus
-empty ones.
+min(S, E) * (BT - 1) + S rows.
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ from typing import Any
 
 import torch
 
-from hetero.kernels.moe import moe_matmul_ref, slot_rows
+from hetero.kernels.moe import moe_matmul_ref
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
-from hetero.kernels.triton_qmatmul import _plane_args, triton_supported
+from hetero.kernels.triton_qmatmul import _GEMV_WARPS, _plane_args, gemv_block_n, triton_supported
 
 BLOCK_N = 64
+# Up to this many slots (T * k), each slot reads its expert's rows on its own (the GEMV kernel):
+# a decode step's k slots choose k distinct experts, so sorting them would only add launches and
+# pad each expert's one row to a tensor-core tile of 16
+GEMV_MAX_SLOTS = 16
+# Rows a GEMV program; 0: the dense decode kernel's (gemv_block_n). A decode step's expert
+# matrices are small (8 x 1536 x 2048 codes), so fewer rows a program give more programs to fill
+# the SMs: benchmarks/gpu_moe.py --block-n sweeps it
+GEMV_BLOCK_N = 0
 
 
 @dataclass(eq=False)
@@ -107,7 +117,8 @@ def moe_matmul_triton(
         raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
     t, top = topk_ids.shape
     s = t * top
-    slot_rows(x, topk_ids)  # checks x's row count
+    if x.shape[0] not in (t, s):
+        raise ValueError(f"x has {x.shape[0]} rows: neither T = {t} tokens nor S = {s} slots")
     x_div = 1 if x.shape[0] == s else top
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -115,10 +126,18 @@ def moe_matmul_triton(
     if s == 0:
         return y
     pw = qweight.packed
-    bt = block_rows(s, n_experts)
-    sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
     args, meta = _plane_args(pw)
     e = chunk_codes(pw.spec.low_bits)
+    if s <= GEMV_MAX_SLOTS:
+        ids = topk_ids.reshape(-1).contiguous()
+        bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
+        _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
+            x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:], **meta,
+            BN=bn, S=256 // e, num_warps=_GEMV_WARPS,
+        )  # fmt: skip
+        return y
+    bt = block_rows(s, n_experts)
+    sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (expert_ids.shape[0], -(-n // BLOCK_N))
     _kernels()._moe_mm_kernel[grid](

@@ -1,4 +1,9 @@
-"""The Triton kernel of the grouped MoE matmul (wrapper and layout: kernels/triton_moe.py).
+"""The Triton kernels of the grouped MoE matmul (wrapper and layout: kernels/triton_moe.py).
+
+    _moe_mm_kernel    slots sorted by expert into blocks, each block's weight tile decoded once
+                      and multiplied on the tensor cores (batches: many slots an expert)
+    _moe_gemv_kernel  one slot a program row, its expert's rows read straight from the ids
+                      (decode: a few slots, each expert chosen once; no sort, no padded rows)
 
 Imported on first use only (it imports triton), like triton_qkernels.
 """
@@ -9,6 +14,7 @@ import triton
 import triton.language as tl
 
 from hetero.kernels.triton_qdecode import _decode_tile, _load_step
+from hetero.kernels.triton_qkernels import _gemv_rows
 
 
 @triton.jit(do_not_specialize=["N", "n_chunks", "n_slots", "x_div", "grp_stride", "sb_stride"])
@@ -71,3 +77,79 @@ def _moe_mm_kernel(
         acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc, input_precision=PRECISION)
     dst = y_ptr + slots.to(tl.int64)[None, :] * y_stride + local[:, None]
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "n_chunks", "x_div", "grp_stride", "sb_stride", "zero"])
+def _moe_gemv_kernel(
+    x_ptr, y_ptr, ids_ptr,
+    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+    N, n_chunks, x_div, x_stride, y_stride,
+    code_stride, grp_stride, sb_stride, zero,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
+    BN: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """y[s, tile] = W_e[tile] x[s // x_div] for slot s = program_id(0), e = ids.flat[s],
+    tile = program_id(1)'s BN rows: `_qgemv_kernel`'s loop (float32 FMAs on the decoded
+    fields, scales factored out of each group's sum) on expert e's rows e * N + r."""
+    s = tl.program_id(0)
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    local = tl.program_id(1) * BN + tl.arange(0, BN)
+    rmask = local < N
+    rows = e * N + local
+    y = _gemv_rows(
+        x_ptr + (s // x_div).to(tl.int64) * x_stride, rows, rmask, 0, n_chunks,
+        codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+        code_stride, grp_stride, sb_stride, zero,
+        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S,
+    )  # fmt: skip
+    tl.store(y_ptr + s.to(tl.int64) * y_stride + local, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def moe_route_kernel(
+    logits, ids_out, w_out, E,
+    BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATING: tl.constexpr,
+    NORM: tl.constexpr,
+):  # fmt: skip
+    """Grid (T,): token t's K largest logits, largest first (ties: the lower id), and their
+    weights: GATING 0, softmax over all E then renormalized over the K where NORM; 1, softmax
+    over the K."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    v = tl.load(logits + t * E + e, mask=e < E, other=float("-inf"))
+    top = tl.max(v, axis=0)
+    denom = tl.sum(tl.where(e < E, tl.exp(v - top), 0.0), axis=0)
+    j = tl.arange(0, BK)
+    chosen = tl.zeros([BK], dtype=tl.int64)
+    vals = tl.full([BK], float("-inf"), dtype=tl.float32)
+    rest = v
+    for i in tl.static_range(K):
+        m = tl.max(rest, axis=0)
+        idx = tl.min(tl.where(rest == m, e, BE), axis=0)
+        chosen = tl.where(j == i, idx.to(tl.int64), chosen)
+        vals = tl.where(j == i, m, vals)
+        rest = tl.where(e == idx, float("-inf"), rest)
+    jm = j < K
+    if GATING == 0:
+        w = tl.exp(vals - top) / denom
+        if NORM:
+            w = w / tl.maximum(tl.sum(tl.where(jm, w, 0.0), axis=0), 6.103515625e-5)
+    else:
+        x = tl.where(jm, tl.exp(vals - top), 0.0)
+        w = x / tl.sum(x, axis=0)
+    tl.store(ids_out + t * K + j, chosen, mask=jm)
+    tl.store(w_out + t * K + j, w, mask=jm)
+
+
+@triton.jit
+def moe_combine_kernel(o, w, out, C, so, sout, K: tl.constexpr, BC: tl.constexpr):
+    """Grid (T, C / BC): out[t] = sum_j w[t, j] o[t K + j] in float32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        wj = tl.load(w + t * K + j)
+        acc += wj * tl.load(o + (t * K + j) * so + c, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out + t * sout + c, acc.to(out.dtype.element_ty), mask=cm)

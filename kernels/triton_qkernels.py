@@ -50,6 +50,37 @@ NO_SPECIALIZE = [
 ]
 
 
+@triton.jit
+def _gemv_rows(
+    x_row, rows, rmask, c_begin, c_end,
+    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+    code_stride, grp_stride, sb_stride, zero,
+    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
+    BN: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """[BN] float32: chunks c_begin .. c_end of W[rows] times the token x_row, S chunks a step
+    (the decode kernels' loop)."""
+    acc = tl.zeros([BN, S, 4], dtype=tl.float32)
+    # The next step's words are loaded before this step's math (a two-deep software pipeline:
+    # twice the bytes in flight per thread; the compiler does not pipeline loads that feed no dot)
+    nxt_words, nxt_high = _load_step(
+        codes_ptr, high_ptr, rows, rmask, c_begin, c_end, code_stride, S, LB, HB
+    )
+    # To c_end: a short last split runs no empty steps (whose scale loads, masked by the row
+    # only, read d / dmin past the plane for the last row)
+    for c0 in range(c_begin, c_end, S):
+        words, high = nxt_words, nxt_high
+        nxt_words, nxt_high = _load_step(
+            codes_ptr, high_ptr, rows, rmask, c0 + S, c_end, code_stride, S, LB, HB
+        )
+        acc = _float_chunks(
+            acc, words, high, zero, x_row, rows, rmask, c0, c_end, scale_ptr, min_ptr, d_ptr,
+            dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
+        )  # fmt: skip
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _qgemv_kernel(
     x_ptr, y_ptr, part_ptr, cnt_ptr,
@@ -73,25 +104,12 @@ def _qgemv_kernel(
     rmask = rows < N
     c_begin = pid_k * chunks_per_split
     c_end = tl.minimum(c_begin + chunks_per_split, n_chunks)
-    x_row = x_ptr + t * x_stride
-    acc = tl.zeros([BN, S, 4], dtype=tl.float32)
-    # The next step's words are loaded before this step's math (a two-deep software pipeline:
-    # twice the bytes in flight per thread; the compiler does not pipeline loads that feed no dot)
-    nxt_words, nxt_high = _load_step(
-        codes_ptr, high_ptr, rows, rmask, c_begin, c_end, code_stride, S, LB, HB
-    )
-    # To c_end: a short last split runs no empty steps (whose scale loads, masked by the row
-    # only, read d / dmin past the plane for the last row)
-    for c0 in range(c_begin, c_end, S):
-        words, high = nxt_words, nxt_high
-        nxt_words, nxt_high = _load_step(
-            codes_ptr, high_ptr, rows, rmask, c0 + S, c_end, code_stride, S, LB, HB
-        )
-        acc = _float_chunks(
-            acc, words, high, zero, x_row, rows, rmask, c0, c_end, scale_ptr, min_ptr, d_ptr,
-            dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
-        )  # fmt: skip
-    part = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    part = _gemv_rows(
+        x_ptr + t * x_stride, rows, rmask, c_begin, c_end,
+        codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+        code_stride, grp_stride, sb_stride, zero,
+        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S,
+    )  # fmt: skip
     _split_k_store(
         part, y_ptr + t * y_stride + rows, rmask, part_ptr, t * N + rows, T * N,
         cnt_ptr + pid_n * T + t, pid_k, tl.num_programs(2),

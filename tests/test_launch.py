@@ -4,10 +4,11 @@ weights a device is asked for are checked once, by the config; bad placements sa
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hetero.config import RuntimeConfig
 from hetero.factory import LaunchConfig
-from hetero.launch import _running, build_engine, placed
+from hetero.launch import _running, build_engine, fits_whole, placed
 from hetero.llm import LLM
 from hetero.planner.model_desc import describe
 from hetero.planner.plan import PlanConfig, PlanError, plan
@@ -72,3 +73,15 @@ def test_placement_and_weights_are_refused_clearly(tiny):
         plan(describe(str(tiny)), [gpu], PlanConfig(weights="cuda:0=qdot"))
     with pytest.raises(ValueError, match="n_gpu_layers"):
         RuntimeConfig(n_gpu_layers=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_model_that_fits_the_card_is_placed_without_profiling(tiny, tmp_path, monkeypatch):
+    """No split asked and weights far below the free memory: all layers on the GPU at once,
+    and no device profile is measured (none is written to the cache)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    launch = LaunchConfig.from_options(device="cuda")
+    assert fits_whole(tiny, "cuda")
+    assert placed(tiny, launch) == launch
+    assert not any(tmp_path.rglob("*.json"))

@@ -20,14 +20,30 @@ it fills only many steps later, blocks that running decodes need now.
 With lower KV tiers (kv_tiers.py: host RAM, disk), an evicted parked block keeps its data a tier
 down, and a prefix hit there takes fresh blocks that fill asynchronously (block_tiers.py: such
 blocks are *loading*, or in *limbo* once nobody holds them, until their restore finishes).
+
+A model with sliding-window layers has a KV cache group for them (kv_groups.py): a request holds
+one table per group, all of one length, and a window group's table holds the null block where
+its blocks fell out of the window (here a window of B positions, positions 0 .. 3B+5 computed):
+
+    positions  0 ...... B-1 | B ..... 2B-1 | 2B ..... 3B-1 | 3B .. 3B+5 . . |
+    full       [     17     ,      4       ,       9       ,      12        ]
+    window     [    null    ,     null     ,       3       ,      21        ]
+
+Before each step (append_slots) a window group releases the blocks that lie wholly before the
+window of the block boundary the step starts in (_slide): parked when named, so a later prefix
+hit may still find them (prefix_match.py says which blocks a hit needs of each group).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from hetero.engine.block_checks import check_blocks
+from hetero.engine.kv_groups import blocks_needed, cdiv, first_needed, group_name
 from hetero.engine.prefix_cache import PrefixCache, block_hash
+from hetero.engine.prefix_match import PrefixMatching
 from hetero.engine.request import Request, RequestStatus
 from hetero.kv_tiers.blocks import TieredBlocks
 
@@ -35,18 +51,19 @@ if TYPE_CHECKING:
     from hetero.kv_tiers.policy import KVTiers
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class BlockManager(TieredBlocks):
+class BlockManager(PrefixMatching, TieredBlocks):
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
         tiers: KVTiers | None = None,
+        windows: tuple[int, ...] = (0,),
+        window_slack: int = 0,
     ):
+        """windows: each KV cache group's attention window (kv_groups.KVGroups.windows; one
+        group of full attention by default); window_slack: positions a caller may roll back
+        num_computed_tokens by (a draft model's rejected guesses), whose window blocks are kept."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -54,6 +71,8 @@ class BlockManager(TieredBlocks):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows, self.window_slack = tuple(windows), window_slack
+        self.null_block = num_blocks  # a window table's entry where it holds no block
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cache = PrefixCache()
@@ -86,44 +105,27 @@ class BlockManager(TieredBlocks):
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def blocks_needed(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks, all groups together, a sequence of num_tokens holds at once when a
+        step computes up to step_tokens of it (kv_groups.blocks_needed)."""
+        return blocks_needed(
+            self.windows, num_tokens, step_tokens, self.block_size, self.window_slack
+        )
+
+    def max_tokens(self, step_tokens: int, limit: int) -> int:
+        """The longest sequence (at most `limit` tokens) the whole pool holds alone."""
+        lo, hi = 0, self.blocks_for(limit)  # blocks of one table; blocks_needed grows with them
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok = self.blocks_needed(mid * self.block_size, step_tokens) <= self.num_blocks
+            lo, hi = (mid, hi) if ok else (lo, mid - 1)
+        return min(limit, lo * self.block_size)
+
     # -- admission -------------------------------------------------------------------------------
 
     def cached_prefix_len(self, req: Request) -> int:
         """Tokens of req that a prefix hit would give it now (no side effects)."""
-        return len(self._match(req)) * self.block_size
-
-    def _match(self, req: Request) -> list[tuple[bytes, int | None]]:
-        """(name, block) of the longest run of req's leading full blocks that the cache holds.
-
-        block is None for a block a lower tier holds (restored if allocate takes the hit); the
-        run stops before the first of those when the tiers' cost model says recomputing their
-        tokens is faster than restoring them.
-
-        At most (num_tokens - 1) // B blocks: at least one token must be computed to get the
-        logits that choose the next token, so a prompt that is all hits (its length a multiple of
-        B) backs off by a whole block. Backing off one token instead would mean writing that
-        token's KV into a block other requests may be reading (a copy first); recomputing up to
-        B tokens costs little next to the prompt.
-        """
-        if not self.enable_prefix_caching:
-            return []
-        bs, hits, prev = self.block_size, [], None
-        tiers, lower = self.tiers, {"ram": 0, "disk": 0}
-        for i in range((req.num_tokens - 1) // bs):
-            h = block_hash(prev, req.tokens(i * bs, (i + 1) * bs))
-            block = self._cache.lookup(h)
-            tier = None if block is not None or tiers is None else tiers.where(h)
-            if block is None and tier is None:
-                break
-            if tier is not None:
-                lower[tier] += 1
-            hits.append((h, block))
-            prev = h
-        if (lower["ram"] or lower["disk"]) and not tiers.worth_restoring(  # type: ignore[union-attr]
-            lower["ram"], lower["disk"], bs
-        ):
-            hits = hits[: next(i for i, (_, b) in enumerate(hits) if b is None)]
-        return hits
+        return self._match(req).n * self.block_size
 
     def allocate(self, req: Request, num_new_tokens: int | None = None) -> bool:
         """Give a request without KV (new, or preempted to be recomputed) its first blocks.
@@ -136,38 +138,40 @@ class BlockManager(TieredBlocks):
         """
         if req.request_id in self._live or req.block_table:
             raise ValueError(f"request {req.request_id!r} already holds KV blocks")
-        hits = self._match(req)
-        hit_tokens = len(hits) * self.block_size
-        remaining = req.num_tokens - hit_tokens
+        hit = self._match(req)
+        remaining = req.num_tokens - hit.n * self.block_size
         n = remaining if num_new_tokens is None else num_new_tokens
         if not 1 <= n <= remaining:
             raise ValueError(
                 f"request {req.request_id!r}: num_new_tokens must be in 1..{remaining} "
-                f"(after a prefix hit of {hit_tokens} tokens), got {n}"
+                f"(after a prefix hit of {hit.n * self.block_size} tokens), got {n}"
             )
-        lower = sum(1 for _, b in hits if b is None)
-        num_new_blocks = self.blocks_for(hit_tokens + n) - len(hits)
-        # parked now, live after (a block in limbo is not counted free, so it costs nothing)
-        revived = sum(1 for _, b in hits if b is not None and self._cache.is_parked(b))
-        if num_new_blocks + lower + revived > self.num_free_blocks:
+        if self._cost(hit, n) > self.num_free_blocks:
             return False
         claimed = []
-        if lower:  # pin RAM sources and read disk ones before _take can evict anything
-            hits, claimed = self._claim(hits)
-            hit_tokens = len(hits) * self.block_size
-            num_new_blocks = self.blocks_for(hit_tokens + n) - len(hits)
-        for _, b in hits:
-            if b is not None:
-                self._revive(b)
-        table = [self._take() if b is None else b for _, b in hits]
+        if hit.lower:  # pin RAM sources and read disk ones before _take can evict anything
+            hit, claimed = self._claim(hit, n)
+            if hit is None:
+                return False
+        for b in hit.blocks:
+            if b.block is not None:
+                self._revive(b.block)
+        placed = {
+            (b.group, b.index): b.block if b.block is not None else self._take() for b in hit.blocks
+        }
         if claimed:
-            self._restore(hits, table, claimed)
-        req.block_table = table + [self._take() for _ in range(num_new_blocks)]
-        req.num_computed_tokens = hit_tokens
+            self._restore([(b.name, placed[b.group, b.index]) for b in hit.lower], claimed)
+        grow = self.blocks_for(hit.n * self.block_size + n) - hit.n
+        req.block_tables = [
+            [placed.get((g, i), self.null_block) for i in range(hit.n)]
+            + [self._take() for _ in range(grow)]
+            for g in range(len(self.windows))
+        ]
+        req.num_computed_tokens = hit.n * self.block_size
         if req.status is not RequestStatus.PREEMPTED:
-            req.num_cached_tokens = hit_tokens
+            req.num_cached_tokens = req.num_computed_tokens
         self._live[req.request_id] = req
-        self._hashes[req.request_id] = [h for h, _ in hits]
+        self._hashes[req.request_id] = hit.chain[: hit.n]
         self._want_gaps(req)
         return True
 
@@ -201,42 +205,66 @@ class BlockManager(TieredBlocks):
     def append_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Room for the KV of positions [computed, computed + n) of a request holding blocks.
 
-        A block those positions fall in that another request shares (a fork's partial last
-        block) is first copied: the request gets the copy and a copy instruction is queued for
-        the KV pool (take_copies). Returns False, changing nothing, when the pool is short; the
-        caller preempts someone and retries.
+        First the window groups release the blocks wholly before the window of position
+        `computed` (_slide). A block those positions fall in that another request shares (a
+        fork's partial last block) is then copied: the request gets the copy and a copy
+        instruction is queued for the KV pool (take_copies). Returns False, changing nothing
+        more, when the pool is short; the caller preempts someone and retries.
         """
-        table = self._table_of(req)
+        tables = self._tables_of(req)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if num_new_tokens == 0:
             return True
-        end = req.num_computed_tokens + num_new_tokens
+        self._slide(req)
+        end = self.blocks_for(req.num_computed_tokens + num_new_tokens)
         first = req.num_computed_tokens // self.block_size
-        last = min(len(table), self.blocks_for(end))
-        shared = [i for i in range(first, last) if self._ref[table[i]] > 1]
-        num_new_blocks = max(0, self.blocks_for(end) - len(table))
-        if num_new_blocks + len(shared) > self.num_free_blocks:
+        shared = [
+            (t, i) for t in tables for i in range(first, min(len(t), end)) if self._ref[t[i]] > 1
+        ]
+        grow = max(0, end - len(tables[0]))
+        if grow * len(tables) + len(shared) > self.num_free_blocks:
             return False
-        for i in shared:
-            src, dst = table[i], self._take()
+        for t, i in shared:
+            src, dst = t[i], self._take()
             self._ref[src] -= 1  # still >= 1: the other sharers keep the original
-            table[i] = dst
+            t[i] = dst
             self._copies.append((src, dst))
-        table.extend(self._take() for _ in range(num_new_blocks))
+        for t in tables:
+            t.extend(self._take() for _ in range(grow))
         return True
 
+    def _slide(self, req: Request) -> None:
+        """Release each window group's blocks that lie wholly before the window of the block
+        boundary at or before num_computed_tokens (less window_slack): no query from there on
+        reads them, and a later request that continues this one (the next turn of a chat) finds
+        the window its hit ends with, up to the last full block. Released blocks are a prefix
+        of the table, so the walk stops at the first null one."""
+        bs, null = self.block_size, self.null_block
+        edge = req.num_computed_tokens // bs * bs
+        for w, t in zip(self.windows, req.block_tables):
+            i = min(first_needed(w, edge, bs, self.window_slack), len(t)) - 1
+            gone = []
+            while i >= 0 and t[i] != null:
+                gone.append(t[i])
+                t[i] = null
+                i -= 1
+            self._release(reversed(gone))
+
     def commit(self, req: Request) -> None:
-        """Name the blocks that computed tokens filled since the last commit, for later hits."""
+        """Name the blocks that computed tokens filled since the last commit, for later hits:
+        each group's block by the group's name of its tokens (kv_groups.group_name)."""
         if not self.enable_prefix_caching:
             return
-        self._table_of(req)
-        hashes, table, bs = self._hashes[req.request_id], req.block_table, self.block_size
+        tables = self._tables_of(req)
+        hashes, bs = self._hashes[req.request_id], self.block_size
         prev = hashes[-1] if hashes else None
         for i in range(len(hashes), req.num_computed_tokens // bs):
             prev = block_hash(prev, req.tokens(i * bs, (i + 1) * bs))
-            if self._cache.register(table[i], prev):  # a duplicate stays unnamed
-                self._committed(table[i], prev)
+            for w, t in zip(self.windows, tables):
+                name = group_name(w, prev)
+                if t[i] != self.null_block and self._cache.register(t[i], name):
+                    self._committed(t[i], name)  # a duplicate stays unnamed
             hashes.append(prev)
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -246,7 +274,7 @@ class BlockManager(TieredBlocks):
         blocks holding them, including a partial last block, which the first of the two to write
         into it copies (append_slots). Fork costs no free blocks.
         """
-        ptable = self._table_of(parent)
+        ptables = self._tables_of(parent)
         c = parent.num_computed_tokens
         if child.request_id in self._live or child.block_table:
             raise ValueError(f"request {child.request_id!r} already holds KV blocks")
@@ -255,10 +283,9 @@ class BlockManager(TieredBlocks):
                 f"fork {parent.request_id!r} -> {child.request_id!r}: the child must extend the "
                 f"parent's {c} computed tokens by at least one token"
             )
-        shared = ptable[: self.blocks_for(c)]
-        for b in shared:
+        child.block_tables = [t[: self.blocks_for(c)] for t in ptables]
+        for b in self._held(b for t in child.block_tables for b in t):
             self._ref[b] += 1
-        child.block_table = list(shared)
         child.num_computed_tokens = c
         child.num_cached_tokens = min(c, child.num_prompt_tokens)
         self._live[child.request_id] = child
@@ -278,15 +305,16 @@ class BlockManager(TieredBlocks):
     def free(self, req: Request) -> None:
         """Drop req's references (finish, abort or preemption); its KV no longer counts.
 
-        Blocks whose count reaches zero are parked if named, else freed. The table is walked
+        Blocks whose count reaches zero are parked if named, else freed. The tables are walked
         tail first so a request's last blocks are evicted before its first ones: prefixes (the
         system prompt, earlier chat turns) are what later requests hit. Idempotent.
         """
         if req.request_id not in self._live:
-            req.block_table = []
+            req.block_tables = []
             return
-        self._release(reversed(req.block_table))
-        req.block_table = []
+        tables = req.block_tables
+        self._release(self._held([t[i] for i in reversed(range(len(tables[0]))) for t in tables]))
+        req.block_tables = []
         req.num_computed_tokens = 0
         del self._live[req.request_id]
         del self._hashes[req.request_id]
@@ -295,15 +323,20 @@ class BlockManager(TieredBlocks):
         """Drop req's blocks past those holding positions [0, num_tokens): the slots of
         speculative tokens that verification rejected. Only computed, accepted tokens are named
         (commit), so no dropped block carries a name for tokens that were never accepted."""
-        table = self._table_of(req)
+        tables = self._tables_of(req)
         if num_tokens < req.num_computed_tokens:
             raise ValueError(
                 f"request {req.request_id!r}: cannot trim below its "
                 f"{req.num_computed_tokens} computed tokens (asked {num_tokens})"
             )
         keep = self.blocks_for(num_tokens)
-        self._release(reversed(table[keep:]))
-        del table[keep:]
+        for t in tables:
+            self._release(self._held(reversed(t[keep:])))
+            del t[keep:]
+
+    def _held(self, entries: Iterable[int]) -> list[int]:
+        """The blocks among table entries (the null block left out)."""
+        return [b for b in entries if b != self.null_block]
 
     def _release(self, blocks) -> None:
         """Drop one reference on each block: at zero a named block is parked, others freed."""
@@ -330,54 +363,23 @@ class BlockManager(TieredBlocks):
 
     # -- addressing ------------------------------------------------------------------------------
 
-    def slot_mapping(self, req: Request, start: int, end: int) -> list[int]:
-        """Flat KV slots of positions start..end-1 (block * block_size + offset)."""
-        table, bs = req.block_table, self.block_size
+    def slot_mapping(self, req: Request, start: int, end: int, group: int = 0) -> list[int]:
+        """Flat KV slots of positions start..end-1 in `group`'s table (block * B + offset)."""
+        table, bs = req.block_tables[group], self.block_size
         if not 0 <= start <= end <= len(table) * bs:
             raise ValueError(
                 f"positions {start}..{end} are outside request {req.request_id!r}'s "
                 f"{len(table)} blocks ({len(table) * bs} slots)"
             )
+        if start < end and table[start // bs] == self.null_block:  # nulls lead the table
+            raise ValueError(f"positions {start}..{end} reach blocks out of the window")
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _table_of(self, req: Request) -> list[int]:
+    def _tables_of(self, req: Request) -> list[list[int]]:
         if self._live.get(req.request_id) is not req:
             raise ValueError(f"request {req.request_id!r} holds no KV blocks (allocate it first)")
-        return req.block_table
-
-    # -- invariants ------------------------------------------------------------------------------
+        return req.block_tables
 
     def check(self) -> None:
         """Raise AssertionError unless the bookkeeping is consistent (tests call it often)."""
-        counts = [0] * self.num_blocks
-        for rid, req in self._live.items():
-            if len(set(req.block_table)) != len(req.block_table):
-                raise AssertionError(f"{rid}: a block appears twice in {req.block_table}")
-            if req.num_computed_tokens > len(req.block_table) * self.block_size:
-                raise AssertionError(f"{rid}: computed tokens exceed its blocks")
-            if len(self._hashes[rid]) > req.num_computed_tokens // self.block_size:
-                raise AssertionError(f"{rid}: more block names than full computed blocks")
-            for b, h in zip(req.block_table, self._hashes[rid], strict=False):
-                if self._cache.hash_of(b) not in (None, h):
-                    raise AssertionError(f"{rid}: block {b} is named for other tokens")
-            for b in req.block_table:
-                counts[b] += 1
-        if counts != self._ref:
-            raise AssertionError("reference counts differ from the block tables")
-        free, parked, limbo = set(self._free), set(self._cache.parked_blocks()), self._limbo
-        if len(free) != len(self._free) or free & parked or limbo & (free | parked):
-            raise AssertionError("a block is listed twice among free, parked and limbo blocks")
-        if any(self._ref[b] for b in free | parked | limbo):
-            raise AssertionError("a referenced block is also free, parked or in limbo")
-        used = sum(1 for r in self._ref if r > 0)
-        if used + len(free) + len(parked) + len(limbo) != self.num_blocks:
-            raise AssertionError("free + parked + limbo + used blocks != total")
-        if not limbo <= set(self._loading) or set(self._loading) & (free | parked):
-            raise AssertionError("a loading block is free or parked, or limbo is not loading")
-        if self.tiers is not None:
-            self.tiers.check()
-        self._cache.check()
-        if any(self._cache.hash_of(b) is not None for b in free):
-            raise AssertionError("a free block still has a name")
-        if any(self._ref[d] == 0 for _, d in self._copies):
-            raise AssertionError("a queued copy writes into an unreferenced block")
+        check_blocks(self)

@@ -74,6 +74,7 @@ class Engine:
             cfg.block_size,
             cfg.enable_prefix_caching,
             tiers=None if tiers is None else tiers.tiers,
+            windows=info.kv_windows,
         )
         self.num_groups = info.max_in_flight
         sc = self._scheduler_config()

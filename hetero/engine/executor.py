@@ -72,6 +72,8 @@ class ExecutorInfo:
         beside running decodes within it.
     description: the KV pool (and the stages) in words, for the start line.
     stages: where the layers are, in order (a status page's drawing of the running model).
+    kv_windows: the attention window of each KV cache group the pools hold, one block table a
+        group (engine/kv_groups.py: from the model's config; (0,): full attention only).
     """
 
     num_blocks: int
@@ -84,6 +86,7 @@ class ExecutorInfo:
     prompt_graphs: bool = False
     description: str = ""
     stages: tuple[StageLayout, ...] = ()
+    kv_windows: tuple[int, ...] = (0,)
 
 
 @dataclass

@@ -45,7 +45,8 @@ class Request:
 
     num_computed_tokens: leading tokens of all_ids whose KV is in the cache.
     num_cached_tokens: of the prompt, how many came from the prefix cache at admission.
-    block_table: KV block ids, block i holding positions [i*block_size, (i+1)*block_size).
+    block_tables: KV block ids, one table per KV cache group (engine/kv_groups.py), block i of
+        each holding positions [i*block_size, (i+1)*block_size); block_table: the first's.
     """
 
     __slots__ = (
@@ -62,7 +63,7 @@ class Request:
         "num_computed_tokens",
         "num_cached_tokens",
         "num_preemptions",
-        "block_table",
+        "block_tables",
         "arrival",
         "admitted",
         "timeline",
@@ -103,7 +104,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = []
         self.arrival = time.monotonic() if arrival is None else arrival
         self.admitted: float | None = None  # perf_counter when first given KV blocks
         self.timeline: Any = None  # the engine's RequestTimeline of it (engine/timeline.py)
@@ -113,6 +114,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's table (the only one of a model without windows)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:
@@ -161,5 +167,5 @@ class Request:
         return (
             f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
             f"output={len(self.output_ids)}, computed={self.num_computed_tokens}, "
-            f"blocks={self.block_table})"
+            f"blocks={self.block_tables})"
         )

@@ -162,13 +162,21 @@ class Scheduler:
         if limit is not None:
             need = min(need, limit)
         bm = self.block_manager
-        if bm.blocks_for(need) > bm.num_blocks:
+        blocks = bm.blocks_needed(need, self.step_tokens)
+        if blocks > bm.num_blocks:
             raise ValueError(
                 f"request {req.request_id!r}: {req.num_prompt_tokens} prompt tokens + "
                 f"max_tokens {req.max_tokens} need {need} tokens of KV "
-                f"({bm.blocks_for(need)} blocks) but the whole pool holds "
-                f"{bm.num_blocks * bm.block_size} tokens ({bm.num_blocks} blocks)"
+                f"({blocks} blocks) but the whole pool holds "
+                f"{bm.max_tokens(self.step_tokens, need)} tokens ({bm.num_blocks} blocks)"
             )
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one request computes in a step (its longest prompt chunk)."""
+        cap = self.config.long_prefill_token_threshold
+        budget = self.config.max_num_batched_tokens
+        return min(budget, cap) if cap > 0 else budget
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:

@@ -7,8 +7,9 @@ the host, not the GPU, would bound it. Captured, the step is one graph launch.
 A graph replays fixed shapes from fixed addresses, so the step's inputs live in static buffers
 sized for the largest captured batch:
 
-    tokens, positions, slots [Bmax] int64; block_tables [Bmax, max_blocks] int32;
-    seq_lens [Bmax] int32; q_start_loc [Bmax + 1] int32 (0, 1, 2, ...: one query a sequence)
+    tokens, positions [Bmax] int64; seq_lens [Bmax] int32; q_start_loc [Bmax + 1] int32 (0, 1,
+    2, ...: one query a sequence); and for each KV cache group with layers in the pool
+    (engine/kv_groups.py: its own tables) slots [Bmax] int64, block_tables [Bmax, max_blocks] int32
 
 A step of n rows runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
 largest captured); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and seq_len 0
@@ -165,8 +166,17 @@ class DecodeGraphs:
         bmax, dev = self.buckets[-1], self.device
         self.tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.positions = torch.zeros(bmax, dtype=torch.long, device=dev)
-        self.slots = torch.full((bmax,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(bmax, self.max_blocks, dtype=torch.int32, device=dev)
+        # per KV cache group (None: no layer of the group here)
+        here = set(pool.layout.groups)
+        self.groups = [g for g in range(pool.layout.n_groups) if g in here]
+        self.slots = [
+            torch.full((bmax,), -1, dtype=torch.long, device=dev) if g in here else None
+            for g in range(pool.layout.n_groups)
+        ]
+        self.block_tables = [
+            torch.zeros(bmax, self.max_blocks, dtype=torch.int32, device=dev) if g in here else None
+            for g in range(pool.layout.n_groups)
+        ]
         self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.row_tile = row_tile
         self.decode_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)  # RowTiles
@@ -238,7 +248,7 @@ class DecodeGraphs:
         how many rows produce a token (their indices lead logit_rows)."""
         bs = self.block_size
         tokens, positions, produce = [], [], []
-        tables = torch.zeros(b, self.max_blocks, dtype=torch.int32)
+        tables = {g: torch.zeros(b, self.max_blocks, dtype=torch.int32) for g in self.groups}
         chunk_ids = torch.full((b,), -1, dtype=torch.long)  # each prompt row's chunk
         row = 0
         for i, s in enumerate(sched):
@@ -246,8 +256,9 @@ class DecodeGraphs:
             known = m - len(s.spec_ids)  # 1 for a decode, the chunk's tokens for a prompt
             tokens += [*s.req.tokens(pos, pos + known), *s.spec_ids]
             positions += range(pos, pos + m)
-            table = s.req.block_table[: (pos + m - 1) // bs + 1]
-            tables[row : row + m, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            for g, t in tables.items():
+                table = s.req.block_tables[g][: (pos + m - 1) // bs + 1]
+                t[row : row + m, : len(table)] = torch.tensor(table, dtype=torch.int32)
             if not _is_decode(s):
                 chunk_ids[row : row + m] = i
             row += m
@@ -260,17 +271,16 @@ class DecodeGraphs:
         )
         pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
         lens = torch.where(torch.arange(b) < row, pos_t + 1, 0).to(torch.int32)
-        blocks = tables.gather(
-            1, (pos_t // bs)[:, None].to(torch.long).clamp_max(self.max_blocks - 1)
-        )
-        slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
         fills = [
             (torch.tensor(tokens + [0] * pad, dtype=torch.long), self.tokens),
             (pos_t, self.positions),
-            (slots, self.slots),
             (lens, self.seq_lens),
-            (tables, self.block_tables),
         ]
+        block_of = (pos_t // bs)[:, None].to(torch.long).clamp_max(self.max_blocks - 1)
+        for g, t in tables.items():
+            blocks = t.gather(1, block_of)
+            slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
+            fills += [(slots, self.slots[g]), (t, self.block_tables[g])]
         if self._tile(b) > 1:  # only these buckets' attention reads the tiles (_forward)
             decode_lens, tile_lens = split_row_tiles(lens, chunk_ids, self.row_tile)
             self.tiled_rows += int((tile_lens > 0).sum())
@@ -281,29 +291,36 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """The model over the first b rows of the static buffers: [b, V] float32."""
-        bs = self.block_size
-        meta = PagedMeta(list(range(b)), [1] * b, [])
-        meta.tensors = TensorMeta(
-            self.block_tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1,
-            self.max_blocks * bs, bs,
-        )  # fmt: skip
-        if self._tile(b) > 1:  # a bucket for prompt rows: their chunks attend as tiles
-            meta.tensors.tiles = RowTiles(self.decode_lens[:b], self.tile_lens[:b], self.row_tile)
-        if self._ref_attention:  # the reference reads per-position slots; padding rows mask out
-            tables, lens = self.block_tables[:b], self.seq_lens[:b]
-            meta.decode_slots, meta.decode_mask = decode_slots_from_tables(tables, lens, bs)
+        metas = [None if g is None else self._meta(b, g) for g in self.block_tables]
+        slots = [None if t is None else t[:b] for t in self.slots]
         first = self.model.layer_range.start
-        attn = PagedAttention(self.pool, first, self.slots[:b], meta, self.scale)
+        attn = PagedAttention(self.pool, first, slots, metas, self.scale)
         batch = ForwardBatch(self.positions[:b], self.logit_rows[: self._logit_count(b)], attn)
         hidden = None if self.hidden is None else self.hidden[:b]
         return self.model(self.tokens[:b], batch, hidden)
+
+    def _meta(self, b: int, tables: torch.Tensor) -> PagedMeta:
+        """The attention metadata of b rows over one KV cache group's tables [Bmax, blocks]."""
+        bs = self.block_size
+        meta = PagedMeta(list(range(b)), [1] * b, [])
+        meta.tensors = TensorMeta(
+            tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1, self.max_blocks * bs, bs
+        )
+        if self._tile(b) > 1:  # a bucket for prompt rows: their chunks attend as tiles
+            meta.tensors.tiles = RowTiles(self.decode_lens[:b], self.tile_lens[:b], self.row_tile)
+        if self._ref_attention:  # the reference reads per-position slots; padding rows mask out
+            lens = self.seq_lens[:b]
+            meta.decode_slots, meta.decode_mask = decode_slots_from_tables(tables[:b], lens, bs)
+        return meta
 
     def capture(self) -> DecodeGraphs:
         """Record one graph per bucket, largest first (the smaller ones reuse its memory pool).
         Each is run once eagerly first: Triton compiles, lazily made buffers exist outside."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.slots.fill_(-1)
+        for t in self.slots:
+            if t is not None:
+                t.fill_(-1)
         self.seq_lens.zero_()
         mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)

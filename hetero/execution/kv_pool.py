@@ -3,6 +3,10 @@
 Each layer holds k and v as [num_blocks * block_size, KV, D] (plus per-token-head float32 scales
 in fp8), so a token's slot is block * block_size + offset: the block manager hands out blocks,
 the runner turns block tables into slot indices, the kernels read and write slots.
+
+With sliding-window layers the layers of each KV cache group share the pool's layer slots
+(engine/kv_groups.py: a block holds one group's KV), and one zeroed block follows the usable
+ones: the null block that a window group's table holds where its blocks fell out of the window.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from hetero.config import ModelConfig
 from hetero.engine.config import kv_dtype_rule
+from hetero.engine.kv_groups import KVGroups, blocks_needed
 from hetero.kernels import select
 
 # fp32 is for exact comparisons with the contiguous fp32 reference, not for serving.
@@ -62,11 +67,38 @@ def free_memory(device: str) -> int:
 CPU_POOL_CONTEXTS = 4
 
 
-def cpu_pool_need(max_model_len: int, max_num_seqs: int, block_size: int) -> tuple[int, str]:
-    """(blocks, why) a CPU pool is sized to: CPU_POOL_CONTEXTS contexts of max_model_len."""
+def cpu_pool_need(
+    max_model_len: int,
+    max_num_seqs: int,
+    block_size: int,
+    windows: tuple[int, ...] = (0,),
+    step_tokens: int = 0,
+) -> tuple[int, str]:
+    """(blocks, why) a CPU pool is sized to: CPU_POOL_CONTEXTS contexts of max_model_len, each
+    needing every KV cache group's blocks (a window group's while steps compute step_tokens)."""
     seqs = max(1, min(max_num_seqs, CPU_POOL_CONTEXTS))
-    blocks = -(-max_model_len // block_size) * seqs
-    return blocks, f"sized for {seqs} sequence(s) of {max_model_len} tokens"
+    per_seq = blocks_needed(windows, max_model_len, step_tokens or max_model_len, block_size)
+    return per_seq * seqs, f"sized for {seqs} sequence(s) of {max_model_len} tokens"
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """How a pool holds the KV of a range of layers (engine/kv_groups.py): each layer's slot
+    and KV cache group, the slots a block has, the model's group count, and whether a zeroed
+    null block follows the usable ones (a model with window groups)."""
+
+    slots: tuple[int, ...]
+    groups: tuple[int, ...]
+    n_slots: int
+    n_groups: int
+    null_block: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, layers: range) -> PoolLayout:
+        kg = KVGroups.of(cfg)
+        slots, n = kg.slots(layers)
+        groups = tuple(kg.layer_group[i] for i in layers)
+        return cls(tuple(slots), groups, n, len(kg.windows), kg.windowed)
 
 
 @dataclass(frozen=True)
@@ -100,14 +132,16 @@ def size_pool(
     fraction: float,
     max_blocks: int | None = None,
     need: tuple[int, str] | None = None,
+    null_block: bool = False,
 ) -> PoolSize:
     """Blocks that fit in `fraction` of the free memory (capped at max_blocks when given); on a
-    CPU at most `need` = (blocks, why) from cpu_pool_need, what the pool must hold."""
+    CPU at most `need` = (blocks, why) from cpu_pool_need, what the pool must hold. n_layers:
+    the layer slots a block has (PoolLayout.n_slots); null_block: one more block is made."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv memory fraction must be in (0, 1], got {fraction}")
     per_block = block_bytes(cfg, n_layers, block_size, kv_dtype)
     free = free_memory(device)
-    n = int(free * fraction) // per_block
+    n = int(free * fraction) // per_block - null_block
     capped = max_blocks is not None and max_blocks < n
     sized_for = ""
     if capped:
@@ -126,16 +160,19 @@ class KVPool:
     def __init__(
         self,
         cfg: ModelConfig,
-        n_layers: int,
+        layers: range | int,
         num_blocks: int,
         block_size: int,
         kv_dtype: str = "fp8",
         device: str = "cpu",
     ):
+        """The KV of `layers` (an int n: layers 0 .. n - 1) in num_blocks usable blocks."""
         self.dtype = STORAGE[kv_dtype]
         self.kv_dtype, self.block_size, self.num_blocks = kv_dtype, block_size, num_blocks
-        slots = num_blocks * block_size
-        shape = (n_layers, slots, cfg.n_kv_heads, cfg.head_dim)
+        layers = range(layers) if isinstance(layers, int) else layers
+        self.layout = layout = PoolLayout.of(cfg, layers)
+        slots = (num_blocks + layout.null_block) * block_size
+        shape = (layout.n_slots, slots, cfg.n_kv_heads, cfg.head_dim)
         # empty, not zeros: pages are touched only when used (a CPU pool may be many GiB)
         self.k = torch.empty(shape, dtype=self.dtype, device=device)
         self.v = torch.empty(shape, dtype=self.dtype, device=device)
@@ -143,18 +180,23 @@ class KVPool:
         if kv_dtype == "fp8":
             self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
             self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+        if layout.null_block:  # read (and masked out) at a window's edge: finite, never NaN
+            for t in (self.k, self.v, self.k_scale, self.v_scale):
+                if t is not None:
+                    t[:, num_blocks * block_size :].zero_()
         self._write = select("kv_write", torch.device(device)).fn
         # per-layer views made once: a decode step asks for each layer's twice (write, attend),
         # and 4 tensor selects per ask are a measurable share of a small model's step on a CPU
-        self._layers = [self._layer_views(i) for i in range(n_layers)]
+        self._layers = [self._layer_views(s) for s in layout.slots]
 
-    def _layer_views(self, i: int):
-        ks = None if self.k_scale is None else self.k_scale[i]
-        vs = None if self.v_scale is None else self.v_scale[i]
-        return self.k[i], self.v[i], ks, vs
+    def _layer_views(self, s: int):
+        ks = None if self.k_scale is None else self.k_scale[s]
+        vs = None if self.v_scale is None else self.v_scale[s]
+        return self.k[s], self.v[s], ks, vs
 
     def layer(self, i: int):
-        """k, v [slots, KV, D] of layer i, and their fp8 scales [slots, KV] (else None)."""
+        """k, v [slots, KV, D] of the range's layer i, and their fp8 scales [slots, KV] (else
+        None)."""
         return self._layers[i]
 
     def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

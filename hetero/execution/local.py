@@ -20,6 +20,7 @@ from hetero.config import bind_device
 from hetero.embedding import Embedder
 from hetero.engine.config import EngineConfig
 from hetero.engine.executor import ExecutorFailure, ExecutorInfo, ModelOutput, Step
+from hetero.engine.kv_groups import KVGroups
 from hetero.execution.cuda_graph import DecodeGraphs
 from hetero.execution.layout import segment_layout
 from hetero.execution.offload import StreamedMatmuls
@@ -106,6 +107,7 @@ class LocalExecutor:
             prompt_graphs=whole and all(g.buckets[-1] > g.max_batch for g in graphs),
             description=self.describe_kv(),
             stages=tuple(segment_layout(s) for s in self.segments),
+            kv_windows=KVGroups.of(self.model.config).windows,
         )
 
     def describe_kv(self) -> str:

@@ -31,27 +31,27 @@ class PagedMeta:
 
 
 class PagedAttention:
-    """The ForwardBatch attention backend of one step: write the new KV, attend over pages."""
+    """The ForwardBatch attention backend of one step: write the new KV, attend over pages.
 
-    def __init__(
-        self, pool: KVPool, first_layer: int, slots: torch.Tensor, meta: PagedMeta, scale: float
-    ):
-        self.pool, self.first, self.slots, self.meta, self.scale = (
-            pool,
-            first_layer,
-            slots,
-            meta,
-            scale,
-        )
+    slots [T] (the new tokens' slots) and meta: one of each, or a list of each with one per KV
+    cache group of the pool (engine/kv_groups.py; None for a group without layers here): a
+    layer writes and reads through its group's block tables."""
+
+    def __init__(self, pool: KVPool, first_layer: int, slots, meta, scale: float):
+        self.pool, self.first, self.scale = pool, first_layer, scale
+        self.slots = slots if isinstance(slots, list) else [slots]
+        self.meta = meta if isinstance(meta, list) else [meta]
+        self._group = pool.layout.groups if len(self.meta) > 1 else None
         self._attend = select("paged_attention", pool.k.device).fn
 
     def __call__(self, layer: int, q, k, v, window: int = 0, sinks=None) -> torch.Tensor:
         i = layer - self.first
-        self.pool.write(i, self.slots, k, v)
+        g = 0 if self._group is None else self._group[i]
+        self.pool.write(i, self.slots[g], k, v)
         if window or sinks is not None:  # gpt-oss: kernels/paged_sinks.py
             attend = select("paged_attention_sinks", self.pool.k.device).fn
-            return attend(q, *self.pool.layer(i), self.meta, self.scale, window, sinks)
-        return self._attend(q, *self.pool.layer(i), self.meta, self.scale)
+            return attend(q, *self.pool.layer(i), self.meta[g], self.scale, window, sinks)
+        return self._attend(q, *self.pool.layer(i), self.meta[g], self.scale)
 
 
 def _context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
@@ -60,14 +60,17 @@ def _context_slots(table: list[int], ctx_len: int, block_size: int) -> torch.Ten
 
 
 def build_meta(
-    scheduled: list[ScheduledRequest], block_size: int, tensors: bool = True
+    scheduled: list[ScheduledRequest], block_size: int, tensors: bool = True, group: int = 0
 ) -> tuple[torch.Tensor, PagedMeta]:
     """Slots of the new tokens [T] and the per-sequence attention metadata (with `tensors`, the
-    block-table form the Triton kernels read, too)."""
+    block-table form the Triton kernels read, too), through KV cache group `group`'s tables.
+    A window group's context slots reach its null block where its blocks were released: zeros
+    that the window masks out."""
     meta = PagedMeta([], [], [])
     new_slots, row = [], 0
     for s in scheduled:
-        ctx = _context_slots(s.req.block_table, s.start_pos + s.num_new_tokens, block_size)
+        table = s.req.block_tables[group]
+        ctx = _context_slots(table, s.start_pos + s.num_new_tokens, block_size)
         meta.q_starts.append(row)
         meta.q_lens.append(s.num_new_tokens)
         meta.ctx_slots.append(ctx)
@@ -84,7 +87,7 @@ def build_meta(
         meta.decode_slots, meta.decode_mask = slots, mask
     if tensors:
         ctx_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
-        tables = [s.req.block_table for s in scheduled]
+        tables = [s.req.block_tables[group] for s in scheduled]
         meta.tensors = tensor_meta(tables, ctx_lens, meta.q_lens, block_size)
     return torch.cat(new_slots), meta
 
@@ -126,19 +129,9 @@ class ModelRunner:
             if s.produces_token:
                 last_rows.extend(range(row - 1 - len(s.spec_ids), row))
                 producing.append(s)
-        slots, meta = build_meta(sched, self.pool.block_size, self.tensor_meta)
+        slots, metas = self._metas(sched)
+        attn = PagedAttention(self.pool, self.model.layer_range.start, slots, metas, self.scale)
         dev = self.device
-        meta.ctx_slots = [c.to(dev) for c in meta.ctx_slots]
-        if meta.decode_slots is not None:
-            meta.decode_slots, meta.decode_mask = (
-                meta.decode_slots.to(dev),
-                meta.decode_mask.to(dev),
-            )
-        if meta.tensors is not None:
-            meta.tensors = meta.tensors.to(dev)
-        attn = PagedAttention(
-            self.pool, self.model.layer_range.start, slots.to(dev), meta, self.scale
-        )
         batch = ForwardBatch(
             torch.tensor(positions, device=dev),
             torch.tensor(last_rows, dtype=torch.long, device=dev),
@@ -146,3 +139,24 @@ class ModelRunner:
         )
         logits = self.model(torch.tensor(tokens, device=dev), batch, hidden)
         return logits, producing
+
+    def _metas(self, sched: list[ScheduledRequest]) -> tuple[list, list]:
+        """The new tokens' slots and the attention metadata of each KV cache group with layers
+        in this pool, on the device (None for the others)."""
+        dev, layout = self.device, self.pool.layout
+        slots, metas = [], []
+        for g in range(layout.n_groups):
+            if g not in layout.groups:
+                slots.append(None)
+                metas.append(None)
+                continue
+            sl, meta = build_meta(sched, self.pool.block_size, self.tensor_meta, g)
+            meta.ctx_slots = [c.to(dev) for c in meta.ctx_slots]
+            if meta.decode_slots is not None:
+                meta.decode_slots = meta.decode_slots.to(dev)
+                meta.decode_mask = meta.decode_mask.to(dev)
+            if meta.tensors is not None:
+                meta.tensors = meta.tensors.to(dev)
+            slots.append(sl.to(dev))
+            metas.append(meta)
+        return slots, metas

@@ -8,7 +8,7 @@ with no process, pipe or collective between them.
 
 Each segment holds its layers, a KV pool for them on its device and the ModelRunner over both
 (with CUDA graphs of decode steps on a GPU). All pools have the same number of blocks: one block
-table per request indexes every segment's pool.
+table per request (per KV cache group: engine/kv_groups.py) indexes every segment's pool.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 
 from hetero.config import bind_device
 from hetero.engine.config import EngineConfig
+from hetero.engine.kv_groups import KVGroups
 from hetero.execution.cuda_graph import capture_decode_graphs, graph_rows
 from hetero.execution.kv_pool import (
     KVPool,
+    PoolLayout,
     PoolSize,
     block_bytes,
     cpu_pool_need,
@@ -36,9 +38,13 @@ class Segment:
         self.device = torch.device(model.runtime.device)
         self.dtype = model.runtime.torch_dtype()
         bind_device(model.runtime.device)
-        n = len(model.layer_range)
         self.pool = KVPool(
-            model.config, n, size.num_blocks, config.block_size, kv_dtype, model.runtime.device
+            model.config,
+            model.layer_range,
+            size.num_blocks,
+            config.block_size,
+            kv_dtype,
+            model.runtime.device,
         )
         self.runner = ModelRunner(model, self.pool)
 
@@ -47,18 +53,23 @@ class Segment:
         model: LlamaModel, config: EngineConfig, max_model_len: int, fraction: float
     ) -> tuple[str, PoolSize]:
         """The KV dtype this segment's device stores, and the blocks its memory holds."""
-        device = model.runtime.device
+        device, sc = model.runtime.device, config.scheduler
         kv_dtype = resolve_kv_dtype(config.kv_dtype, device)
-        need = cpu_pool_need(max_model_len, config.scheduler.max_num_seqs, config.block_size)
+        layout = PoolLayout.of(model.config, model.layer_range)
+        windows = KVGroups.of(model.config).windows
+        need = cpu_pool_need(
+            max_model_len, sc.max_num_seqs, config.block_size, windows, sc.max_num_batched_tokens
+        )
         size = size_pool(
             model.config,
-            len(model.layer_range),
+            layout.n_slots,
             config.block_size,
             kv_dtype,
             device,
             fraction,
             config.num_kv_blocks,
             need,
+            layout.null_block,
         )
         return kv_dtype, size
 
@@ -80,7 +91,7 @@ class Segment:
         return self.runner.run(out, hidden)[0]
 
     def describe(self, config: EngineConfig) -> str:
-        cfg, n = self.model.config, len(self.model.layer_range)
+        cfg, n = self.model.config, self.pool.layout.n_slots
         costs = ", ".join(
             f"{d} {block_bytes(cfg, n, config.block_size, d) / 1024:.1f} KiB"
             for d in ("fp8", "fp16", "bf16")

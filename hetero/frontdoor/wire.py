@@ -36,20 +36,26 @@ class EngineInfo:
     kv_description: str  # the pool (and stages), for the ready line
     stages: tuple = ()  # engine/executor.py's StageLayouts: where the layers are, as loaded
     max_num_seqs: int = 0  # sequences the scheduler runs at once (llama.cpp's slots)
+    # tokens of KV one request can hold at most: the whole pool, or with sliding-window layers
+    # what the full layers' blocks may take beside the window's (engine/kv_groups.py); 0:
+    # num_blocks * block_size
+    max_request_tokens: int = 0
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         bm = engine.block_manager
         seqs = engine.config.scheduler.max_num_seqs
         stages = engine.executor.info.stages
+        held = bm.max_tokens(engine.scheduler.step_tokens, bm.num_blocks * bm.block_size * 2)
         return cls(
-            engine.max_model_len, bm.num_blocks, bm.block_size, engine.describe_kv(), stages, seqs
-        )
+            engine.max_model_len, bm.num_blocks, bm.block_size, engine.describe_kv(), stages, seqs,
+            held,
+        )  # fmt: skip
 
     @property
     def pool_tokens(self) -> int:
         """Tokens of KV one request can hold at most: the whole pool."""
-        return self.num_blocks * self.block_size
+        return self.max_request_tokens or self.num_blocks * self.block_size
 
 
 # -- server -> engine ------------------------------------------------------------------------

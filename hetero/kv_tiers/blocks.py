@@ -14,7 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from hetero.engine.kv_groups import group_name
 from hetero.engine.prefix_cache import block_hash
+from hetero.engine.prefix_match import PrefixHit, match_prefix
 
 if TYPE_CHECKING:
     from hetero.engine.prefix_cache import PrefixCache
@@ -27,7 +29,9 @@ class TieredBlocks:
 
     _cache: PrefixCache
     _free: deque[int]
-    _match: Callable[[Request], list[tuple[bytes, int | None]]]
+    _match: Callable[[Request], PrefixHit]
+    _cost: Callable[[PrefixHit, int], int]
+    windows: tuple[int, ...]
 
     def _init_tiers(self, tiers: KVTiers | None) -> None:
         self.tiers = tiers
@@ -35,23 +39,46 @@ class TieredBlocks:
         self._ticket_blocks: dict[int, list[int]] = {}
         self._limbo: set[int] = set()
 
-    def _claim(self, hits: list[tuple[bytes, int | None]]):
-        """Make the lower-tier hits safe to restore; cut the run at the first that is not."""
-        assert self.tiers is not None
-        names = [h for h, b in hits if b is None]
-        claimed = self.tiers.claim(names)
-        if len(claimed) < len(names):
-            cut = [i for i, (_, b) in enumerate(hits) if b is None][len(claimed)]
-            hits = hits[:cut]
-        return hits, claimed
+    def _claim(self, hit: PrefixHit, n: int) -> tuple[PrefixHit | None, list]:
+        """Make the lower-tier blocks of `hit` safe to restore. Where one cannot be claimed (a
+        file gone bad), the hit is matched again without it (a shorter one, whose window blocks
+        may be others) and those are claimed, until every block it needs is; claims it does not
+        take are given back. None when that hit needs more free blocks than there are (for n
+        new tokens)."""
+        tiers = self.tiers
+        assert tiers is not None
+        got: dict[bytes, tuple] = {}
+        bad: set[bytes] = set()
+        cache = self._cache
 
-    def _restore(self, hits, table: list[int], claimed) -> None:
-        """Name the fresh blocks of lower-tier hits and queue their restore; they are loading."""
+        def locate(name: bytes) -> int | str | None:
+            block = cache.lookup(name)
+            if block is not None or name in bad:
+                return block
+            return "claimed" if name in got else tiers.where(name)
+
+        while True:
+            need = [b for b in hit.lower if b.name not in got]
+            claimed = tiers.claim([b.name for b in need])
+            got.update(zip((b.name for b in need), claimed))
+            if len(claimed) == len(need):
+                break
+            bad.add(need[len(claimed)].name)
+            hit = match_prefix(hit.chain, self.windows, self.block_size, locate)
+        taken = [got.pop(b.name) for b in hit.lower]
+        tiers.unclaim(list(got.values()))
+        if self._cost(hit, n) > self.num_free_blocks:  # type: ignore[attr-defined]
+            tiers.unclaim(taken)
+            return None, []
+        return hit, taken
+
+    def _restore(self, fills: list[tuple[bytes, int]], claimed) -> None:
+        """Name the fresh blocks (name, block) of lower-tier hits and queue their restore under
+        one ticket; they are loading until it finishes."""
         assert self.tiers is not None
-        blocks = [t for (h, b), t in zip(hits, table) if b is None]
-        for (h, b), t in zip(hits, table):
-            if b is None:
-                self._cache.register(t, h)
+        blocks = [b for _, b in fills]
+        for name, b in fills:
+            self._cache.register(b, name)
         ticket = self.tiers.restore(claimed, blocks)
         self._ticket_blocks[ticket] = blocks
         for b in blocks:
@@ -64,11 +91,11 @@ class TieredBlocks:
         disk = None if self.tiers is None else self.tiers.disk
         if disk is None or not len(disk):
             return
-        bs, names = self.block_size, self._hashes[req.request_id]
+        bs, names, w = self.block_size, self._hashes[req.request_id], self.windows[0]
         prev, chain = (names[-1] if names else None), []
         for i in range(len(names), (req.num_tokens - 1) // bs):
             prev = block_hash(prev, req.tokens(i * bs, (i + 1) * bs))
-            chain.append(prev)
+            chain.append(group_name(w, prev))  # the first group's blocks: full attention's
         last = max((k for k, h in enumerate(chain) if disk.contains(h)), default=0)
         missing = [h for h in chain[:last] if not disk.contains(h)]
         if missing:
@@ -83,13 +110,13 @@ class TieredBlocks:
         prefetch = None if self.tiers is None else self.tiers.prefetch
         if prefetch is None or not len(prefetch.disk):
             return False
-        tiers = self.tiers
-        names = [h for h, b in self._match(req) if b is None and tiers.where(h) == "disk"]
+        names = [b.name for b in self._match(req).blocks if b.where == "disk"]
         return bool(names) and prefetch.pending(names)
 
     def is_loading(self, req: Request) -> bool:
         """True while a restore is still filling one of req's blocks (do not schedule it)."""
-        return bool(self._loading) and any(b in self._loading for b in req.block_table)
+        loading = self._loading
+        return bool(loading) and any(b in loading for t in req.block_tables for b in t)
 
     @property
     def num_loading_blocks(self) -> int:

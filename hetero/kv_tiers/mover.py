@@ -100,7 +100,8 @@ class HostKVPool:
             if t is not None:
                 raw = _raw(t)  # [L, slots, KV, D * itemsize / w] (scales: [L, slots, KV * 4 / w])
                 L, rest = raw.shape[0], raw.shape[2:]
-                self.device_views.append(raw.view(L, pool.num_blocks, pool.block_size, *rest))
+                # all the pool's blocks (a window model's null block too: never moved)
+                self.device_views.append(raw.view(L, -1, pool.block_size, *rest))
         # bytes of one block in each tensor, in payload order (also without RAM slots: disk)
         self.parts = [v[:, 0].numel() * v.element_size() for v in self.device_views]
         self.num_slots = num_slots  # asked; what the buffer holds once `ready` (host_memory)

@@ -282,6 +282,14 @@ class KVTiers:
             out.append(("disk", payload))
         return out
 
+    def unclaim(self, claimed: list[tuple[str, int | memoryview]]) -> None:
+        """Give back claims a hit did not take (it shrank: kv_tiers/blocks.py): RAM slots are
+        unpinned; a disk payload is dropped (read again if asked again)."""
+        for tier, src in claimed:
+            if tier == "ram":
+                assert isinstance(src, int)
+                self.ram.unpin(src)
+
     def restore(self, claimed: list[tuple[str, int | memoryview]], blocks: list[int]) -> int:
         """Queue the copies of claimed data into device `blocks`; returns the restore ticket."""
         ticket = next(self._tickets)

@@ -84,6 +84,8 @@ class TieredKV:
         disk = None
         if plan.disk_dir is not None:
             layout = f"kv={pool.kv_dtype}|B={pool.block_size}|layers={layers.start}-{layers.stop}"
+            if pool.layout.null_block:  # a block holds one KV cache group's layer slots
+                layout += f"|kv-groups={pool.layout.n_groups}x{pool.layout.n_slots}"
             identity = model_identity(model_path, layout)
             disk = DiskStore(plan.disk_dir, identity, host.block_bytes, plan.disk_cap)
             if len(disk):

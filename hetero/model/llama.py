@@ -72,6 +72,11 @@ class FeedForward(nn.Module):
         self._silu_mul = select("silu_mul", torch.device(rt.device)).fn
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, C] -> [T, C]
+        offload = self.gate_up.offload  # a big step on a CPU segment: all three on the GPU
+        if offload is not None and offload.runs(h):
+            y = offload.feed_forward(self.gate_up, self.down, h)
+            if y is not None:
+                return y
         gate, up = self.gate_up.split(self.gate_up(h))
         return self.down(self._silu_mul(gate, up))
 

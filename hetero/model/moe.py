@@ -34,6 +34,7 @@ its steps eagerly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +42,7 @@ from torch import nn
 from hetero.config import ModelConfig, RuntimeConfig
 from hetero.gguf_loader import GGUFModel, GGUFTensor
 from hetero.kernels import select
-from hetero.kernels.moe import GATINGS, choose_experts, swiglu_oai
+from hetero.kernels.moe import GATINGS, swiglu_oai
 from hetero.kernels.registry import prepare_weight
 from hetero.model.moe_qdot import QdotExperts, runs_on_qdot
 from hetero.quant import dequantize
@@ -69,10 +70,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(_dense(gm.tensor(p + "weight"), rt.device, torch.float32), False)
         bias = gm.get(p + "bias")
         self.bias = None if bias is None else _dense(bias, rt.device, torch.float32)
+        self._route = select("moe_route", torch.device(rt.device)).fn
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(h.float(), self.weight, self.bias)  # [T, E]
-        return choose_experts(logits, self.gating, self.k, self.norm)
+        return self._route(logits, self.k, self.gating, self.norm)  # kernels/moe.py
 
 
 class ExpertWeight(nn.Module):
@@ -101,6 +103,29 @@ class ExpertWeight(nn.Module):
         return y
 
 
+def fused(
+    parts: list[GGUFTensor], biases: list[GGUFTensor | None], rt: RuntimeConfig
+) -> ExpertWeight | None:
+    """The expert tensors [E, F_i, C] (+ biases [E, F_i]) as one ExpertWeight [E, sum F_i, C],
+    each expert's rows one after the other (expert e: part 0's rows, then part 1's); None
+    where their types, expert counts or widths differ, or only some have a bias."""
+    like = {(p.ggml_type, p.shape[0], p.shape[2:]) for p in parts}
+    if len(like) > 1 or len({b is None for b in biases}) > 1:
+        return None
+    bias = None if biases[0] is None else _joined(biases)
+    return ExpertWeight(_joined(parts), bias, rt)
+
+
+def _joined(ts: list[GGUFTensor]) -> GGUFTensor:
+    """Tensors [E, F_i, ...] joined along dim 1, expert by expert (a copy in RAM)."""
+    e = ts[0].shape[0]
+    data = np.concatenate([t.data.reshape(e, t.shape[1], -1) for t in ts], axis=1)
+    shape = (e, sum(t.shape[1] for t in ts), *ts[0].shape[2:])
+    blocks = data.dtype == np.uint8  # GGUF blocks [E, N, row bytes]; floats in their shape
+    data = data.reshape(e, shape[1], -1) if blocks else data.reshape(shape)
+    return GGUFTensor("|".join(t.name for t in ts), ts[0].ggml_type, shape, data)
+
+
 class Experts(nn.Module):
     """All E experts of one layer: experts(h [T, C], ids [T, k], w [T, k]) -> [T, C]."""
 
@@ -114,15 +139,17 @@ class Experts(nn.Module):
         parts = ("gate", "up", "down")
         weights = [gm.tensor(f"{p}{part}_exps.weight") for part in parts]
         biases = [gm.get(f"{p}{part}_exps.bias") for part in parts]
-        self.qdot = None  # the CPU's grouped kernels (model/moe_qdot.py), where they apply
+        self.qdot = self.gate_up = None  # qdot: the CPU's grouped kernels (model/moe_qdot.py)
         if runs_on_qdot(rt, weights):
             fp32 = [None if b is None else _dense(b, "cpu", torch.float32) for b in biases]
             self.qdot = QdotExperts(weights, fp32, activation)
-        else:
-            self.gate, self.up, self.down = (
-                ExpertWeight(t, b, rt) for t, b in zip(weights, biases, strict=True)
-            )
+        else:  # gate | up as one [E, 2F, C] weight where they share a type: one call reads both
+            self.gate_up = fused(weights[:2], biases[:2], rt)
+            if self.gate_up is None:
+                self.gate, self.up = (ExpertWeight(t, b, rt) for t, b in zip(weights, biases))
+            self.down = ExpertWeight(weights[2], biases[2], rt)
         self._silu_mul = select("silu_mul", self.device).fn
+        self._combine = select("moe_combine", self.device).fn
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [S, F] -> [S, F]
         if self.activation == "silu":
@@ -135,11 +162,13 @@ class Experts(nn.Module):
             h, ids, w = h.to(self.device, self.dtype), ids.to(self.device), w.to(self.device)
         if self.qdot is not None:
             return self.qdot(h, ids, w).to(home, dtype)
-        t, k = ids.shape
-        a = self._act(self.gate(h, ids), self.up(h, ids))  # [S, F]
-        o = self.down(a, ids).view(t, k, -1)  # [T, k, C]
-        out = (o * w.to(o.dtype)[..., None]).sum(1)  # [T, C]
-        return out.to(home, dtype)
+        if self.gate_up is not None:
+            gu = self.gate_up(h, ids)  # [S, 2F]
+            f = gu.shape[-1] // 2
+            a = self._act(gu[:, :f], gu[:, f:])  # [S, F]
+        else:
+            a = self._act(self.gate(h, ids), self.up(h, ids))
+        return self._combine(self.down(a, ids), w).to(home, dtype)  # [S, C] -> [T, C]
 
 
 def cpu_expert_layers(cfg: ModelConfig, rt: RuntimeConfig) -> int:

@@ -80,6 +80,7 @@ class PipelineExecutor:
             stages=tuple(
                 _layout(s, r, self.pipeline.num_blocks) for s, r in zip(self.stages, reports)
             ),
+            kv_windows=tuple(reports[0]["kv_windows"]),
         )
         self._devices = [s.device for s in self.stages]
 

@@ -21,7 +21,7 @@ class SeqStep:
 
     start_pos: int
     tokens: list[int]
-    block_table: list[int]  # the blocks holding positions 0 .. start_pos + len - 1
+    block_tables: list[list[int]]  # per KV cache group: the blocks of 0 .. start_pos + len - 1
     produces_token: bool
 
 
@@ -39,9 +39,9 @@ class StepPlan:
         plan = cls(step.id, copies=list(out.copies), sampling=step.sampling)
         for s in out.scheduled:
             r, end = s.req, s.start_pos + s.num_new_tokens
-            table = r.block_table[: cdiv(end, block_size)]
+            tables = [t[: cdiv(end, block_size)] for t in r.block_tables]
             plan.seqs.append(
-                SeqStep(s.start_pos, r.tokens(s.start_pos, end), table, s.produces_token)
+                SeqStep(s.start_pos, r.tokens(s.start_pos, end), tables, s.produces_token)
             )
         return plan
 
@@ -61,12 +61,12 @@ class StepPlan:
 
 
 class _SeqView:
-    """The two things ModelRunner.run reads of a Request: its block table and its tokens."""
+    """The two things ModelRunner.run reads of a Request: its block tables and its tokens."""
 
-    __slots__ = ("block_table", "_seq")
+    __slots__ = ("block_tables", "_seq")
 
     def __init__(self, seq: SeqStep):
-        self.block_table, self._seq = seq.block_table, seq
+        self.block_tables, self._seq = seq.block_tables, seq
 
     def tokens(self, start: int, end: int) -> list[int]:
         s = self._seq.start_pos

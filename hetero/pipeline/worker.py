@@ -25,9 +25,16 @@ import torch
 
 from hetero.config import PipelineConfig, RuntimeConfig, device_key
 from hetero.engine.config import EngineConfig
+from hetero.engine.kv_groups import KVGroups
 from hetero.engine.output import sampled_lists
 from hetero.execution.cuda_graph import DecodeGraphs, capture_decode_graphs
-from hetero.execution.kv_pool import KVPool, cpu_pool_need, resolve_kv_dtype, size_pool
+from hetero.execution.kv_pool import (
+    KVPool,
+    PoolLayout,
+    cpu_pool_need,
+    resolve_kv_dtype,
+    size_pool,
+)
 from hetero.execution.layout import kernels_on, tensor_bytes
 from hetero.execution.runner import ModelRunner
 from hetero.gguf_loader import load_gguf
@@ -122,6 +129,7 @@ class Stage:
             "kernels": kernels_on(self.args.spec.device, weights),
             "weight_bytes": tensor_bytes(self.model),
             "kv_bytes": tensor_bytes(pool),
+            "kv_windows": KVGroups.of(self.model.config).windows,
         }
 
     def _make_pool(self, config) -> KVPool:
@@ -131,9 +139,7 @@ class Stage:
         self.num_blocks = min(self.capacities)
         self.status.phase(f"KV sized: {self.num_blocks} blocks (stages: {self.capacities})")
         spec, block_size = self.args.spec, self.args.engine.block_size
-        return KVPool(
-            config, len(spec.layers), self.num_blocks, block_size, self.kv_dtype, spec.device
-        )
+        return KVPool(config, spec.layers, self.num_blocks, block_size, self.kv_dtype, spec.device)
 
     def _decode_graphs(self, pool: KVPool) -> DecodeGraphs | None:
         """As the one-device engine: decode graphs on a GPU unless --enforce-eager. Elsewhere the
@@ -172,19 +178,24 @@ class Stage:
         cap = spec.num_kv_blocks or ecfg.num_kv_blocks
         if spec.num_kv_blocks and ecfg.num_kv_blocks:
             cap = min(spec.num_kv_blocks, ecfg.num_kv_blocks)
+        cfg, sc = self.model.config, ecfg.scheduler
+        layout = PoolLayout.of(cfg, spec.layers)
         size = size_pool(
-            self.model.config,
-            len(spec.layers),
+            cfg,
+            layout.n_slots,
             ecfg.block_size,
             self.kv_dtype,
             spec.device,
             ecfg.kv_memory_fraction / sharing,
             cap,
             cpu_pool_need(
-                ecfg.scheduler.max_model_len or self.model.config.context_length,
-                ecfg.scheduler.max_num_seqs,
+                sc.max_model_len or cfg.context_length,
+                sc.max_num_seqs,
                 ecfg.block_size,
+                KVGroups.of(cfg).windows,
+                sc.max_num_batched_tokens,
             ),
+            layout.null_block,
         )
         return size.num_blocks
 

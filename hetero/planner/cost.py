@@ -8,6 +8,7 @@ real ones). Replayed (or on a CPU, where decode overheads are measured from deco
     + sum over layers of (layer_overhead + T * seq_overhead                   host, launches
                                         + sum over its matrices of matmul(bytes, params, T)
                                         + m * ctx * kv_bytes_per_token / attn_gbs)  KV reads
+                                                     (ctx: at most the window on a window layer)
     + (last stage) the output projection and m * V float32 logits read twice
     + (not last) m * d_model * 2 bytes sent to the next stage / link GB/s + latency
 
@@ -27,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from hetero.engine.config import EngineConfig
+from hetero.engine.kv_groups import KVGroups, blocks_needed
 from hetero.execution.cuda_graph import batch_buckets, bucket_for
 from hetero.execution.kv_pool import block_bytes
 from hetero.planner.device import DeviceProfile
@@ -38,6 +41,20 @@ ACT_BYTES_WIRE = 2  # activations cross stages in bf16/fp16
 def kv_token_bytes(desc: ModelDesc, kv_dtype: str) -> int:
     """KV bytes of one token in one layer (k and v, fp8 scales included)."""
     return block_bytes(desc.config, 1, 1, kv_dtype)
+
+
+def kv_layer_slots(desc: ModelDesc, a: int, b: int) -> int:
+    """Layers of KV a block of layers [a, b) holds: b - a, or with sliding-window layers the
+    largest KV cache group's count there (engine/kv_groups.py: the groups share the slots)."""
+    return KVGroups.of(desc.config).slots(range(a, b))[1]
+
+
+def seq_blocks(desc: ModelDesc, context: int, engine: EngineConfig) -> int:
+    """KV blocks one sequence of `context` tokens holds, every group's (a window group's only
+    those of its window and of one step: engine/kv_groups.blocks_needed)."""
+    windows = KVGroups.of(desc.config).windows
+    step = engine.scheduler.max_num_batched_tokens
+    return blocks_needed(windows, context, step, engine.block_size)
 
 
 @dataclass(frozen=True)
@@ -170,10 +187,13 @@ class DeviceCost:
     def decode_layer_seconds(self, m: int, ctx: float, replay: bool = True) -> list[float]:
         """Seconds of each layer in a decode step of m sequences with ctx tokens of context
         (device time only when the step runs eagerly on a GPU: step_seconds adds the host's)."""
-        d, rows = self.dev, self.decode_rows(m, replay) or m
-        kv = m * ctx * kv_token_bytes(self.desc, self.kv_dtype) / (d.attn_gbs * 1e9)
-        fixed = kv if self.eager(m, replay) else self.replay_layer_seconds(rows) + kv
-        return [fixed + self._layer_matmuls(i, rows) for i in range(self.desc.n_layers)]
+        d, rows, cfg = self.dev, self.decode_rows(m, replay) or m, self.desc.config
+        per_token = m * kv_token_bytes(self.desc, self.kv_dtype) / (d.attn_gbs * 1e9)
+        fixed = 0.0 if self.eager(m, replay) else self.replay_layer_seconds(rows)
+        return [  # a window layer reads its window's keys only
+            fixed + per_token * min(ctx, cfg.layer_window(i) or ctx) + self._layer_matmuls(i, rows)
+            for i in range(self.desc.n_layers)
+        ]
 
     def replay_layer_seconds(self, rows: int) -> float:
         """A replayed step's cost a layer besides its device work: launches and small ops."""

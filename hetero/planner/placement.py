@@ -11,7 +11,8 @@ from dataclasses import replace
 
 from hetero.config import GPU_WEIGHTS_MODES, RuntimeConfig
 from hetero.engine.config import kv_dtype_rule
-from hetero.planner.cost import DeviceCost, kv_token_bytes
+from hetero.execution.kv_pool import PoolLayout
+from hetero.planner.cost import DeviceCost, kv_layer_slots, kv_token_bytes, seq_blocks
 from hetero.planner.device import DeviceProfile
 from hetero.planner.experts import (
     check_ram,
@@ -236,9 +237,11 @@ def place_split(
 def _stage(setup: Setup, i: int, a: int, b: int, m: int) -> StagePlan:
     c, cfg = setup.costs[i], setup.config
     dev, last = c.dev, b == setup.desc.n_layers
-    per_block = kv_token_bytes(setup.desc, c.kv_dtype) * (b - a) * cfg.engine.block_size
+    layout = PoolLayout.of(setup.desc.config, range(a, b))  # a window model's: kv_pool.py
+    per_block = kv_token_bytes(setup.desc, c.kv_dtype) * layout.n_slots * cfg.engine.block_size
     left = setup.budgets[i] - setup.base_bytes(i, a, b)
-    room = int(max(left, 0) * cfg.engine.kv_memory_fraction // per_block)
+    room = int(max(left, 0) * cfg.engine.kv_memory_fraction // per_block) - layout.null_block
+    room = max(room, 0)
     dominant = max(
         (t for layer in setup.desc.layers[a:b] for t in layer if t.is_matrix),
         key=lambda t: t.nbytes,
@@ -282,7 +285,7 @@ def _build(setup: Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
     stages = [_stage(setup, i, a, b, split.m) for i, a, b in used]
     blocks = min(s.kv_room_blocks for s in stages)
     stages = [_with_blocks(s, blocks, desc, cfg) for s in stages]
-    per_seq = -(-setup.context // cfg.engine.block_size)
+    per_seq = seq_blocks(desc, setup.context, cfg.engine)
     used_ids = {s.device for s in stages}
     return Plan(
         model=desc.name,
@@ -298,9 +301,7 @@ def _build(setup: Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         aggregate_tok_s=cfg.concurrency / split.cycle_s,
         ttft_s=sum(s.prefill_s for s in stages),
         ttft_burst_s=setup.burst_ttft_s(used, split.micro),
-        max_context=min(
-            desc.config.context_length, blocks // cfg.concurrency * cfg.engine.block_size
-        ),
+        max_context=_max_context(desc, blocks // cfg.concurrency, cfg),
         max_concurrency=blocks // per_seq,
         model_path=desc.source,
         unused_devices=tuple(
@@ -321,8 +322,19 @@ def _host_id(setup: Setup) -> str:
 
 
 def _with_blocks(s: StagePlan, blocks: int, desc: ModelDesc, cfg: PlanConfig) -> StagePlan:
-    per_block = kv_token_bytes(desc, s.kv_dtype) * s.n_layers * cfg.engine.block_size
+    slots = kv_layer_slots(desc, s.layer_start, s.layer_end)
+    per_block = kv_token_bytes(desc, s.kv_dtype) * slots * cfg.engine.block_size
     return replace(s, num_kv_blocks=blocks, kv_bytes=blocks * per_block)
+
+
+def _max_context(desc: ModelDesc, blocks: int, cfg: PlanConfig) -> int:
+    """The longest context (at most the model's) whose sequence holds at most `blocks`."""
+    bs, longest = cfg.engine.block_size, desc.config.context_length
+    lo, hi = 0, -(-longest // bs)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if seq_blocks(desc, mid * bs, cfg.engine) <= blocks else (lo, mid - 1)
+    return min(longest, lo * bs)
 
 
 def _notes(

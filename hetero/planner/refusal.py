@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hetero.planner.cost import kv_token_bytes
+from hetero.planner.cost import kv_layer_slots, kv_token_bytes, seq_blocks
 from hetero.planner.search import search
 
 GB = 1e9
@@ -39,9 +39,9 @@ def explain(setup) -> str:
             f"the safety margin ({names}): short by {short / GB:.2f} GB"
             + ("" if short else " (no contiguous split fits each device)")
         )
-    per_seq = -(-setup.context // cfg.engine.block_size) * cfg.engine.block_size
+    per_seq = seq_blocks(desc, setup.context, cfg.engine) * cfg.engine.block_size
     need = sum(
-        kv_token_bytes(desc, c.kv_dtype) * (b - a) * per_seq * cfg.concurrency
+        kv_token_bytes(desc, c.kv_dtype) * kv_layer_slots(desc, a, b) * per_seq * cfg.concurrency
         for c, (a, b) in zip(setup.costs, split.ranges)
     )
     blocks = setup.context // cfg.engine.block_size

@@ -13,7 +13,14 @@ from functools import cached_property
 from hetero.execution.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
 from hetero.execution.paged_meta import ROW_TILE
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
-from hetero.planner.cost import DeviceCost, hop_seconds, kv_token_bytes, transfer_seconds
+from hetero.planner.cost import (
+    DeviceCost,
+    hop_seconds,
+    kv_layer_slots,
+    kv_token_bytes,
+    seq_blocks,
+    transfer_seconds,
+)
 from hetero.planner.model_desc import ModelDesc
 from hetero.planner.plan import PlanConfig
 from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
@@ -35,11 +42,13 @@ class Setup:
     def ctx(self) -> float:  # average context a decode reads
         return self.config.prompt_len + self.config.output_len / 2
 
-    def kv_need(self, i: int, n_layers: int) -> float:
-        bs, c = self.config.engine.block_size, self.config
-        tokens = -(-self.context // bs) * bs * c.concurrency
-        per = kv_token_bytes(self.desc, self.costs[i].kv_dtype) * n_layers
-        return tokens * per / c.engine.kv_memory_fraction
+    def kv_need(self, i: int, a: int, b: int) -> float:
+        """KV bytes device i needs for layers [a, b): every sequence's blocks (kv_layer_slots
+        layers each), within the pool's share of the memory."""
+        c = self.config
+        blocks = seq_blocks(self.desc, self.context, c.engine) * c.concurrency
+        per = kv_token_bytes(self.desc, self.costs[i].kv_dtype) * kv_layer_slots(self.desc, a, b)
+        return blocks * c.engine.block_size * per / c.engine.kv_memory_fraction
 
     def base_bytes(self, i: int, a: int, b: int) -> float:
         """Weights and activations of layers [a, b) on device i."""
@@ -52,7 +61,7 @@ class Setup:
         return c.weights_bytes(a, b, a == 0, last) + act
 
     def fits(self, i: int, a: int, b: int) -> bool:
-        return self.base_bytes(i, a, b) + self.kv_need(i, b - a) <= self.budgets[i]
+        return self.base_bytes(i, a, b) + self.kv_need(i, a, b) <= self.budgets[i]
 
     def _decode_prefix(self, i: int, m: int, replay: bool) -> list[float]:
         """Running sums of device i's decode layer times at m sequences (cached)."""

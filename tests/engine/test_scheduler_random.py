@@ -1,6 +1,7 @@
 """Scheduler under random traffic (hypothesis): arrivals, aborts and forks over a small pool
 never leak a block, never lose a request, and every finished request's output equals the
-simulated model run alone on its own tokens.
+simulated model run alone on its own tokens; with a sliding-window KV cache group too (window 0:
+none), whose reads through its own tables the simulator checks each step.
 """
 
 from __future__ import annotations
@@ -22,18 +23,21 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     num_blocks=st.integers(4, 16),
     block_size=st.integers(1, 4),
     max_num_seqs=st.integers(1, 4),
     budget_extra=st.integers(0, 12),
+    window=st.sampled_from([0, 0, 1, 3, 6]),
     ops=OPS,
 )
-def test_random_traffic_never_leaks(num_blocks, block_size, max_num_seqs, budget_extra, ops):
+def test_random_traffic_never_leaks(
+    num_blocks, block_size, max_num_seqs, budget_extra, window, ops
+):
     config = SchedulerConfig(max_num_seqs, max_num_seqs + budget_extra)
-    eng = Engine(num_blocks, block_size, config)
-    capacity = num_blocks * block_size
+    eng = Engine(num_blocks, block_size, config, windows=(0, window) if window else (0,))
+    capacity = eng.bm.max_tokens(eng.sched.step_tokens, num_blocks * block_size)
     prefix = [7, 7, 8, 8, 9, 9, 1, 2]
     reqs, expected_start, aborted = [], {}, set()
     for i, (op, x) in enumerate(ops):

@@ -105,6 +105,7 @@ def test_prompt_steps_stream_the_cpu_matmuls_and_decode_steps_do_not(tiny):
     assert off is not None and "streaming" in streamed.describe_kv()
     got = prefill_logits(streamed, prompt)
     assert off.calls == 4 * 4  # both segments on the CPU here: 4 linears a layer, 4 layers
+    assert off.feed_forwards == 4  # gate|up, SiLU and down in one visit a layer
     # exact layers: only the head (not streamed: one row a request) rounds its input to int8
     assert (got - exact).abs().max() < (qdot - exact).abs().max()
     streamed.add_request("d", prompt[:3], SamplingParams(temperature=0, max_tokens=4))

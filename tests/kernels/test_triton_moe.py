@@ -13,7 +13,7 @@ import torch
 
 from hetero.kernels import implementations
 from hetero.kernels import triton_moe as tm
-from hetero.kernels.moe import moe_matmul_ref
+from hetero.kernels.moe import moe_matmul_ref, slot_rows
 from hetero.kernels.registry import prepare_weight
 from hetero.kernels.repack import SPECS
 from hetero.quant import dequantize, get_quant, random_blocks
@@ -71,7 +71,7 @@ def test_grouped_matmul_equals_reference(ggml_type: str):
     raw = experts(ggml_type, e, n, k, seed=len(ggml_type))
     qt = int(get_quant(ggml_type).ggml_type)
     packed = tm.prepare_moe(raw, qt, (e, n, k))
-    for t, top in ((1, 2), (7, 3)):
+    for t, top in ((1, 2), (4, 4), (7, 3)):  # the GEMV path (<= GEMV_MAX_SLOTS), then the sort
         ids = routing(t, top, e, seed=t)
         g = torch.Generator().manual_seed(t)
         for rows in (t, t * top):  # gate/up read a token's row, down a slot's
@@ -79,7 +79,7 @@ def test_grouped_matmul_equals_reference(ggml_type: str):
             want = moe_matmul_ref(x, raw, qt, (e, n, k), ids)
             got = tm.moe_matmul_triton(x, packed, qt, (e, n, k), ids)
             w = dequantize(raw.reshape(e * n, -1), qt, (e * n, k)).abs().view(e, n, k)
-            bound = (x.abs()[tm.slot_rows(x, ids)][:, None, :] * w[ids.flatten()]).sum(-1)
+            bound = (x.abs()[slot_rows(x, ids)][:, None, :] * w[ids.flatten()]).sum(-1)
             assert got.shape == want.shape == (t * top, n)
             assert torch.allclose(got, want, atol=1e-6, rtol=0) or bool(
                 ((got - want).abs() <= 4e-6 * bound + 1e-6).all()
@@ -141,3 +141,55 @@ def test_gpt_oss_as_released_through_the_kernel(tmp_path):
     with forcing({"moe_matmul": "triton"}):
         got = logits()
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "gating,norm", [("softmax", True), ("softmax", False), ("softmax_topk", False)]
+)
+def test_every_router_implementation_picks_the_references_experts(gating: str, norm: bool):
+    """moe_route: the same k experts, largest first, and their weights, as the reference; E not
+    a power of two (masked lanes). One token has two tied top logits, which torch orders as it
+    likes: there the kernel's rule (the lower id first) is checked, and the pair as a set."""
+    g = torch.Generator().manual_seed(11)
+    for t, e, k in ((1, 128, 8), (5, 12, 3)):
+        logits = torch.randn(t, e, generator=g).to(DEVICE)
+        logits[-1, 2] = logits[-1, 7] = logits[-1].max() + 1  # a tie for the top
+        want_ids, want_w = implementations("moe_route")[-1].fn(logits, k, gating, norm)
+        for impl in implementations("moe_route"):
+            ids, w = impl.fn(logits, k, gating, norm)
+            assert ids[:-1].tolist() == want_ids[:-1].tolist(), impl.name
+            assert ids[-1, 2:].tolist() == want_ids[-1, 2:].tolist(), impl.name
+            assert set(ids[-1, :2].tolist()) == {2, 7}, impl.name
+            if not impl.is_reference:
+                assert ids[-1, :2].tolist() == [2, 7], impl.name
+            assert (w - want_w).abs().max().item() < 1e-6, impl.name  # tied: equal weights
+
+
+def test_every_combine_implementation_sums_the_slots_by_their_weights():
+    g = torch.Generator().manual_seed(12)
+    t, k, c = 3, 4, 1100  # columns past one tile of 1024
+    w = torch.rand(t, k, generator=g).to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        o = torch.randn(t * k, c, generator=g).to(DEVICE, dtype)
+        want = (o.float().view(t, k, c) * w[..., None]).sum(1)
+        for impl in implementations("moe_combine"):
+            got = impl.fn(o, w)
+            assert got.dtype == dtype and got.shape == (t, c), impl.name
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert (got.float() - want).abs().max().item() < tol * (1 + want.abs().max().item())
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "MXFP4"])
+def test_the_gemvs_rows_a_program_leave_every_sum_as_it_was(ggml_type: str, monkeypatch):
+    """GEMV_BLOCK_N (what benchmarks/gpu_moe.py sweeps) only regroups rows into programs: each
+    row's sum runs the same steps, so the outputs are equal bit for bit."""
+    e, n, k = 6, 96, 512
+    raw = experts(ggml_type, e, n, k, seed=3)
+    qt = int(get_quant(ggml_type).ggml_type)
+    packed = tm.prepare_moe(raw, qt, (e, n, k))
+    ids = routing(2, 2, e, seed=4)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    want = tm.moe_matmul_triton(x, packed, qt, (e, n, k), ids)
+    for bn in (16, 32):
+        monkeypatch.setattr(tm, "GEMV_BLOCK_N", bn)
+        assert torch.equal(tm.moe_matmul_triton(x, packed, qt, (e, n, k), ids), want), bn

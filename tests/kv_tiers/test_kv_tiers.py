@@ -10,6 +10,7 @@ the request runs, fails at once.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from hetero.config import ModelConfig
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import SchedulerConfig
+from hetero.engine.kv_groups import KVGroups
 from hetero.engine.prefix_cache import block_hash
 from hetero.engine.request import Request
 from hetero.engine.scheduler import Scheduler
@@ -69,16 +71,21 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 class Rig:
     def __init__(self, num_blocks, block_size, ram_slots, disk_dir=None, disk_blocks=0, **kw):
+        """kw `window`: layer 0 attends to a sliding window of that many tokens (a KV cache
+        group of its own, engine/kv_groups.py: one layer slot a block)."""
         self.kv_dtype, device = kw.pop("kv_dtype", "fp32"), kw.pop("device", "cpu")
-        self.pool = KVPool(CFG, CFG.n_layers, num_blocks, block_size, self.kv_dtype, device)
-        nbytes = block_bytes(CFG, CFG.n_layers, block_size, self.kv_dtype)
+        window = kw.pop("window", 0)
+        cfg = dataclasses.replace(CFG, sliding_window=window, swa_layers=(True, False))
+        self.pool = KVPool(cfg, CFG.n_layers, num_blocks, block_size, self.kv_dtype, device)
+        nbytes = block_bytes(CFG, self.pool.layout.n_slots, block_size, self.kv_dtype)
         self.host = HostKVPool(self.pool, ram_slots, pin=device.startswith("cuda"))
         disk = None
         if disk_dir is not None:
             disk = DiskStore(disk_dir, b"\x01" * 32, nbytes, disk_blocks * (nbytes + 84))
         self.tiers = KVTiers(ram_slots, disk, nbytes)
         self.tiers.cost.prefill_tokens_per_s = 1.0  # always restore (the rig's "model" is free)
-        self.bm = BlockManager(num_blocks, block_size, tiers=self.tiers)
+        windows = KVGroups.of(cfg).windows
+        self.bm = BlockManager(num_blocks, block_size, tiers=self.tiers, windows=windows)
         self.mover = KVMover(self.pool, self.host, disk, self.tiers)
         cfg = SchedulerConfig(
             max_num_seqs=kw.get("seqs", 4), max_num_batched_tokens=kw.get("tb", 32)
@@ -122,12 +129,14 @@ class Rig:
         for s in out.scheduled:
             req, bs = s.req, self.bm.block_size
             assert not self.bm.is_loading(req)
-            seq, table = req.all_ids, req.block_table
-            for p in range(s.start_pos):  # the context this step attends to
-                got = self._read(table[p // bs] * bs + p % bs)
-                assert got == code(seq[: p + 1]), (req.request_id, p)
-            for p in range(s.start_pos, s.start_pos + s.num_new_tokens):
-                self._write(table[p // bs] * bs + p % bs, code(seq[: p + 1]))
+            seq = req.all_ids
+            for w, table in zip(self.bm.windows, req.block_tables):
+                # the context this step attends to: all of it, or a window's
+                for p in range(max(0, s.start_pos - w + 1) if w else 0, s.start_pos):
+                    got = self._read(table[p // bs] * bs + p % bs)
+                    assert got == code(seq[: p + 1]), (req.request_id, p)
+                for p in range(s.start_pos, s.start_pos + s.num_new_tokens):
+                    self._write(table[p // bs] * bs + p % bs, code(seq[: p + 1]))
             if s.produces_token:
                 sampled[req.request_id] = next_token(seq)
         for req in self.sched.update(out, sampled):
@@ -257,10 +266,11 @@ def test_ram_full_of_pinned_slots_saves_to_disk_or_drops(tmp_path):
     assert tiers.take_ops()[-1] == Save(1, b"b" * 32)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
-def test_crowd_with_tiny_pool_small_ram_and_disk(tmp_path, kv_dtype):
-    """Many prefix-sharing requests, a pool that must evict, RAM that must demote."""
-    crowd(tmp_path, kv_dtype, "cpu")
+@pytest.mark.parametrize(("kv_dtype", "window"), [("fp32", 0), ("fp8", 0), ("fp32", 3)])
+def test_crowd_with_tiny_pool_small_ram_and_disk(tmp_path, kv_dtype, window):
+    """Many prefix-sharing requests, a pool that must evict, RAM that must demote; with a
+    window layer too, whose group's blocks move between the tiers by their own names."""
+    crowd(tmp_path, kv_dtype, "cpu", window)
 
 
 @pytest.mark.gpu
@@ -288,9 +298,10 @@ def test_recompute_is_chosen_when_estimated_faster():
     assert rig.outputs["c"] == reference(a + [2], 3) and req.num_cached_tokens == 16
 
 
-def crowd(tmp_path, kv_dtype: str, device: str) -> None:
-    rig = Rig(num_blocks=12, block_size=4, ram_slots=6, disk_dir=tmp_path, disk_blocks=64,
-              kv_dtype=kv_dtype, seqs=3, tb=24, device=device)  # fmt: skip
+def crowd(tmp_path, kv_dtype: str, device: str, window: int = 0) -> None:
+    blocks = 12 + 12 * bool(window)  # a window group's blocks beside the full ones
+    rig = Rig(num_blocks=blocks, block_size=4, ram_slots=6, disk_dir=tmp_path, disk_blocks=64,
+              kv_dtype=kv_dtype, seqs=3, tb=24, device=device, window=window)  # fmt: skip
     rng = random.Random(0)
     system = [rng.randrange(VOCAB) for _ in range(10)]
     want = {}
@@ -307,18 +318,20 @@ def crowd(tmp_path, kv_dtype: str, device: str) -> None:
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     seed=st.integers(0, 10**6),
     ram=st.integers(0, 6),
     disk=st.booleans(),
     blocks=st.integers(6, 10),
+    window=st.sampled_from([0, 0, 2, 3]),
 )
-def test_random_workloads_leak_nothing(tmp_path_factory, seed, ram, disk, blocks):
+def test_random_workloads_leak_nothing(tmp_path_factory, seed, ram, disk, blocks, window):
     d = tmp_path_factory.mktemp("disk") if disk else None
+    blocks += 6 * bool(window)  # room for a window group's blocks beside the full ones
     rig = Rig(num_blocks=blocks, block_size=2, ram_slots=ram, disk_dir=d, disk_blocks=8,
-              seqs=3, tb=8)  # fmt: skip
+              seqs=3, tb=8, window=window)  # fmt: skip
     rng = random.Random(seed)
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))] for _ in range(3)]
     want = {}

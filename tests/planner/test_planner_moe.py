@@ -169,3 +169,30 @@ def test_a_pipeline_plan_runs_its_experts_in_ram(a3b, tmp_path):
     assert plain[0].n_cpu_moe is None
     args = StageArgs(0, tuple(plain), "", "m.gguf", asked, EngineConfig(), PipelineConfig())
     assert stage_runtime(args).cpu_moe
+
+
+def test_gpt_oss_window_layers_need_half_the_kv_a_block():
+    """gpt-oss-20b's 12 window layers share the KV block's layer slots with its 12 full ones
+    (engine/kv_groups.py): a block costs 12 layers, not 24, so the pool holds twice the
+    blocks; a sequence holds every block of its context for the full layers and a window's
+    worth for the others, so about twice the 32k-token sequences fit."""
+    import dataclasses
+
+    from hetero.planner.cost import seq_blocks
+
+    windowed = describe("synth:gpt-oss-20b:mxfp4_moe")
+    assert windowed.config.sliding_window == 128
+    dense = dataclasses.replace(
+        windowed, config=dataclasses.replace(windowed.config, swa_layers=(), sliding_window=0)
+    )
+    config = PlanConfig(context=32768, concurrency=16)
+    w, d = (plan(m, [gpu("cuda:0", 4000, 141)], config) for m in (windowed, dense))
+    per_block = [p.stages[0].kv_bytes // p.stages[0].num_kv_blocks for p in (w, d)]
+    assert 2 * per_block[0] == per_block[1]
+    # the same bytes in half-size blocks, less the window pool's null block
+    assert w.num_kv_blocks in (2 * d.num_kv_blocks - 1, 2 * d.num_kv_blocks)
+    blocks = seq_blocks(windowed, 32768, config.engine)
+    assert blocks == 2048 + 8 + (16 + 2048 - 2) // 16 + 1  # the window's 8, a step's 129, 1
+    assert w.max_concurrency == w.num_kv_blocks // blocks
+    assert d.max_concurrency == d.num_kv_blocks // 2048
+    assert 1.8 < w.max_concurrency / d.max_concurrency < 2.0

@@ -38,11 +38,16 @@ class CheckedBlockManager(BlockManager):
 
 
 class SimKV:
-    """A KV pool whose slots hold (position, token): enough to catch any misplaced block."""
+    """A KV pool whose slots hold (position, token, group): enough to catch any misplaced block.
+
+    Every KV cache group's table is written (bm.windows); a read checks each group's positions a
+    query at the end still sees: all of them, or a window group's last `window` - 1 ones."""
 
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm
-        self.slots: list[tuple[int, int] | None] = [None] * (bm.num_blocks * bm.block_size)
+        self.slots: list[tuple[int, int, int] | None] = [None] * (
+            (bm.num_blocks + 1) * bm.block_size
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.bm.block_size
@@ -51,14 +56,23 @@ class SimKV:
             self.slots[d * bs : (d + 1) * bs] = data
 
     def write(self, req: Request, start: int, n: int) -> None:
-        slots = self.bm.slot_mapping(req, start, start + n)
-        for p, (slot, tok) in enumerate(zip(slots, req.tokens(start, start + n), strict=True)):
-            self.slots[slot] = (start + p, tok)
+        for g in range(len(self.bm.windows)):
+            slots = self.bm.slot_mapping(req, start, start + n, g)
+            for p, (slot, tok) in enumerate(zip(slots, req.tokens(start, start + n), strict=True)):
+                self.slots[slot] = (start + p, tok, g)
 
     def read(self, req: Request, end: int) -> list[int]:
-        seen = [self.slots[s] for s in self.bm.slot_mapping(req, 0, end)]
-        assert [s[0] if s else None for s in seen] == list(range(end)), "a slot of another position"
-        return [s[1] for s in seen]
+        """req's tokens [0, end) as the full groups read them back (with none: the window's)."""
+        out = None
+        for g, w in enumerate(self.bm.windows):
+            start = max(0, end - w + 1) if w else 0
+            seen = [self.slots[s] for s in self.bm.slot_mapping(req, start, end, g)]
+            where = [(s[0], s[2]) if s else None for s in seen]
+            assert where == [(p, g) for p in range(start, end)], "a slot of another position"
+            assert [s[1] for s in seen] == req.tokens(start, end)  # type: ignore[index]
+            if out is None or not w:
+                out = [s[1] for s in seen]  # type: ignore[index]
+        return out or []
 
 
 def compute(bm: BlockManager, kv: SimKV | None, req: Request, n: int) -> None:
@@ -70,7 +84,9 @@ def compute(bm: BlockManager, kv: SimKV | None, req: Request, n: int) -> None:
     req.num_computed_tokens += n
     bm.commit(req)
     if kv is not None:
-        assert kv.read(req, req.num_computed_tokens) == req.tokens(0, req.num_computed_tokens)
+        c = req.num_computed_tokens
+        got = kv.read(req, c)  # all of them; a model of windows only: the window's
+        assert got == req.tokens(c - len(got), c)
 
 
 def prefill(bm: BlockManager, req: Request, kv: SimKV | None = None) -> None:

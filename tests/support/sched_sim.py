@@ -45,12 +45,21 @@ class Engine:
     """The scheduler, the block manager and a simulated KV pool and model, stepped together."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, config: SchedulerConfig, clock=None
+        self,
+        num_blocks: int,
+        block_size: int,
+        config: SchedulerConfig,
+        clock=None,
+        windows: tuple[int, ...] = (0,),
     ) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
+        """windows: the KV cache groups' windows (engine/kv_groups.py); the first must be 0
+        (the model reads the whole context through it)."""
+        self.bm = BlockManager(num_blocks, block_size, windows=windows)
         self.sched = Scheduler(config, self.bm, *([clock] if clock is not None else []))
-        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        # (position, token, group) of each slot, the null block's included (never written)
+        self.kv: list[tuple[int, int, int] | None] = [None] * ((num_blocks + 1) * block_size)
         self.steps = 0
+        self.peak_window_blocks = 0  # the most blocks a window group held for one request
 
     def step(self) -> tuple[SchedulerOutput, list[Request]]:
         was_running = {r.request_id for r in self.sched.running}
@@ -65,18 +74,23 @@ class Engine:
         gathered = [self.kv[s * bs : (s + 1) * bs] for s, _ in out.copies]
         for (_, d), data in zip(out.copies, gathered, strict=True):
             self.kv[d * bs : (d + 1) * bs] = data
+        windows = self.bm.windows
         for s in out.scheduled:  # every KV write of the step lands before any read
             end = s.start_pos + s.num_new_tokens
-            slots = self.bm.slot_mapping(s.req, s.start_pos, end)
-            for pos, slot in enumerate(slots, start=s.start_pos):
-                self.kv[slot] = (pos, s.req.tokens(pos, pos + 1)[0])
+            for g in range(len(windows)):
+                slots = self.bm.slot_mapping(s.req, s.start_pos, end, g)
+                for pos, slot in enumerate(slots, start=s.start_pos):
+                    self.kv[slot] = (pos, s.req.tokens(pos, pos + 1)[0], g)
         sampled = {}
         for s in out.scheduled:
             end = s.start_pos + s.num_new_tokens
-            seen = [self.kv[slot] for slot in self.bm.slot_mapping(s.req, 0, end)]
-            assert seen == list(enumerate(s.req.tokens(0, end))), s.req
+            for g, w in enumerate(windows):  # a window group: what the first query sees on
+                start = max(0, s.start_pos - w + 1) if w else 0
+                seen = [self.kv[slot] for slot in self.bm.slot_mapping(s.req, start, end, g)]
+                want = [(p, t, g) for p, t in enumerate(s.req.tokens(start, end), start=start)]
+                assert seen == want, s.req
             if s.produces_token:
-                sampled[s.req.request_id] = next_token([t for _, t in seen])
+                sampled[s.req.request_id] = next_token(s.req.tokens(0, end))
         finished = self.sched.update(out, sampled)
         self.bm.check()
         self.check_scheduler()
@@ -89,6 +103,10 @@ class Engine:
         assert [r.order for r in sched.running] == sorted(r.order for r in sched.running)
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING and r.num_computed_tokens < r.num_tokens
+            for w, table in zip(self.bm.windows, r.block_tables):
+                if w:
+                    n = len([b for b in table if b != self.bm.null_block])
+                    self.peak_window_blocks = max(self.peak_window_blocks, n)
         for r in sched.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.block_table == []

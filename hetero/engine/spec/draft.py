@@ -52,7 +52,11 @@ class DraftSpeculator(Speculator):
         SamplingParams."""
         super().__init__(config.num_speculative_tokens)
         self.draft = draft
-        self.bm = BlockManager(draft.info.num_blocks, config.block_size, False)
+        # a window group keeps the blocks of the guesses a rollback may drop (_sync)
+        self.bm = BlockManager(
+            draft.info.num_blocks, config.block_size, False,
+            windows=draft.info.kv_windows, window_slack=config.num_speculative_tokens,
+        )  # fmt: skip
         self.params = params
         self.mirrors: dict[str, Request] = {}
         self.q: dict[str, list[torch.Tensor]] = {}  # request id -> [V] draft distribution rows

@@ -1,0 +1,64 @@
+"""The router's top-k and the experts' weighted sum on CUDA through Triton, one launch each
+(moe_route_ref and moe_combine_ref in kernels/moe.py are the references: same signatures).
+
+At decode, a MoE layer's small ops are launches, not bytes: torch takes softmax, a top-k (two
+kernels), a sum, a clamp and a division for the route, and a cast, a product and a reduction
+for the sum; inside a CUDA graph fewer nodes replay faster too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hetero.kernels.registry import register
+from hetero.kernels.triton_qmatmul import triton_supported
+
+GATING = {"softmax": 0, "softmax_topk": 1}
+
+
+def _kernels() -> Any:
+    from hetero.kernels import triton_moe_kernels  # imports triton: first use only
+
+    return triton_moe_kernels
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@register("moe_route", "triton", priority=10, supports=triton_supported)
+def moe_route_triton(
+    logits: torch.Tensor, k: int, gating: str, norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_route_ref's contract: one program a token picks its k largest logits (ties: the
+    lower expert id) and weighs them."""
+    if gating not in GATING:
+        raise ValueError(f"gating {gating!r} is not one of softmax, softmax_topk")
+    logits = logits.float().contiguous()
+    t, e = logits.shape
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    if t:
+        _kernels().moe_route_kernel[(t,)](
+            logits, ids, w, e, BE=_pow2(e), K=k, BK=_pow2(k), GATING=GATING[gating],
+            NORM=norm, num_warps=1 if e <= 256 else 4,
+        )  # fmt: skip
+    return ids, w
+
+
+@register("moe_combine", "triton", priority=10, supports=triton_supported)
+def moe_combine_triton(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """moe_combine_ref's contract, a program per (token, tile of columns)."""
+    t, k = w.shape
+    o = o if o.stride(-1) == 1 else o.contiguous()
+    c = o.shape[-1]
+    out = torch.empty(t, c, dtype=o.dtype, device=o.device)
+    if t:
+        bc = min(1024, _pow2(c))
+        _kernels().moe_combine_kernel[(t, -(-c // bc))](
+            o, w.float().contiguous(), out, c, o.stride(0), out.stride(0), K=k, BC=bc,
+            num_warps=4,
+        )  # fmt: skip
+    return out
