@@ -73,8 +73,9 @@ class FeedForward(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, C] -> [T, C]
         offload = self.gate_up.offload  # a big step on a CPU segment: all three on the GPU
-        if offload is not None and offload.runs(h):
-            y = offload.feed_forward(self.gate_up, self.down, h)
+        whole = getattr(offload, "feed_forward", None)  # (a hook may run single matmuls only)
+        if whole is not None and offload.runs(h):
+            y = whole(self.gate_up, self.down, h)
             if y is not None:
                 return y
         gate, up = self.gate_up.split(self.gate_up(h))
