@@ -7,11 +7,11 @@ copy bandwidth, at a real model's expert shapes.
 
 One MoE layer's expert tensors (gate|up joined as the model loads them: [E, 2F, C]; down:
 [E, C, F]) in the types `hetero synth` gives them, random blocks, copied `--layers` times so
-the weights streamed per step exceed the L2 as a model's layers do. Per T: random routings of T tokens to k experts
-each; the gate, up and down calls of one layer, replayed from a CUDA graph (device time), in us;
-the bytes of the experts the tokens touched, GB/s and its share of the measured copy bandwidth
-(a 4 GiB device-to-device copy). Decode (T = 1) reads k of E experts: its roofline is those
-bytes over the copy bandwidth.
+the weights streamed per step exceed the L2 as a model's layers do. Per T: random routings of T
+tokens to k experts each; the gate|up and down calls of one layer, replayed from a CUDA graph
+(device time), in us; the bytes of the experts the tokens touched, GB/s and its share of the
+measured copy bandwidth (a 4 GiB device-to-device copy). Decode (T = 1) reads k of E experts:
+its roofline is those bytes over the copy bandwidth.
 """
 
 from __future__ import annotations
