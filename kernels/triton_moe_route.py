@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hetero.kernels.registry import register
+from hetero.kernels.triton_fused import _pow2
 from hetero.kernels.triton_qmatmul import triton_supported
 
 GATING = {"softmax": 0, "softmax_topk": 1}
@@ -22,10 +23,6 @@ def _kernels() -> Any:
     from hetero.kernels import triton_moe_kernels  # imports triton: first use only
 
     return triton_moe_kernels
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @register("moe_route", "triton", priority=10, supports=triton_supported)
