@@ -49,11 +49,18 @@ def slot_rows(x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The row of x each slot reads [S]: its token's row (x [T, K]) or its own (x [S, K])."""
     t, k = topk_ids.shape
     slots = torch.arange(t * k, device=x.device)
+    return slots if slot_row_div(x, topk_ids) == 1 else slots // k
+
+
+def slot_row_div(x: torch.Tensor, topk_ids: torch.Tensor) -> int:
+    """Slot s reads row s // this of x: 1 where x has a row a slot, k where a row a token; a
+    clear error for any other row count."""
+    t, k = topk_ids.shape
     if x.shape[0] == t * k:
-        return slots
+        return 1
     if x.shape[0] != t:
         raise ValueError(f"x has {x.shape[0]} rows: neither T = {t} tokens nor S = {t * k} slots")
-    return slots // k
+    return k
 
 
 @register("moe_matmul", "torch")

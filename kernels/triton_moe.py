@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hetero.kernels.moe import moe_matmul_ref
+from hetero.kernels.moe import moe_matmul_ref, slot_row_div
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
 from hetero.kernels.triton_qmatmul import _GEMV_WARPS, _plane_args, gemv_block_n, triton_supported
@@ -117,9 +117,7 @@ def moe_matmul_triton(
         raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
     t, top = topk_ids.shape
     s = t * top
-    if x.shape[0] not in (t, s):
-        raise ValueError(f"x has {x.shape[0]} rows: neither T = {t} tokens nor S = {s} slots")
-    x_div = 1 if x.shape[0] == s else top
+    x_div = slot_row_div(x, topk_ids)
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(s, n, dtype=x.dtype, device=x.device)
