@@ -113,12 +113,7 @@ if has peer; then
   stage peer_cpu 240 $LB -m "$Q4" -ngl 0 -t 16 -nopo 1 -p 512 -n 64
   stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
     -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,16,64
-  for f in peer_gpu_q4 peer_gpu_q6 peer_split peer_cpu; do
-    # the JSON array among llama-bench's log lines (stderr shares the file)
-    "$PY" -c "import json; t = open('$OUT/$f.log').read(); t = t[t.index('['):t.rindex(']') + 1]
-[print('$f', r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1), '+-', round(r['stddev_ts'], 1))
- for r in json.loads(t)]" 2>/dev/null || tail -3 "$OUT/$f.log"
-  done
+  peer_rows peer_gpu_q4 peer_gpu_q6 peer_split peer_cpu
   grep -E "^\|" "$OUT/peer_batched.log" | tail -5
 fi
 
@@ -174,11 +169,7 @@ if has moe; then
   stage peer_goss 150 $LB -m "$GO" -ngl 99 -fa 1 -p 512 -n 128
   stage peer_moe_batched 150 "$BUILD/bin/llama-batched-bench" -m "$QM" -ngl 99 -fa 1 \
     -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,32
-  for f in peer_moe_gpu peer_moe_cpu peer_goss; do
-    "$PY" -c "import json; t = open('$OUT/$f.log').read(); t = t[t.index('['):t.rindex(']') + 1]
-[print('$f', r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1), '+-', round(r['stddev_ts'], 1))
- for r in json.loads(t)]" 2>/dev/null || tail -3 "$OUT/$f.log"
-  done
+  peer_rows peer_moe_gpu peer_moe_cpu peer_goss
   grep -E "^\|" "$OUT/peer_moe_batched.log" | tail -3
 fi
 
