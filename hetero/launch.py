@@ -108,15 +108,17 @@ FIT_SHARE = 0.6
 
 
 def fits_whole(path: str | Path, device: str) -> bool:
-    """Whether the model's weights fit in FIT_SHARE of the GPU's free memory (logged)."""
+    """Whether the model's file (its weights, and metadata of a few MB) fits in FIT_SHARE of
+    the GPU's free memory (logged). The file's size, not its tensors: parsing the GGUF here
+    would read its metadata once more at start-up, before the loader reads it."""
     import torch
 
     free, _ = torch.cuda.mem_get_info(torch.device(device))
-    weights = sum(t.nbytes for t in load_gguf(path).tensors.values())
-    if weights > FIT_SHARE * free:
+    size = Path(path).stat().st_size
+    if size > FIT_SHARE * free:
         return False
-    log.info("placement: every layer on %s (the weights take %.1f GB of its %.1f GB free)",
-             device, weights / 1e9, free / 1e9)  # fmt: skip
+    log.info("placement: every layer on %s (the model file takes %.1f GB of its %.1f GB free)",
+             device, size / 1e9, free / 1e9)  # fmt: skip
     return True
 
 
