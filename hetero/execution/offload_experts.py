@@ -1,0 +1,111 @@
+"""Prompt steps run the experts kept in RAM (--cpu-moe, --n-cpu-moe) on the GPU, streamed over PCIe.
+
+A decode step's tokens choose k experts each, a few MB of their weights: the CPU reads them where
+they are (the layer's one native call, model/moe_qdot.py). A prompt step of hundreds of tokens
+chooses nearly every expert of every layer, and multiplies each by many rows: the CPU would need
+seconds where the GPU needs milliseconds, and a layer's experts cross PCIe in a few. So, as
+llama.cpp's op offload does for its CPU experts, a step of at least `min_tokens` tokens runs
+each such layer's experts on the GPU, the router and the rest of the layer being there already:
+
+    gate, up, down (pinned RAM, the qdot kernels' own bytes) --H2D, copy stream--> staging[i % 2]
+        --> GGUF blocks (the packing undone) --> the GPU kernel's layout (prepare_weight)
+        --> moe_matmul(h, ids) on the GPU, the activation, moe_matmul, the weighted sum
+
+The experts are the CPU kernels' own buffers, pinned once at start: no second copy in RAM. The
+two staging buffers (each one layer's experts) alternate, so the next layer's copy overlaps this
+layer's work and its attention; layers are prefetched in the order the forward meets them, the
+first again after the last (the next chunk of a long prompt starts there). A call out of that
+order is fetched on the spot: the order is a speed matter, never a correctness one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetero.execution.offload import Staging
+from hetero.kernels import cpu_qdot, select
+from hetero.kernels.cpu_qdot_moe import PackedExperts
+from hetero.kernels.moe import swiglu_oai
+from hetero.kernels.registry import prepare_weight
+from hetero.model.moe import Experts
+
+
+class StreamedExperts:
+    def __init__(self, layers: list[Experts], device: torch.device, min_tokens: int):
+        self.device, self.min_tokens = device, min_tokens
+        self.layers = layers  # in the order the forward meets them
+        self.next_of = {id(a): b for a, b in zip(layers, layers[1:] + layers[:1])}
+        self.moe_matmul = select("moe_matmul", device)
+        self.silu_mul = select("silu_mul", device).fn
+        self.combine = select("moe_combine", device).fn
+        cuda = device.type == "cuda"
+        self.pinned_bytes = sum(e.qdot.pin_memory() if cuda else 0 for e in layers)
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.biases = {  # small ([E, N] a part): on the device for good
+            id(e): [None if b is None else b.to(device, self.dtype) for b in e.qdot.layer.biases]
+            for e in layers
+        }
+        self.staging = Staging(max(Staging.room(self._bytes(e)) for e in layers), device)
+        self.calls = 0  # layers run here (tests, benchmarks)
+        for e in layers:
+            e.offload = self
+
+    @classmethod
+    def install(cls, models, min_tokens: int, device) -> StreamedExperts | None:
+        """Streaming of the experts that models on `device` keep in RAM (None, no such experts
+        or no min_tokens: nothing to stream)."""
+        if not min_tokens or device is None:
+            return None
+        device = torch.device(device)
+        layers = [m for model in models if torch.device(model.runtime.device) == device
+                  for m in model.modules() if isinstance(m, Experts) and m.qdot is not None
+                  and m.device.type == "cpu"]  # fmt: skip
+        return cls(layers, device, min_tokens) if layers else None
+
+    def describe(self) -> str:
+        return (
+            f"prompt steps of >= {self.min_tokens} tokens run the experts of {len(self.layers)} "
+            f"layers on {self.device}, streaming {self.pinned_bytes / 2**30:.2f} GiB of pinned "
+            "weights"
+        )
+
+    def runs(self, h: torch.Tensor) -> bool:
+        """Whether the experts of a step with these hidden states run here (Experts asks)."""
+        return h.device == self.device and h.shape[0] >= self.min_tokens
+
+    @staticmethod
+    def _bytes(experts: Experts) -> list[torch.Tensor]:
+        return [p.packed for p in experts.qdot.parts]
+
+    def __call__(
+        self, experts: Experts, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        """h [T, C], ids [T, k], w [T, k] on the device -> [T, C] there: experts(h, ids, w)."""
+        self.calls += 1
+        parts = experts.qdot.parts
+        views, b = self.staging.take(id(experts), self._bytes(experts))
+        nxt = self.next_of[id(experts)]
+        blocks = [self._blocks(p, v) for p, v in zip(parts, views)]
+        self.staging.release(b)  # the staged bytes are read
+        self.staging.stage(id(nxt), self._bytes(nxt))  # into the other buffer, meanwhile
+        bg, bu, bd = self.biases[id(experts)]
+        x = h.to(self.dtype)
+        gate = self._matmul(x, parts[0], blocks[0], ids, bg)
+        up = self._matmul(x, parts[1], blocks[1], ids, bu)
+        a = self.silu_mul(gate, up) if experts.activation == "silu" else swiglu_oai(gate, up)
+        o = self._matmul(a, parts[2], blocks[2], ids, bd)
+        return self.combine(o, w).to(h.dtype)
+
+    @staticmethod
+    def _blocks(p: PackedExperts, staged: torch.Tensor) -> torch.Tensor:
+        """The GGUF blocks [E, N, row bytes] of a part, from its packed bytes on the device."""
+        e = p.n_experts
+        rows = e * staged.shape[1] * cpu_qdot.GROUP  # the packed rows, each expert's padded
+        w = cpu_qdot.QdotWeight(p.ggml_type, rows, p.k, staged.reshape(-1, *staged.shape[2:]))
+        return cpu_qdot.gguf_bytes(w).reshape(e, rows // e, -1)[:, : p.n].contiguous()
+
+    def _matmul(self, x, p: PackedExperts, blocks, ids, bias) -> torch.Tensor:
+        shape = (p.n_experts, p.n, p.k)
+        weight = prepare_weight(self.moe_matmul, blocks, int(p.ggml_type), shape)
+        y = self.moe_matmul.fn(x, weight, int(p.ggml_type), shape, ids)
+        return y if bias is None else y + bias[ids.reshape(-1)]
