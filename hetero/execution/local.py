@@ -8,7 +8,8 @@ engine, which samples them.
 
 With a GPU and a CPU segment, steps with many prompt tokens run the CPU segment's matmuls on the
 GPU, their weights streamed over PCIe (execution/offload.py), as llama.cpp's op offload does;
-decode steps stay on the CPU, which reads its weights where they are.
+decode steps stay on the CPU, which reads its weights where they are. Experts kept in RAM beside
+a GPU (--cpu-moe) go the same way in such steps (execution/offload_experts.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hetero.engine.kv_groups import KVGroups
 from hetero.execution.cuda_graph import DecodeGraphs
 from hetero.execution.layout import segment_layout
 from hetero.execution.offload import StreamedMatmuls
+from hetero.execution.offload_experts import StreamedExperts
 from hetero.execution.segment import Segment
 from hetero.kv_tiers.tiering import TieredKV, build_tiers
 from hetero.model.llama import LlamaModel
@@ -52,6 +54,8 @@ class LocalExecutor:
         models = models if isinstance(models, list) else [models]
         self.config, self.model_path = config, model_path
         self.gguf, self._embedder = gguf, None
+        # before the pools are sized: the staging buffers come out of the same memory
+        self.expert_offload = StreamedExperts.install(models, offload_min_tokens, offload_device)
         fraction = kv_fraction or config.kv_memory_fraction
         sized = [Segment.sized(m, config, max_model_len, fraction) for m in models]
         blocks = min(size.num_blocks for _, size in sized)  # one block table for every pool
@@ -122,8 +126,9 @@ class LocalExecutor:
             from hetero.kernels import cpu_threads  # the thread count chosen, the kernels' ISA
 
             parts.append(cpu_threads.describe())
-        if self.offload is not None:
-            parts.append(self.offload.describe())
+        for offload in (self.offload, self.expert_offload):
+            if offload is not None:
+                parts.append(offload.describe())
         return "; ".join(parts)
 
     def submit(self, step: Step) -> None:

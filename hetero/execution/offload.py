@@ -34,6 +34,68 @@ from hetero.kernels.registry import prepare_weight
 from hetero.model.layers import QuantLinear
 
 
+class Staging:
+    """Two device buffers that host tensors are copied into in turn, on a copy stream of their
+    own on a GPU (elsewhere, the CPU tests of these paths, plain copies; the events None), so
+    the copy of the next weights overlaps the work on the last ones.
+
+    stage(key, tensors) starts the copy into the next buffer; take(key, tensors) gives the
+    device views (staged ahead, or copied now) and the buffer, which release(buffer) hands back
+    once the work that reads the views is queued. A buffer staged over drops what it held."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.device = device
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self._free = [torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None]
+        self._staged: dict[int, tuple[int, object, list[torch.Tensor]]] = {}
+        self._turn = 0
+
+    @classmethod
+    def room(cls, tensors: list[torch.Tensor]) -> int:
+        """The bytes one buffer needs to hold these tensors."""
+        return sum(-(-t.nbytes // cls.ALIGN) * cls.ALIGN for t in tensors)
+
+    def stage(self, key: int, tensors: list[torch.Tensor]) -> None:
+        if key in self._staged:
+            return
+        b = self._turn
+        self._turn ^= 1
+        self._staged = {k: v for k, v in self._staged.items() if v[0] != b}
+        stream, ready, views, at = self.stream, None, [], 0
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if stream is not None:
+                stream.wait_event(self._free[b])  # its last reader is done
+            for t in tensors:
+                dst = self.buffers[b][at : at + t.nbytes]
+                dst.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+                views.append(dst.view(t.dtype).view(t.shape))
+                at += self.room([t])
+            if stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(stream)
+        self._staged[key] = (b, ready, views)
+
+    def take(self, key: int, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        if key not in self._staged:
+            self.stage(key, tensors)
+        b, ready, views = self._staged.pop(key)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        return views, b
+
+    def release(self, b: int) -> None:
+        """Buffer b's views are read by the work queued so far on the current stream."""
+        if self._free[b] is not None:
+            self._free[b].record(torch.cuda.current_stream(self.device))
+
+    def clear(self) -> None:
+        self._staged.clear()
+
+
 class StreamedMatmuls:
     def __init__(self, linears: list[QuantLinear], device: torch.device, min_tokens: int):
         self.device, self.min_tokens = device, min_tokens
@@ -46,14 +108,7 @@ class StreamedMatmuls:
         self.next_of = {self._key(*a): b for a, b in zip(self.order, self.order[1:])}
         self.pinned_bytes = sum(self._pin(lin) for lin in streamed)  # pinned on a GPU's host
         most = max(lin.packed_parts[i].weight.packed.nbytes for lin, i in self.order)
-        self.staging = [torch.empty(most, dtype=torch.uint8, device=device) for _ in range(2)]
-        # on a GPU the copies run on a stream of their own; elsewhere (the CPU tests of this
-        # path) they are plain copies, and the events below are None
-        cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self._staged: dict[int, tuple[int, object]] = {}  # part -> (buffer, ready event)
-        self._free = [torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None]
-        self._turn = 0
+        self.staging = Staging(most, self.device)
         self._on = False
         self.calls = 0  # matmuls run here (tests, benchmarks)
         self.feed_forwards = 0  # of them, feed-forwards run whole here
@@ -110,7 +165,7 @@ class StreamedMatmuls:
             yield
         finally:
             self._on = False
-            self._staged.clear()
+            self.staging.clear()
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether a linear runs its matmul here now (QuantLinear.forward asks)."""
@@ -138,7 +193,7 @@ class StreamedMatmuls:
         self.calls += 1
         ys = []
         for i, part in enumerate(lin.packed_parts):
-            buf, b = self._take(lin, i)
+            (buf,), b = self.staging.take(self._key(lin, i), [part.weight.packed])
             nxt = self.next_of.get(self._key(lin, i))
             if nxt is not None:
                 self._stage(*nxt)  # into the other buffer, while this part is multiplied
@@ -151,35 +206,11 @@ class StreamedMatmuls:
 
     def _stage(self, lin: QuantLinear, i: int) -> None:
         """Start copying part i of lin's weights into the next staging buffer."""
-        w = lin.packed_parts[i].weight
-        b = self._turn
-        self._turn ^= 1
-        stream = self.copy_stream
-        ready = None
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if stream is not None:
-                stream.wait_event(self._free[b])  # its last reader is done
-            self.staging[b][: w.packed.nbytes].copy_(w.packed.view(-1), non_blocking=True)
-            if stream is not None:
-                ready = torch.cuda.Event()
-                ready.record(stream)
-        self._staged[self._key(lin, i)] = (b, ready)
-
-    def _take(self, lin: QuantLinear, i: int) -> tuple[torch.Tensor, int]:
-        """Part i's packed bytes on the GPU (staged ahead, or copied now) and their buffer."""
-        key = self._key(lin, i)
-        if key not in self._staged:
-            self._stage(lin, i)
-        b, ready = self._staged.pop(key)
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
-        w = lin.packed_parts[i].weight
-        return self.staging[b][: w.packed.nbytes].view(w.packed.shape), b
+        self.staging.stage(self._key(lin, i), [lin.packed_parts[i].weight.packed])
 
     def _matmul(self, xg: torch.Tensor, w: cpu_qdot.QdotWeight, packed, b: int) -> torch.Tensor:
         blocks = cpu_qdot.gguf_bytes(w, packed)  # [N, K / block, type size], on the GPU
         shape = (w.n, w.k)
         qweight = prepare_weight(self.impl, blocks.reshape(w.n, -1), int(w.ggml_type), shape)
-        if self._free[b] is not None:  # the staged bytes are read
-            self._free[b].record(torch.cuda.current_stream(self.device))
+        self.staging.release(b)  # the staged bytes are read
         return self.impl.fn(xg, qweight, int(w.ggml_type), shape)

@@ -151,6 +151,10 @@ class Experts(nn.Module):
         self._silu_mul = select("silu_mul", self.device).fn
         self._combine = select("moe_combine", self.device).fn
 
+    # a big step's experts on another device (execution/offload_experts.py sets it where the
+    # experts are in RAM beside a GPU)
+    offload = None
+
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [S, F] -> [S, F]
         if self.activation == "silu":
             return self._silu_mul(gate, up)
@@ -158,6 +162,8 @@ class Experts(nn.Module):
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         home, dtype = h.device, h.dtype
+        if self.offload is not None and self.offload.runs(h):
+            return self.offload(self, h, ids, w)
         if home != self.device:  # experts held elsewhere (RAM): compute there, return the sum
             h, ids, w = h.to(self.device, self.dtype), ids.to(self.device), w.to(self.device)
         if self.qdot is not None:
@@ -218,12 +224,20 @@ class SparseMoE(nn.Module):
         self.experts = Experts(
             gm, i, experts_rt or experts_runtime(gm.config, rt, i) or rt, activation
         )
-        self._routed = None  # router and experts on this CPU: the layer in one native call
-        if self.experts.qdot is not None and r.weight.device.type == "cpu":
-            self._routed = self.experts.qdot.take_router(r.weight, r.bias, r.gating, r.k, r.norm)
+        # experts on this CPU's qdot kernels: the router runs there too, the layer one native
+        # call (with the rest on a GPU, h crosses once each way: a float32 copy of the small
+        # router stays in RAM), but for steps the experts' offload takes to the GPU
+        self._routed = None
+        if self.experts.qdot is not None:
+            cpu = [
+                None if t is None else t.detach().to("cpu", torch.float32)
+                for t in (r.weight, r.bias)
+            ]
+            self._routed = self.experts.qdot.take_router(*cpu, r.gating, r.k, r.norm)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self._routed is not None:
-            return self._routed(h).to(h.dtype)
+        offload = self.experts.offload
+        if self._routed is not None and not (offload is not None and offload.runs(h)):
+            return self._routed(h.to("cpu")).to(h.device, h.dtype)
         ids, w = self.router(h)
         return self.experts(h, ids, w)

@@ -25,7 +25,7 @@ from torch import nn
 from hetero.config import RuntimeConfig
 from hetero.gguf_loader import GGUFTensor
 from hetero.kernels.cpu_moe_layer import MoeLayer, RouterWeights, moe_layer
-from hetero.kernels.cpu_qdot_moe import pack_experts, runs_natively
+from hetero.kernels.cpu_qdot_moe import PackedExperts, pack_experts, runs_natively
 
 
 def runs_on_qdot(rt: RuntimeConfig, tensors: list[GGUFTensor]) -> bool:
@@ -46,7 +46,22 @@ class QdotExperts(nn.Module):
         gate, up, down = (pack_experts(t.torch(), t.ggml_type, tuple(t.shape)) for t in weights)
         fp32 = tuple(None if b is None else b.float().contiguous() for b in biases)
         self.layer = MoeLayer(gate, up, down, fp32, activation)  # type: ignore[arg-type]
+        self.routed: MoeLayer | None = None  # the layer with its router (take_router)
         self.n_experts = gate.n_experts
+
+    @property
+    def parts(self) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
+        return self.layer.gate, self.layer.up, self.layer.down
+
+    def pin_memory(self) -> int:
+        """Move the packed experts into pinned memory (a GPU copies them from there without a
+        bounce through pageable pages), where the native call then reads them; the bytes."""
+        for p in self.parts:
+            p.packed = p.packed.pin_memory()
+        self.layer = dataclasses.replace(self.layer)  # the native call's pointers, taken again
+        if self.routed is not None:
+            self.routed = dataclasses.replace(self.routed)
+        return sum(p.packed.nbytes for p in self.parts)
 
     def take_router(
         self, weight: torch.Tensor, bias, gating: str, k: int, norm: bool
@@ -54,8 +69,8 @@ class QdotExperts(nn.Module):
         """The layer with its router (float32 weight [E, C] + bias [E], on this CPU) in the
         same native call: h [T, C] -> [T, C] float32."""
         router = RouterWeights(weight.detach().contiguous(), bias, gating, k, norm)
-        routed = dataclasses.replace(self.layer, router=router)
-        return lambda h: moe_layer(routed, h.float())[0]
+        self.routed = dataclasses.replace(self.layer, router=router)
+        return lambda h: moe_layer(self.routed, h.float())[0]
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h [T, C], ids [T, k], w [T, k] -> [T, C] float32."""
