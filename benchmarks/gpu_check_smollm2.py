@@ -86,6 +86,18 @@ def main() -> None:
             split = run("cuda", args.kv_dtype, args.tokens, eager=False, dtype=dtype, cpu_moe=True)
             compare("GPU + experts on the CPU vs GPU reference", split, ref)
             compare("GPU + experts on the CPU vs CPU fp32", split, cpu)
+            # prompt steps of >= 4 tokens: the RAM experts streamed to the GPU (the first token
+            # comes from the streamed prompt step, exact; decode then rounds on the CPU)
+            streamed = run("cuda", args.kv_dtype, args.tokens, eager=False, dtype=dtype,
+                           cpu_moe=True, offload_min_tokens=4)  # fmt: skip
+            compare("GPU + experts streamed for prompts vs GPU reference", streamed, ref)
+            first = max(abs(a[1][0] - b[1][0]) for a, b in zip(streamed, ref))
+            same_first = sum(a[0][0] == b[0][0] for a, b in zip(streamed, ref))
+            print(f"  streamed prompt steps: {same_first}/{len(ref)} first tokens equal, "
+                  f"logprob error {first:.2e}")  # fmt: skip
+            if dtype in ("float32", "fp32") and (same_first < len(ref) or first > FP32_LOGPROB_TOL):
+                print("FAIL: the streamed experts' prompt step must equal the reference")
+                failed = True
         for toks, _ in fast[:2]:
             print("  ", toks[:16])
         if dtype in ("float32", "fp32") and (same < len(PROMPTS) or err > FP32_LOGPROB_TOL):

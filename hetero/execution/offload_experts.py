@@ -4,8 +4,9 @@ A decode step's tokens choose k experts each, a few MB of their weights: the CPU
 they are (the layer's one native call, model/moe_qdot.py). A prompt step of hundreds of tokens
 chooses nearly every expert of every layer, and multiplies each by many rows: the CPU would need
 seconds where the GPU needs milliseconds, and a layer's experts cross PCIe in a few. So, as
-llama.cpp's op offload does for its CPU experts, a step of at least `min_tokens` tokens runs
-each such layer's experts on the GPU, the router and the rest of the layer being there already:
+llama.cpp's op offload does for its CPU experts, a step of at least `min_tokens` tokens that
+gives each expert SLOTS_PER_EXPERT rows on average runs each such layer's experts on the GPU, the
+router and the rest of the layer being there already:
 
     gate, up, down (pinned RAM, the qdot kernels' own bytes) --H2D, copy stream--> staging[i % 2]
         --> GGUF blocks (the packing undone) --> the GPU kernel's layout (prepare_weight)
@@ -27,22 +28,32 @@ from hetero.kernels import cpu_qdot, select
 from hetero.kernels.cpu_qdot_moe import PackedExperts
 from hetero.kernels.moe import swiglu_oai
 from hetero.kernels.registry import prepare_weight
-from hetero.model.moe import Experts
+from hetero.model.moe import Experts, SparseMoE
+
+# Streamed only where the step gives each expert this many rows on average (T k / E): below, the
+# CPU reads each chosen expert once for a few rows at RAM speed, as fast as PCIe would carry it
+SLOTS_PER_EXPERT = 8
+
+
+def streams_experts(tokens: int, n_experts: int, k: int, min_tokens: int) -> bool:
+    """Whether a step of `tokens` tokens runs RAM experts on the GPU (the planner prices it so)."""
+    return 0 < min_tokens <= tokens and tokens * k >= SLOTS_PER_EXPERT * n_experts
 
 
 class StreamedExperts:
-    def __init__(self, layers: list[Experts], device: torch.device, min_tokens: int):
-        self.device, self.min_tokens = device, min_tokens
-        self.layers = layers  # in the order the forward meets them
+    def __init__(self, layers: list[Experts], k: int, device: torch.device, min_tokens: int):
+        """layers: in the order the forward meets them; k: experts a token."""
+        self.device, self.min_tokens, self.k = device, min_tokens, k
+        self.n_experts = layers[0].qdot.n_experts
+        self.layers = layers
         self.next_of = {id(a): b for a, b in zip(layers, layers[1:] + layers[:1])}
         self.moe_matmul = select("moe_matmul", device)
         self.silu_mul = select("silu_mul", device).fn
         self.combine = select("moe_combine", device).fn
         cuda = device.type == "cuda"
         self.pinned_bytes = sum(e.qdot.pin_memory() if cuda else 0 for e in layers)
-        self.dtype = torch.bfloat16 if cuda else torch.float32
-        self.biases = {  # small ([E, N] a part): on the device for good
-            id(e): [None if b is None else b.to(device, self.dtype) for b in e.qdot.layer.biases]
+        self.biases = {  # small ([E, N] a part, float32): on the device for good
+            id(e): [None if b is None else b.to(device) for b in e.qdot.layer.biases]
             for e in layers
         }
         self.staging = Staging(max(Staging.room(self._bytes(e)) for e in layers), device)
@@ -57,10 +68,12 @@ class StreamedExperts:
         if not min_tokens or device is None:
             return None
         device = torch.device(device)
-        layers = [m for model in models if torch.device(model.runtime.device) == device
-                  for m in model.modules() if isinstance(m, Experts) and m.qdot is not None
-                  and m.device.type == "cpu"]  # fmt: skip
-        return cls(layers, device, min_tokens) if layers else None
+        moes = [m for model in models if torch.device(model.runtime.device) == device
+                for m in model.modules() if isinstance(m, SparseMoE)
+                and m.experts.qdot is not None and m.experts.device.type == "cpu"]  # fmt: skip
+        if not moes:
+            return None
+        return cls([m.experts for m in moes], moes[0].router.k, device, min_tokens)
 
     def describe(self) -> str:
         return (
@@ -71,7 +84,9 @@ class StreamedExperts:
 
     def runs(self, h: torch.Tensor) -> bool:
         """Whether the experts of a step with these hidden states run here (Experts asks)."""
-        return h.device == self.device and h.shape[0] >= self.min_tokens
+        return h.device == self.device and streams_experts(
+            h.shape[0], self.n_experts, self.k, self.min_tokens
+        )
 
     @staticmethod
     def _bytes(experts: Experts) -> list[torch.Tensor]:
@@ -80,7 +95,8 @@ class StreamedExperts:
     def __call__(
         self, experts: Experts, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor:
-        """h [T, C], ids [T, k], w [T, k] on the device -> [T, C] there: experts(h, ids, w)."""
+        """h [T, C], ids [T, k], w [T, k] on the device -> [T, C] there: experts(h, ids, w), in
+        h's dtype."""
         self.calls += 1
         parts = experts.qdot.parts
         views, b = self.staging.take(id(experts), self._bytes(experts))
@@ -89,9 +105,8 @@ class StreamedExperts:
         self.staging.release(b)  # the staged bytes are read
         self.staging.stage(id(nxt), self._bytes(nxt))  # into the other buffer, meanwhile
         bg, bu, bd = self.biases[id(experts)]
-        x = h.to(self.dtype)
-        gate = self._matmul(x, parts[0], blocks[0], ids, bg)
-        up = self._matmul(x, parts[1], blocks[1], ids, bu)
+        gate = self._matmul(h, parts[0], blocks[0], ids, bg)
+        up = self._matmul(h, parts[1], blocks[1], ids, bu)
         a = self.silu_mul(gate, up) if experts.activation == "silu" else swiglu_oai(gate, up)
         o = self._matmul(a, parts[2], blocks[2], ids, bd)
         return self.combine(o, w).to(h.dtype)
@@ -108,4 +123,4 @@ class StreamedExperts:
         shape = (p.n_experts, p.n, p.k)
         weight = prepare_weight(self.moe_matmul, blocks, int(p.ggml_type), shape)
         y = self.moe_matmul.fn(x, weight, int(p.ggml_type), shape, ids)
-        return y if bias is None else y + bias[ids.reshape(-1)]
+        return y if bias is None else y + bias[ids.reshape(-1)].to(y.dtype)

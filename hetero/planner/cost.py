@@ -32,6 +32,7 @@ from hetero.engine.config import EngineConfig
 from hetero.engine.kv_groups import KVGroups, blocks_needed
 from hetero.execution.cuda_graph import batch_buckets, bucket_for
 from hetero.execution.kv_pool import block_bytes
+from hetero.execution.offload_experts import streams_experts
 from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc, TensorInfo, rate_key, weight_bytes
 
@@ -71,6 +72,9 @@ class DeviceCost:
     # multiply on `expert_host` (a CPU's costs; --cpu-moe / --n-cpu-moe), the rest here
     ram_experts: int = 0
     expert_host: DeviceCost | None = None
+    # prompt steps stream the RAM experts to this GPU and multiply them here from this many
+    # tokens on, where they give each expert enough rows (execution/offload_experts.py); 0: never
+    stream_experts_from: int = 0
 
     def decode_rows(self, m: int, replay: bool = True) -> int | None:
         """Rows a replayed decode step of m sequences runs (its bucket); None: run eagerly.
@@ -172,16 +176,28 @@ class DeviceCost:
         return touched * rate.seconds(self._bytes(t) / e, t.params / e, per_expert)
 
     def _layer_matmuls(self, i: int, tokens: int) -> float:
-        total = 0.0
+        total, ram = 0.0, i < self.ram_experts
+        host = self.expert_host
+        cfg = self.desc.config
+        streamed = (
+            ram
+            and not self.dev.is_cpu
+            and streams_experts(tokens, cfg.n_experts, cfg.n_experts_used, self.stream_experts_from)
+        )
+        here, crossing = 0.0, 0.0  # the streamed experts: multiplied here, bytes over PCIe
         for t in self.desc.layers[i]:
             if self._here(i, t):
                 total += self.linear_seconds(t, tokens) if t.is_matrix or t.is_expert else 0.0
+            elif streamed:
+                here += self.expert_seconds(t, tokens)
+                crossing += host._bytes(t)  # type: ignore[union-attr]
             else:  # an expert in RAM: multiplied on the host, its input there and back
-                total += self.expert_host.expert_seconds(t, tokens)  # type: ignore[union-attr]
-        if i < self.ram_experts:
-            total += 2 * transfer_seconds(
-                self.dev, self.expert_host.dev, tokens, self.desc.config.d_model
-            )  # type: ignore[union-attr]
+                total += host.expert_seconds(t, tokens)  # type: ignore[union-attr]
+        if streamed:  # the copy of a layer's experts overlaps the multiplies of the last
+            h2d = self.dev.h2d_gbs or host.dev.link_gbs(self.dev)  # type: ignore[union-attr]
+            total += max(here, crossing / (h2d * 1e9))
+        elif ram:
+            total += 2 * transfer_seconds(self.dev, host.dev, tokens, self.desc.config.d_model)  # type: ignore[union-attr]
         return total
 
     def decode_layer_seconds(self, m: int, ctx: float, replay: bool = True) -> list[float]:

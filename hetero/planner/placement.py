@@ -83,7 +83,16 @@ def _pick_mode(
     layers whose experts stay in RAM, and the host that multiplies them."""
     graphs = not cfg.engine.enforce_eager
     costs = [
-        DeviceCost(desc, dev, m, kv, graphs, cfg.engine.scheduler.max_num_seqs, *ram)
+        DeviceCost(
+            desc,
+            dev,
+            m,
+            kv,
+            graphs,
+            cfg.engine.scheduler.max_num_seqs,
+            *ram,
+            stream_experts_from=cfg.offload_min_tokens if ram[0] else 0,
+        )  # fmt: skip
         for m in _modes(dev, cfg.weights)
     ]
     if compact:

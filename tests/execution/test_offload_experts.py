@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from hetero.config import RuntimeConfig
-from hetero.execution.offload_experts import StreamedExperts
+from hetero.execution.offload_experts import SLOTS_PER_EXPERT, StreamedExperts, streams_experts
 from hetero.kernels import cpu_qdot
 from hetero.kernels.cpu_qdot_moe import pack_experts
 from hetero.model.llama import load_model
@@ -63,7 +63,7 @@ def _setup(path: str, min_tokens: int):
     gm, model = load_model(path, RuntimeConfig(device="cpu", weights="auto"))
     ffns = [b.ffn for b in model.blocks]
     assert all(f.experts.qdot is not None for f in ffns)
-    streamed = StreamedExperts([f.experts for f in ffns], CPU, min_tokens)
+    streamed = StreamedExperts([f.experts for f in ffns], ffns[0].router.k, CPU, min_tokens)
     exact_rt = RuntimeConfig(device="cpu", weights="quant", allow_reference=True)
     exact = [Experts(gm, i, exact_rt, f.experts.activation) for i, f in enumerate(ffns)]
     return model, ffns, streamed, exact
@@ -72,26 +72,31 @@ def _setup(path: str, min_tokens: int):
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_streamed_experts_equal_the_reference_on_the_files_blocks(files, arch):
     """Layer by layer, in the forward's order and then backwards (every call out of the
-    prefetch order): the streamed layer is the reference's, and steps below min_tokens stay
-    on the layer's native call."""
+    prefetch order): the streamed layer is the reference's; steps below min_tokens, or giving
+    the experts fewer than SLOTS_PER_EXPERT rows each, stay on the layer's native call."""
     model, ffns, streamed, exact = _setup(files[arch], min_tokens=8)
+    k, e = ffns[0].router.k, streamed.n_experts
+    big = -(-SLOTS_PER_EXPERT * e // k)  # the fewest tokens streamed
+    assert streams_experts(big, e, k, 8) and not streams_experts(big - 1, e, k, 8)
+    assert not streams_experts(big, e, k, big + 1) and not streams_experts(big, e, k, 0)
     g = torch.Generator().manual_seed(3)
     order = list(range(len(ffns)))
     for layers in (order, order[::-1], order):
         for i in layers:
-            h = torch.randn(13, model.config.d_model, generator=g)
+            h = torch.randn(big, model.config.d_model, generator=g)
             ids, w = ffns[i].router(h)
             before = streamed.calls
             got = ffns[i](h)  # the block's feed-forward: router, then the streamed experts
             assert streamed.calls == before + 1
             want = exact[i](h, ids, w)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    small = torch.randn(7, model.config.d_model, generator=g)
-    before = streamed.calls
-    native = ffns[0](small)
-    assert streamed.calls == before  # a decode-sized step: the CPU's one native call
-    want = exact[0](small, *ffns[0].router(small))
-    assert float((native - want).norm() / want.norm()) < 4e-2  # q8 activations' rounding
+    for t in (7, big - 1):  # a decode step; a prompt step too small for the experts' copy
+        small = torch.randn(t, model.config.d_model, generator=g)
+        before = streamed.calls
+        native = ffns[0](small)
+        assert streamed.calls == before  # the CPU's one native call
+        want = exact[0](small, *ffns[0].router(small))
+        assert float((native - want).norm() / want.norm()) < 4e-2  # q8 activations' rounding
 
 
 def test_install_takes_only_experts_in_ram_beside_the_device(files):

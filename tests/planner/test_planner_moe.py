@@ -196,3 +196,27 @@ def test_gpt_oss_window_layers_need_half_the_kv_a_block():
     assert w.max_concurrency == w.num_kv_blocks // blocks
     assert d.max_concurrency == d.num_kv_blocks // 2048
     assert 1.8 < w.max_concurrency / d.max_concurrency < 2.0
+
+
+def test_prompts_stream_the_ram_experts_to_the_gpu(a3b):
+    """With the experts in RAM, a prompt step of offload_min_tokens or more streams them to the
+    GPU (execution/offload_experts.py): each layer costs the slower of its experts' copy over
+    the host link and their multiply there, not the CPU's multiply; decode still multiplies on
+    the CPU, and offload_min_tokens=0 prices the CPU for prompts too."""
+    devices = [gpu("cuda:0", 1000, 24), cpu(64)]
+    streamed = plan(a3b, devices, PlanConfig(cpu_moe=True, prompt_len=512))
+    on_cpu = plan(a3b, devices, PlanConfig(cpu_moe=True, prompt_len=512, offload_min_tokens=0))
+    assert streamed.experts_in_ram == on_cpu.experts_in_ram == 48
+    assert streamed.single_stream_tok_s == pytest.approx(on_cpu.single_stream_tok_s)
+    # at least the copy of every layer's experts over the 25 GB/s link; well under the CPU
+    crossing = a3b.expert_bytes() / 25e9
+    assert crossing <= streamed.ttft_s < 0.5 * on_cpu.ttft_s
+    setup = _place_with(a3b, devices, PlanConfig(cpu_moe=True), 4096, 48)[1]
+    layer = setup.costs[0]._layer_matmuls
+    assert layer(0, 512) >= a3b.expert_bytes(range(1)) / 25e9  # streamed: the copy at least
+    # the CPU multiplies a step too small for the experts' copy (fewer than 8 rows an expert),
+    # or any step when offload_min_tokens is 0
+    assert layer(0, 127) < layer(0, 128)
+    off = _place_with(a3b, devices, PlanConfig(cpu_moe=True, offload_min_tokens=0), 4096, 48)
+    on_the_cpu = off[1].costs[0]._layer_matmuls
+    assert on_the_cpu(0, 127) == layer(0, 127) and on_the_cpu(0, 512) > layer(0, 512)
