@@ -38,13 +38,22 @@ MODEL: str | None = None  # --model; None: the default model (SmolLM2)
 
 
 def run(
-    device: str, kv_dtype: str, tokens: int, eager: bool, dtype: str = "auto", **extra
+    device: str,
+    kv_dtype: str,
+    tokens: int,
+    eager: bool,
+    dtype: str = "auto",
+    prompts=None,
+    **extra,
 ) -> list[tuple[list, list]]:
     weights = "quant" if device.startswith("cuda") else "dense"
     llm = LLM(MODEL, device=device, weights=weights, kv_dtype=kv_dtype, enforce_eager=eager,
               num_kv_blocks=256, dtype=dtype, **extra)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=1)
-    outs = llm.generate(PROMPTS, params)
+    outs = llm.generate(prompts or PROMPTS, params)
+    streamed = getattr(llm.engine.executor, "expert_offload", None)
+    if streamed is not None:
+        print(f"  {streamed.calls} expert layers streamed to the GPU ({streamed.describe()})")
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
@@ -86,10 +95,14 @@ def main() -> None:
             split = run("cuda", args.kv_dtype, args.tokens, eager=False, dtype=dtype, cpu_moe=True)
             compare("GPU + experts on the CPU vs GPU reference", split, ref)
             compare("GPU + experts on the CPU vs CPU fp32", split, cpu)
-            # prompt steps of >= 4 tokens: the RAM experts streamed to the GPU (the first token
-            # comes from the streamed prompt step, exact; decode then rounds on the CPU)
+            # the RAM experts streamed to the GPU for a prompt step long enough (4 prompts of
+            # 40-odd tokens: the first token comes from that step, exact; decode then rounds on
+            # the CPU)
+            long = [" ".join([p] * 6) for p in PROMPTS]
             streamed = run("cuda", args.kv_dtype, args.tokens, eager=False, dtype=dtype,
-                           cpu_moe=True, offload_min_tokens=4)  # fmt: skip
+                           prompts=long, cpu_moe=True, offload_min_tokens=4)  # fmt: skip
+            with forcing({op: "torch" for op in ops()}):
+                ref = run("cuda", args.kv_dtype, args.tokens, eager=True, dtype=dtype, prompts=long)
             compare("GPU + experts streamed for prompts vs GPU reference", streamed, ref)
             first = max(abs(a[1][0] - b[1][0]) for a, b in zip(streamed, ref))
             same_first = sum(a[0][0] == b[0][0] for a, b in zip(streamed, ref))

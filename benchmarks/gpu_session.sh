@@ -156,7 +156,7 @@ if has moecheck; then
   for s in tiny-qwen3moe tiny-gpt-oss; do
     stage "moe_check_$s" 150 "$PY" benchmarks/gpu_check_smollm2.py --model "bench_out/$s.gguf" \
       --dtypes float32 --tokens 24 --cpu-moe
-    grep -E "outputs equal|first tokens|FAIL|Error|File" "$OUT/moe_check_$s.log" | tail -12
+    grep -E "outputs equal|first tokens|streamed|FAIL|Error|File" "$OUT/moe_check_$s.log" | tail -12
   done
 fi
 
