@@ -68,7 +68,7 @@ class StreamedExperts:
         if not min_tokens or device is None:
             return None
         device = torch.device(device)
-        moes = [m for model in models if torch.device(model.runtime.device) == device
+        moes = [m for model in models if torch.device(model.runtime.device).type == device.type
                 for m in model.modules() if isinstance(m, SparseMoE)
                 and m.experts.qdot is not None and m.experts.device.type == "cpu"]  # fmt: skip
         if not moes:
@@ -84,7 +84,7 @@ class StreamedExperts:
 
     def runs(self, h: torch.Tensor) -> bool:
         """Whether the experts of a step with these hidden states run here (Experts asks)."""
-        return h.device == self.device and streams_experts(
+        return h.device.type == self.device.type and streams_experts(
             h.shape[0], self.n_experts, self.k, self.min_tokens
         )
 
