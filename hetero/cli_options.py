@@ -72,8 +72,9 @@ def runtime_options(f):
         type=click.IntRange(0),
         default=rt.offload_min_tokens,
         show_default=True,
-        help="with layers on the CPU beside a GPU: steps of at least this many tokens run those "
-        "layers' matmuls on the GPU, their weights streamed over PCIe (0: never)",
+        help="with layers, or experts (--cpu-moe), on the CPU beside a GPU: steps of at least "
+        "this many tokens run those layers' matmuls on the GPU, their weights streamed over PCIe "
+        "(experts: where the step gives each 8 rows on average; 0: never)",
     )(f)
     f = click.option(
         "--dtype",
