@@ -50,6 +50,18 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) 
     return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
 
 
+@register("qk_norm_rope", "torch")
+def qk_norm_rope_ref(
+    q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor, style: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Qwen3's per-head RMSNorm of q [T, H, D] and k [T, KV, D] (weights wq, wk [D]), each
+    rounded to the dtype, then rotated: (rope(rms_norm(q)), rope(rms_norm(k)))."""
+    return tuple(  # type: ignore[return-value]
+        rope_ref(rms_norm_ref(x, w, eps), cos, sin, style) for x, w in ((q, wq), (k, wk))
+    )
+
+
 @register("silu_mul", "torch")
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up, both [T, F]."""

@@ -1,4 +1,5 @@
-"""Small fused ops on CUDA through Triton: RMSNorm (+ residual add), rotary embedding, SiLU-mul.
+"""Small fused ops on CUDA through Triton: RMSNorm (+ residual add), rotary embedding (+ Qwen3's
+per-head q/k norm before it), SiLU-mul.
 
 Same signatures as the references in kernels/reference.py, which they are tested against. Each
 is one launch where torch takes several (RMSNorm: pow, mean, rsqrt, two muls, casts; with the
@@ -74,6 +75,28 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: st
             out.stride(1), r, d, BR=_pow2(r), BD=_pow2(d), NEOX=style == "neox", num_warps=1,
         )  # fmt: skip
     return out
+
+
+@register("qk_norm_rope", "triton", priority=10, supports=triton_supported)
+def qk_norm_rope_triton(q, k, wq, wk, eps: float, cos, sin, style: str):
+    """qk_norm_rope_ref's contract in one launch for q and k (four where they go op by op):
+    q [T, H, D], k [T, KV, D] with any row and head strides, unit stride along D."""
+    if style not in ("normal", "neox"):
+        raise ValueError(f"rope style {style!r} is not one of normal, neox")
+    q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
+    t, h, d = q.shape
+    kv = k.shape[1]
+    r = cos.shape[-1]
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    qo = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    ko = torch.empty(t, kv, d, dtype=k.dtype, device=k.device)
+    if t:
+        _kernels().qk_norm_rope_kernel[(t, h + kv)](
+            q, k, wq, wk, cos, sin, qo, ko, eps, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), cos.stride(0), h, r, d, BR=_pow2(r), BD=_pow2(d),
+            NEOX=style == "neox", num_warps=1,
+        )  # fmt: skip
+    return qo, ko
 
 
 @register("silu_mul", "triton", priority=10, supports=triton_supported)

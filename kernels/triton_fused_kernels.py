@@ -61,6 +61,49 @@ def rope_kernel(
 
 
 @triton.jit
+def qk_norm_rope_kernel(
+    q, k, wq, wk, cos, sin, qo, ko, eps, sq_t, sq_h, sk_t, sk_h, sc, H, R, D,
+    BR: tl.constexpr, BD: tl.constexpr, NEOX: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, H + KV): head h of q (h < H, weight wq) or h - H of k (wk): RMS-normalized over
+    its D dims, rounded to the dtype as the unfused norm's output is, then its first 2R dims
+    rotated as rope_kernel does; qo [T, H, D] and ko [T, KV, D] are contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < H:
+        src = q + t * sq_t + h * sq_h
+        dst = qo + (t * H + h) * D
+        w = wq
+    else:
+        kv = tl.num_programs(1) - H
+        src = k + t * sk_t + (h - H) * sk_h
+        dst = ko + (t * kv + h - H) * D
+        w = wk
+    ty = qo.dtype.element_ty
+    d = tl.arange(0, BD)
+    dm = d < D
+    v = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+    rest = (d >= 2 * R) & dm  # not rotated: normalized only
+    g = tl.load(w + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(dst + d, (v * inv * g).to(ty), mask=rest)
+    i = tl.arange(0, BR)
+    im = i < R
+    if NEOX:
+        ia, ib = i, i + R
+    else:
+        ia, ib = 2 * i, 2 * i + 1
+    a = tl.load(src + ia, mask=im, other=0.0).to(tl.float32)
+    b = tl.load(src + ib, mask=im, other=0.0).to(tl.float32)
+    a = (a * inv * tl.load(w + ia, mask=im, other=0.0)).to(ty).to(tl.float32)
+    b = (b * inv * tl.load(w + ib, mask=im, other=0.0)).to(ty).to(tl.float32)
+    c = tl.load(cos + t * sc + i, mask=im, other=0.0)
+    s = tl.load(sin + t * sc + i, mask=im, other=0.0)
+    tl.store(dst + ia, (a * c - b * s).to(ty), mask=im)
+    tl.store(dst + ib, (a * s + b * c).to(ty), mask=im)
+
+
+@triton.jit
 def silu_mul_kernel(gate, up, out, F, sg, su, so, BF: tl.constexpr):
     """Grid (T, F tiles): out = silu(gate) * up, silu rounded to the dtype first (as torch's
     F.silu(gate) * up rounds twice)."""

@@ -7,8 +7,8 @@ D head dim, F feed-forward width, V vocabulary.
     for each block:
         h = rms_norm(x)
         q, k, v = h [Wq|Wk|Wv] (+b), split                   [T, H, D], [T, KV, D], [T, KV, D]
-        q, k = rms_norm_per_head(q), rms_norm_per_head(k)   (qwen3 only)
-        q, k = rope(q), rope(k)
+        q, k = rms_norm_per_head(q), rms_norm_per_head(k)   (qwen3 only; on a GPU one
+        q, k = rope(q), rope(k)                              launch with the rope: qk_norm_rope)
         x = x + attention(q, k, v) Wo                        (KV stored by the backend)
         gate, up = rms_norm(x) [Wgate|Wup], split            [T, F] each
         x = x + (silu(gate) * up) Wdown       (added by the next block's norm: one fused op)
@@ -43,6 +43,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(gm.tensor(p + "attn_q_norm.weight"), cfg.norm_eps, rt)
             self.k_norm = RMSNorm(gm.tensor(p + "attn_k_norm.weight"), cfg.norm_eps, rt)
+            fused = select("qk_norm_rope", torch.device(rt.device))  # one launch for the four
+            self._qk_norm_rope = None if fused.is_reference else fused.fn
 
     def forward(self, h: torch.Tensor, rotary: Rotary, cos, sin, batch: ForwardBatch):
         t, cfg = h.shape[0], self.cfg
@@ -53,10 +55,16 @@ class Attention(nn.Module):
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.n_kv_heads, cfg.head_dim)
         else:
             q, k, v = self.wqkv.split(qkv)
-            q = self.q_norm(q.reshape(t, cfg.n_heads, cfg.head_dim))
-            k = self.k_norm(k.reshape(t, cfg.n_kv_heads, cfg.head_dim))
+            q = q.reshape(t, cfg.n_heads, cfg.head_dim)
+            k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)
             v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            if self._qk_norm_rope is not None:
+                wq, wk = self.q_norm.weight, self.k_norm.weight
+                eps = self.q_norm.eps
+                q, k = self._qk_norm_rope(q, k, wq, wk, eps, cos, sin, rotary.style)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         o = batch.attention(self.layer, q, k, v)  # [T, H, D]
         return self.wo(o.reshape(t, cfg.q_size))
 

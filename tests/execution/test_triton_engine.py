@@ -72,6 +72,22 @@ def test_engine_with_triton_kernels_equals_reference(model_file, kv_dtype: str) 
         assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=2e-3)
 
 
+def test_qwen3_qk_norm_with_triton_kernels_equals_reference(tmp_path) -> None:
+    """Qwen3's per-head q/k norm: the fused norm-and-rotate launch gives the reference path's
+    tokens and logprobs (the norms, then the rotation, op by op)."""
+    shape = ModelShape(**{**SHAPE.__dict__, "arch": "qwen3", "qk_norm": True})
+    path = write_synthetic(tmp_path / "qwen3.gguf", shape, "q8_0", progress=False)
+    with forcing({op: "torch" for op in TRITON}):
+        model, want = _generate(path, "fp8")
+        assert model.blocks[0].attn._qk_norm_rope is None
+    with forcing(TRITON):
+        model, got = _generate(path, "fp8")
+        assert model.blocks[0].attn._qk_norm_rope is not None
+    for (tg, lg), (tw, lw) in zip(got, want):
+        assert tg == tw
+        assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=2e-3)
+
+
 def test_tied_head_with_triton_kernels_equals_reference(tied_file) -> None:
     """The tied head's prepared copy of the embedding table (packed planes, while the embedding
     keeps its GGUF rows) gives the reference's tokens and logprobs in float32."""

@@ -1,9 +1,9 @@
 """Small fused Triton kernels (hetero.kernels.triton_fused) against their torch references.
 
-A registry walk: every implementation of rms_norm, add_rms_norm, rope and silu_mul other than the
-reference (run under the interpreter where there is no CUDA) on fresh random inputs: odd widths
-(masked tails), strided inputs (views of fused matmul outputs), both rope layouts with partial
-rotation, float32 and float16.
+A registry walk: every implementation of rms_norm, add_rms_norm, rope, qk_norm_rope and silu_mul
+other than the reference (run under the interpreter where there is no CUDA) on fresh random
+inputs: odd widths (masked tails), strided inputs (views of fused matmul outputs), both rope
+layouts with partial rotation, float32 and float16.
 """
 
 from __future__ import annotations
@@ -71,6 +71,27 @@ def test_rope(dtype, style: str) -> None:
             close(impl.fn(x, cos, sin, style), want)
     with pytest.raises(ValueError, match="rope style"):
         fast("rope")[0].fn(x, cos, sin, "gptj")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["normal", "neox"])
+def test_qk_norm_rope(dtype, style: str) -> None:
+    """Qwen3's q/k norm and the rotation in one launch, on q and k viewed out of one fused qkv
+    output (H = 4, KV = 2), full (D = 64) and partial rotation (R = 12 of D = 40)."""
+    for d, r in ((64, 32), (40, 12)):
+        qkv = randn(5, 8 * d, dtype=dtype, seed=d)
+        q, k = qkv[:, : 4 * d].view(5, 4, d), qkv[:, 4 * d : 6 * d].view(5, 2, d)
+        wq, wk = (randn(d, seed=s).abs().float() + 0.5 for s in (1, 2))
+        pos = torch.arange(5, device=DEVICE).float()[:, None] * 7
+        freqs = pos * (10000.0 ** (-torch.arange(r, device=DEVICE) / r))
+        cos, sin = freqs.cos(), freqs.sin()
+        want = reference("qk_norm_rope").fn(q, k, wq, wk, 1e-6, cos, sin, style)
+        for impl in fast("qk_norm_rope"):
+            got = impl.fn(q, k, wq, wk, 1e-6, cos, sin, style)
+            close(got[0], want[0])
+            close(got[1], want[1])
+    with pytest.raises(ValueError, match="rope style"):
+        fast("qk_norm_rope")[0].fn(q, k, wq, wk, 1e-6, cos, sin, "gptj")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
