@@ -20,6 +20,7 @@ expert's slots and multiplies them (the per-expert loop of transformers' MoE blo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hetero.kernels.registry import register
 
@@ -93,6 +94,15 @@ def moe_matmul_ref(
 
 # llama.cpp clamps the sum of a token's chosen weights away from 0 (f16's smallest normal)
 NORM_FLOOR = 6.103515625e-5
+
+
+@register("moe_router", "torch")
+def moe_router_ref(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The router's logits [T, E] float32 of h [T, C] (any float dtype, taken exactly to
+    float32) and its float32 weight [E, C] (+ bias [E])."""
+    return F.linear(h.float(), weight, bias)
 
 
 @register("moe_route", "torch")

@@ -143,6 +143,28 @@ def _moe_tokens_kernel(
 
 
 @triton.jit
+def moe_router_kernel(
+    h, w, b, out, E, C, sh, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr
+):  # fmt: skip
+    """Grid (T, E / BE): out[t, e] = h[t] . w[e] (+ b[e]) for BE experts, in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    em = e < E
+    acc = tl.zeros([BE, BC], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        cm = c < C
+        x = tl.load(h + t * sh + c, mask=cm, other=0.0).to(tl.float32)
+        wm = em[:, None] & cm[None, :]
+        wt = tl.load(w + e.to(tl.int64)[:, None] * C + c[None, :], mask=wm, other=0.0)
+        acc += wt * x[None, :]
+    logits = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        logits += tl.load(b + e, mask=em, other=0.0)
+    tl.store(out + t * E + e, logits, mask=em)
+
+
+@triton.jit
 def moe_route_kernel(
     logits, ids_out, w_out, E,
     BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATING: tl.constexpr,

@@ -1,9 +1,11 @@
-"""The router's top-k and the experts' weighted sum on CUDA through Triton, one launch each
-(moe_route_ref and moe_combine_ref in kernels/moe.py are the references: same signatures).
+"""The router's logits, its top-k and the experts' weighted sum on CUDA through Triton, one
+launch each (moe_router_ref, moe_route_ref and moe_combine_ref in kernels/moe.py are the
+references: same signatures).
 
-At decode, a MoE layer's small ops are launches, not bytes: torch takes softmax, a top-k (two
-kernels), a sum, a clamp and a division for the route, and a cast, a product and a reduction
-for the sum; inside a CUDA graph fewer nodes replay faster too.
+At decode, a MoE layer's small ops are launches, not bytes: torch takes a cast and a float32
+GEMV for the logits, softmax, a top-k (two kernels), a sum, a clamp and a division for the
+route, and a cast, a product and a reduction for the sum; inside a CUDA graph fewer nodes replay
+faster too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hetero.kernels.moe import moe_router_ref
 from hetero.kernels.registry import register
 from hetero.kernels.triton_fused import _pow2
 from hetero.kernels.triton_qmatmul import triton_supported
@@ -23,6 +26,30 @@ def _kernels() -> Any:
     from hetero.kernels import triton_moe_kernels  # imports triton: first use only
 
     return triton_moe_kernels
+
+
+# Up to this many tokens the logits take the GEMV kernel; more (prompts), cuBLAS's float32 GEMM
+ROUTER_MAX_T = 16
+ROUTER_BLOCK_E = 8  # experts a program: E / 8 programs (Qwen3-30B-A3B: 16, gpt-oss: 4)
+
+
+@register("moe_router", "triton", priority=10, supports=triton_supported)
+def moe_router_triton(h: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """moe_router_ref's contract; a program per (token, ROUTER_BLOCK_E experts) reads h in its
+    own dtype (no cast launch) and sums in float32."""
+    t, c = h.shape
+    if t > ROUTER_MAX_T:
+        return moe_router_ref(h, weight, bias)
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    weight = weight.contiguous()
+    e = weight.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=h.device)
+    if t:
+        _kernels().moe_router_kernel[(t, -(-e // ROUTER_BLOCK_E))](
+            h, weight, bias if bias is not None else weight, out, e, c, h.stride(0),
+            HAS_BIAS=bias is not None, BE=ROUTER_BLOCK_E, BC=min(512, _pow2(c)), num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 @register("moe_route", "triton", priority=10, supports=triton_supported)

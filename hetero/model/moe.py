@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hetero.config import ModelConfig, RuntimeConfig
@@ -70,10 +69,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(_dense(gm.tensor(p + "weight"), rt.device, torch.float32), False)
         bias = gm.get(p + "bias")
         self.bias = None if bias is None else _dense(bias, rt.device, torch.float32)
+        self._logits = select("moe_router", torch.device(rt.device)).fn
         self._route = select("moe_route", torch.device(rt.device)).fn
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(h.float(), self.weight, self.bias)  # [T, E]
+        logits = self._logits(h, self.weight, self.bias)  # [T, E] float32
         return self._route(logits, self.k, self.gating, self.norm)  # kernels/moe.py
 
 

@@ -178,6 +178,31 @@ def test_every_router_implementation_picks_the_references_experts(gating: str, n
             assert (w - want_w).abs().max().item() < 1e-6, impl.name  # tied: equal weights
 
 
+def test_every_router_logits_implementation_equals_the_reference():
+    """moe_router: float32 logits of h in its own dtype, E not a multiple of the experts a
+    program (12 of 8s), C past one step of 512 with a masked tail (700), with and without a
+    bias; past ROUTER_MAX_T tokens the Triton op hands over to the reference."""
+    from hetero.kernels import triton_moe_route
+
+    g = torch.Generator().manual_seed(13)
+    e, c = 12, 700
+    weight = torch.randn(e, c, generator=g).to(DEVICE)
+    bias = torch.randn(e, generator=g).to(DEVICE)
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if CUDA else ())
+    impls = implementations("moe_router")
+    assert {i.name for i in impls} >= {"torch", "triton"}
+    for t in (1, 3, triton_moe_route.ROUTER_MAX_T + 1):
+        for dtype in dtypes:
+            h = torch.randn(t, c, generator=g).to(DEVICE, dtype)
+            for b in (None, bias):
+                want = implementations("moe_router")[-1].fn(h, weight, b)
+                assert want.dtype == torch.float32 and want.shape == (t, e)
+                for impl in impls:
+                    got = impl.fn(h, weight, b)
+                    assert got.dtype == torch.float32, impl.name
+                    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (impl.name, t, dtype)
+
+
 def test_every_combine_implementation_sums_the_slots_by_their_weights():
     g = torch.Generator().manual_seed(12)
     t, k, c = 3, 4, 1100  # columns past one tile of 1024
