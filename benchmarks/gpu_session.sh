@@ -26,6 +26,8 @@
 #   moeours  hetero on the MoE files, as the moe stage runs the peer
 #   moeprof  the MoE kernels' tests, the MoE decode step by kernel (gpu_step_profile.py), 32
 #            streams
+#   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens with and
+#            without the FMA blocks (gpu_moe.py)
 #   diag     where the time goes: the CPU's decode step at 16 threads (pool spin 10/1000
 #            us, cProfile), the split's prompt step, llama.cpp's split prompt and its CPU
 #            decode at 4, 8 and 16 threads
@@ -187,6 +189,17 @@ if has moeours; then
   stage goss_1 200 "${BENCH[@]}" "$GO" --device cuda -ngl 99 -c 1 -n 3 --input-len 512 \
     --output-len 128
   rows "$OUT/goss_1.log"
+fi
+
+if has moekern; then  # the MoE and fused kernels' tests on the device, the grouped matmul's sweep
+  stage moe_kernel_tests 200 "$PY" -m pytest -q -x -p no:cacheprovider \
+    tests/kernels/test_triton_moe.py tests/kernels/test_triton_fused.py \
+    tests/execution/test_triton_engine.py -k "Q4_K or Q6_K or MXFP4 or sort or router or \
+    combine or rope or qwen3 or path or registered or bf16"
+  tail -3 "$OUT/moe_kernel_tests.log"
+  stage moe_sweep 150 "$PY" benchmarks/gpu_moe.py --tokens 1,8,32,128,512 \
+    --tokens-per-expert 8,0 --layers 4
+  tail -13 "$OUT/moe_sweep.log"
 fi
 
 if has moeprof; then  # the MoE kernels' tests, the MoE decode step by kernel, 32 streams
