@@ -76,8 +76,9 @@ class StreamedExperts:
         return cls([m.experts for m in moes], moes[0].router.k, device, min_tokens)
 
     def describe(self) -> str:
+        first = max(self.min_tokens, -(-SLOTS_PER_EXPERT * self.n_experts // self.k))
         return (
-            f"prompt steps of >= {self.min_tokens} tokens run the experts of {len(self.layers)} "
+            f"prompt steps of >= {first} tokens run the experts of {len(self.layers)} "
             f"layers on {self.device}, streaming {self.pinned_bytes / 2**30:.2f} GiB of pinned "
             "weights"
         )

@@ -105,4 +105,6 @@ def test_install_takes_only_experts_in_ram_beside_the_device(files):
     assert StreamedExperts.install([model], 32, None) is None
     s = StreamedExperts.install([model], 32, "cpu")
     assert s is not None and len(s.layers) == len(model.blocks)
-    assert "experts of 2 layers" in s.describe()
+    assert s.describe().startswith("prompt steps of >= 32 tokens run the experts of 2 layers")
+    later = StreamedExperts.install([model], 40, "cpu")  # min_tokens past 8 rows an expert
+    assert later.describe().startswith("prompt steps of >= 40 tokens")
