@@ -31,7 +31,7 @@
 #include "cpu_qdot_moe.h"
 
 void native_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t F,
-                     int64_t stride);
+                     int64_t stride, int threads);
 
 #define SMALL 65536             /* elements below which a step runs on the calling thread */
 #define NORM_EPS 6.103515625e-5f /* llama.cpp clamps the sum of the k weights to f16's min */
@@ -178,7 +178,7 @@ static void activate_rows(const moe_ctx *c, int64_t i0, int64_t i1) {
         if (L->bias[1])
             for (int64_t f = 0; f < F; f++) u[f] += L->bias[1][e * F + f];
         if (L->act == 0) {
-            native_silu_mul(g, u, g, 1, F, F); /* the registry's silu_mul on the CPU */
+            native_silu_mul(g, u, g, 1, F, F, 1); /* the registry's silu_mul, on this thread */
             continue;
         }
         for (int64_t f = 0; f < F; f++) { /* g' * sigmoid(1.702 g') * (clamp(up) + 1) */

@@ -39,7 +39,8 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty_like(x)
     c = x.shape[-1]
     native.load().native_rms_norm(
-        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(c, 1), c, eps
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(c, 1), c, eps,
+        cpu_threads.get(),
     )
     return out
 
@@ -56,7 +57,7 @@ def add_rms_norm_native(
     c = x.shape[-1]
     native.load().native_add_rms_norm(
         x.data_ptr(), residual.data_ptr(), weight.data_ptr(), normed.data_ptr(),
-        total.data_ptr(), x.numel() // max(c, 1), c, eps,
+        total.data_ptr(), x.numel() // max(c, 1), c, eps, cpu_threads.get(),
     )  # fmt: skip
     return normed, total
 
@@ -70,7 +71,7 @@ def silu_mul_native(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     t, f = gate.shape
     out = torch.empty(t, f)
     native.load().native_silu_mul(
-        gate.data_ptr(), up.data_ptr(), out.data_ptr(), t, f, gate.stride(0)
+        gate.data_ptr(), up.data_ptr(), out.data_ptr(), t, f, gate.stride(0), cpu_threads.get()
     )
     return out
 
@@ -96,7 +97,7 @@ def rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: st
     out = torch.empty(t, h, d)
     native.load().native_rope(
         x.data_ptr(), x.stride(0), t, h, d, cos.data_ptr(), sin.data_ptr(), r,
-        int(style == "neox"), out.data_ptr(),
+        int(style == "neox"), out.data_ptr(), cpu_threads.get(),
     )  # fmt: skip
     return out
 

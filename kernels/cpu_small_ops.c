@@ -10,7 +10,36 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_pool.h"
 #include "cpu_simd.h"
+
+#define MIN_ITEM 16384 /* floats an item: smaller hand-offs cost more than the rows */
+
+typedef void (*rows_fn)(const void *args, int64_t lo, int64_t hi);
+typedef struct {
+    rows_fn fn;
+    const void *args;
+    int64_t rows, per;
+} rows_job;
+
+static void rows_item(void *ctx, int64_t item, int worker) {
+    (void)worker;
+    const rows_job *j = ctx;
+    const int64_t lo = item * j->per, hi = lo + j->per < j->rows ? lo + j->per : j->rows;
+    j->fn(j->args, lo, hi);
+}
+
+/* fn over rows 0 .. rows - 1 of `width` floats each, on up to `threads` threads */
+static void over_rows(rows_fn fn, const void *args, int64_t rows, int64_t width, int threads) {
+    const int64_t per = width >= MIN_ITEM ? 1 : (MIN_ITEM + width - 1) / (width > 0 ? width : 1);
+    const int64_t items = (rows + per - 1) / per;
+    if (threads <= 1 || items <= 1) {
+        fn(args, 0, rows);
+        return;
+    }
+    rows_job j = {fn, args, rows, per};
+    pool_run(rows_item, &j, items, threads < POOL_MAX_THREADS ? threads : POOL_MAX_THREADS);
+}
 
 static void norm_row(const float *x, const float *w, float *out, int64_t C, float eps) {
     double ss = 0.0;
@@ -19,25 +48,53 @@ static void norm_row(const float *x, const float *w, float *out, int64_t C, floa
     for (int64_t j = 0; j < C; j++) out[j] = x[j] * r * w[j];
 }
 
+typedef struct {
+    const float *x, *r, *w;
+    float *normed, *total;
+    int64_t C;
+    float eps;
+} norm_args;
+
+static void norm_rows(const void *args, int64_t lo, int64_t hi) {
+    const norm_args *a = args;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *x = a->x + t * a->C;
+        if (a->r) { /* the residual add first: total = x + r */
+            float *tot = a->total + t * a->C;
+            const float *r = a->r + t * a->C;
+            for (int64_t i = 0; i < a->C; i++) tot[i] = x[i] + r[i];
+            x = tot;
+        }
+        norm_row(x, a->w, a->normed + t * a->C, a->C, a->eps);
+    }
+}
+
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, x and out [T, C] */
-void native_rms_norm(const float *x, const float *w, float *out, int64_t T, int64_t C, float eps) {
-    for (int64_t t = 0; t < T; t++) norm_row(x + t * C, w, out + t * C, C, eps);
+void native_rms_norm(const float *x, const float *w, float *out, int64_t T, int64_t C, float eps,
+                     int threads) {
+    const norm_args a = {x, NULL, w, out, NULL, C, eps};
+    over_rows(norm_rows, &a, T, C, threads);
 }
 
 /* total = x + r; normed = rms_norm(total): all [T, C] */
 void native_add_rms_norm(const float *x, const float *r, const float *w, float *normed,
-                         float *total, int64_t T, int64_t C, float eps) {
-    for (int64_t i = 0; i < T * C; i++) total[i] = x[i] + r[i];
-    for (int64_t t = 0; t < T; t++) norm_row(total + t * C, w, normed + t * C, C, eps);
+                         float *total, int64_t T, int64_t C, float eps, int threads) {
+    const norm_args a = {x, r, w, normed, total, C, eps};
+    over_rows(norm_rows, &a, T, C, threads);
 }
 
-/* out [T, F] = silu(gate) * up; gate and up rows start every `stride` floats (views of the
- * fused gate|up output [T, 2F]) */
-void native_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t F,
-                     int64_t stride) {
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gate + t * stride, *u = up + t * stride;
-        float *o = out + t * F;
+typedef struct {
+    const float *gate, *up;
+    float *out;
+    int64_t F, stride;
+} silu_args;
+
+static void silu_rows(const void *args, int64_t lo, int64_t hi) {
+    const silu_args *a = args;
+    const int64_t F = a->F;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *g = a->gate + t * a->stride, *u = a->up + t * a->stride;
+        float *o = a->out + t * F;
         int64_t j = 0;
 #ifdef __AVX2__
         const __m256 one = _mm256_set1_ps(1.0f);
@@ -51,26 +108,49 @@ void native_silu_mul(const float *gate, const float *up, float *out, int64_t T, 
     }
 }
 
-/* RoPE of x [T, H, D] (rows of H * D floats `x_stride` apart) into out [T, H, D] contiguous:
- * the first 2R dims of each head rotate by cos, sin [T, R]; the rest is copied. neox = 0 pairs
- * (x[2i], x[2i+1]) (GGML's "normal"), 1 pairs (x[i], x[i+R]). */
+/* out [T, F] = silu(gate) * up; gate and up rows start every `stride` floats (views of the
+ * fused gate|up output [T, 2F]) */
+void native_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t F,
+                     int64_t stride, int threads) {
+    const silu_args a = {gate, up, out, F, stride};
+    over_rows(silu_rows, &a, T, 2 * F, threads);
+}
+
+typedef struct {
+    const float *x, *cos, *sin;
+    float *out;
+    int64_t x_stride, H, D, R;
+    int neox;
+} rope_args;
+
 __attribute__((optimize("fp-contract=off"))) /* a*c - b*s rounded as torch rounds it */
-void native_rope(const float *x, int64_t x_stride, int64_t T, int64_t H, int64_t D,
-                 const float *cos, const float *sin, int64_t R, int neox, float *out) {
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * R, *s = sin + t * R;
+static void rope_rows(const void *args, int64_t lo, int64_t hi) {
+    const rope_args *a = args;
+    const int64_t H = a->H, D = a->D, R = a->R;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *c = a->cos + t * R, *s = a->sin + t * R;
         for (int64_t h = 0; h < H; h++) {
-            const float *xi = x + t * x_stride + h * D;
-            float *o = out + (t * H + h) * D;
+            const float *xi = a->x + t * a->x_stride + h * D;
+            float *o = a->out + (t * H + h) * D;
             for (int64_t i = 0; i < R; i++) {
-                const int64_t ia = neox ? i : 2 * i, ib = neox ? i + R : 2 * i + 1;
-                const float a = xi[ia], b = xi[ib];
-                o[ia] = a * c[i] - b * s[i];
-                o[ib] = a * s[i] + b * c[i];
+                const int64_t ia = a->neox ? i : 2 * i, ib = a->neox ? i + R : 2 * i + 1;
+                const float xa = xi[ia], xb = xi[ib];
+                o[ia] = xa * c[i] - xb * s[i];
+                o[ib] = xa * s[i] + xb * c[i];
             }
             for (int64_t j = 2 * R; j < D; j++) o[j] = xi[j];
         }
     }
+}
+
+/* RoPE of x [T, H, D] (rows of H * D floats `x_stride` apart) into out [T, H, D] contiguous:
+ * the first 2R dims of each head rotate by cos, sin [T, R]; the rest is copied. neox = 0 pairs
+ * (x[2i], x[2i+1]) (GGML's "normal"), 1 pairs (x[i], x[i+R]). */
+void native_rope(const float *x, int64_t x_stride, int64_t T, int64_t H, int64_t D,
+                 const float *cos, const float *sin, int64_t R, int neox, float *out,
+                 int threads) {
+    const rope_args a = {x, cos, sin, out, x_stride, H, D, R, neox};
+    over_rows(rope_rows, &a, T, H * D, threads);
 }
 
 /* KV write: rows k, v [T, KV * D] (float32, `k_stride` / `v_stride` floats apart) into slots [T]

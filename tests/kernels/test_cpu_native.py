@@ -154,3 +154,39 @@ def test_kv_write_from_strided_rows_skips_padding(dtype):
         if a is not None:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bit for bit
     assert caches[1][0].float().abs().sum() > 0
+
+
+def test_prompt_sized_ops_split_their_rows_over_the_pool():
+    """[96, 576]-sized and larger rows go to the native pool in items of at least 16K floats:
+    every op gives, bit for bit, what it gives on one thread (rows are independent), and its
+    reference's values. `threads` is the pool's: 3 here, whatever the machine's cores."""
+    from hetero.kernels import cpu_threads
+
+    g = torch.Generator().manual_seed(4)
+    x, r = torch.randn(96, 576, generator=g) * 3, torch.randn(96, 576, generator=g)
+    w = torch.randn(576, generator=g)
+    fused = torch.randn(64, 2 * 1536, generator=g) * 4
+    gate, up = fused.split(1536, dim=-1)
+    q = torch.randn(96, 9 * 64 + 96, generator=g)[:, : 9 * 64].view(96, 9, 64)
+    ang = torch.randn(96, 32, generator=g)
+    cases = {
+        "rms_norm": (x, w, 1e-5),
+        "add_rms_norm": (x, r, w, 1e-5),
+        "silu_mul": (gate, up),
+        "rope": (q, ang.cos(), ang.sin(), "neox"),
+    }
+    before = cpu_threads.get()
+    try:
+        for op, args in cases.items():
+            ref, fast = pair(op)
+            cpu_threads.configure(1)
+            one = fast(*args)
+            cpu_threads.configure(3)
+            many = fast(*args)
+            for a, b, want in zip(
+                *(v if isinstance(v, tuple) else (v,) for v in (one, many, ref(*args)))
+            ):
+                assert torch.equal(a, b), op
+                torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_threads.configure(before)
