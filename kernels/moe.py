@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hetero.kernels.reference import silu_mul_ref
 from hetero.kernels.registry import register
 
 GATINGS = ("softmax", "softmax_topk")
@@ -65,15 +64,6 @@ def slot_row_div(x: torch.Tensor, topk_ids: torch.Tensor) -> int:
     return k
 
 
-def act_input(x: torch.Tensor, k: int, act: str | None) -> torch.Tensor:
-    """x itself (act None), or silu(gate) * up of x = gate | up [rows, 2k] (act "silu")."""
-    if act is None:
-        return x
-    if act != "silu" or x.shape[-1] != 2 * k:
-        raise ValueError(f"act {act!r} takes gate | up rows of {2 * k}, got {x.shape[-1]}")
-    return silu_mul_ref(x[..., :k], x[..., k:])
-
-
 @register("moe_matmul", "torch")
 def moe_matmul_ref(
     x: torch.Tensor,
@@ -81,17 +71,13 @@ def moe_matmul_ref(
     ggml_type: int,
     shape: tuple[int, int, int],
     topk_ids: torch.Tensor,
-    act: str | None = None,
 ) -> torch.Tensor:
     """y [S, N]: every slot's row of x times its expert's W^T (the module docstring).
 
     x [T, K] or [S, K]; qweight: the GGUF bytes [E, N, row_bytes] (or dense floats [E, N, K]);
-    shape (E, N, K); topk_ids [T, k] int. Experts no slot chose are never read. act "silu":
-    x is a SwiGLU's gate | up [rows, 2K], multiplied as silu_mul(gate, up) (the down
-    projection's input, formed by the fast kernels as they load it).
+    shape (E, N, K); topk_ids [T, k] int. Experts no slot chose are never read.
     """
     n_experts, n, k = shape
-    x = act_input(x, k, act)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
     flat = topk_ids.reshape(-1)

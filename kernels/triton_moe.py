@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-from hetero.kernels.moe import act_input, moe_matmul_ref, slot_row_div
+from hetero.kernels.moe import moe_matmul_ref, slot_row_div
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
-from hetero.kernels.triton_fused import silu_mul_triton
 from hetero.kernels.triton_qmatmul import _GEMV_WARPS, _plane_args, gemv_block_n, triton_supported
 
 BLOCK_N = 64
@@ -117,26 +116,16 @@ def moe_matmul_triton(
     ggml_type: int,
     shape: tuple[int, int, int],
     topk_ids: torch.Tensor,
-    act: str | None = None,
 ) -> torch.Tensor:
-    """y [S, N] (moe_matmul_ref's contract); qweight a PackedExperts or the GGUF bytes. With
-    act "silu", the GEMV path forms silu(gate) * up as it loads x's rows; the others first run
-    the silu_mul kernel."""
+    """y [S, N] (moe_matmul_ref's contract); qweight a PackedExperts or the GGUF bytes."""
     if not isinstance(qweight, PackedExperts):
         qweight = prepare_moe(qweight, ggml_type, shape)
         if not isinstance(qweight, PackedExperts):
-            return moe_matmul_ref(x, qweight, ggml_type, shape, topk_ids, act)
+            return moe_matmul_ref(x, qweight, ggml_type, shape, topk_ids)
     n_experts, n, k = shape
-    t, top = topk_ids.shape
-    up = 0  # x's up half starts this many elements into its row (0: no activation)
-    if act is not None:
-        act_input(x[:0], k, act)  # the checks, on no rows
-        if t * top <= GEMV_MAX_SLOTS and x.stride(-1) == 1:
-            up, x = k, x[..., :k]  # the kernel reads up beside each gate row
-        else:
-            x = silu_mul_triton(x[..., :k], x[..., k:])
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
+    t, top = topk_ids.shape
     s = t * top
     x_div = slot_row_div(x, topk_ids)
     if x.stride(-1) != 1:
@@ -152,7 +141,7 @@ def moe_matmul_triton(
         bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
         _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
             x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:], **meta,
-            BN=bn, S=256 // e, UP=up, num_warps=_GEMV_WARPS,
+            BN=bn, S=256 // e, num_warps=_GEMV_WARPS,
         )  # fmt: skip
         return y
     per_expert = s / n_experts

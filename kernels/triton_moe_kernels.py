@@ -91,12 +91,11 @@ def _moe_gemv_kernel(
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
-    BN: tl.constexpr, S: tl.constexpr, UP: tl.constexpr,
+    BN: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     """y[s, tile] = W_e[tile] x[s // x_div] for slot s = program_id(0), e = ids.flat[s],
     tile = program_id(1)'s BN rows: `_qgemv_kernel`'s loop (float32 FMAs on the decoded
-    fields, scales factored out of each group's sum) on expert e's rows e * N + r. UP > 0:
-    x's row is a SwiGLU's gate | up, x = silu(gate) * up (the down projection's input)."""
+    fields, scales factored out of each group's sum) on expert e's rows e * N + r."""
     s = tl.program_id(0)
     e = tl.load(ids_ptr + s).to(tl.int64)
     local = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -106,7 +105,7 @@ def _moe_gemv_kernel(
         x_ptr + (s // x_div).to(tl.int64) * x_stride, rows, rmask, 0, n_chunks,
         codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
         code_stride, grp_stride, sb_stride, zero,
-        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S, UP,
+        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S,
     )  # fmt: skip
     tl.store(y_ptr + s.to(tl.int64) * y_stride + local, y.to(y_ptr.dtype.element_ty), mask=rmask)
 

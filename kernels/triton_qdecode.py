@@ -217,34 +217,17 @@ def _group_scales(
 
 
 @triton.jit
-def _x_words(x_row, at, mask, UP: tl.constexpr):
-    """x_row[at] in float32; UP > 0: silu(x_row[at]) * x_row[UP + at], each step rounded to
-    x's dtype as silu_mul_kernel rounds it."""
-    x = tl.load(x_row + at, mask=mask, other=0)
-    if UP > 0:
-        u = tl.load(x_row + UP + at, mask=mask, other=0)
-        xf = x.to(tl.float32)
-        s = (xf / (1.0 + tl.exp(-xf))).to(x.dtype)
-        x = (s.to(tl.float32) * u.to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _float_chunks(
     acc, words, high, zero, x_row, rows, rmask, c0, c_end,
     scale_ptr, min_ptr, d_ptr, dmin_ptr, grp_stride, sb_stride,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
-    UP: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, S, 4] plus chunks c0 .. c0+S (below c_end) of W [rows] times x_row: per group
     sum_k (q_k + OFF) x_k (TABLE[q_k] for a codebook type, CB > 0), then times A, minus
     B * sum_k x_k (the products A (q + OFF) are exact, so this is the reference's sum of x * w
     in another order, skipping the one float32 rounding of w = A (q + OFF) - B: three
-    instructions a weight instead of four).
-
-    UP > 0: x_row holds a SwiGLU's gate, its up UP elements on, and x = silu(gate) * up is
-    formed as it is loaded, rounded as the silu_mul kernel rounds it (no launch, no [F] row)."""
+    instructions a weight instead of four)."""
     F: tl.constexpr = 32 // LB
     E: tl.constexpr = 4 * F
     BN: tl.constexpr = words.shape[0]
@@ -260,7 +243,7 @@ def _float_chunks(
             )  # fmt: skip
             qx = tl.zeros([BN, S, 4], dtype=tl.float32)
             xs = tl.zeros([S, 4], dtype=tl.float32)
-        xv = _x_words(x_row, c0 * E + 4 * f + xc, cmask[:, None], UP)
+        xv = tl.load(x_row + c0 * E + 4 * f + xc, mask=cmask[:, None], other=0).to(tl.float32)
         qx += _field(words, words >> 16, high, zero, f, LB, HB, OFF, CB) * xv[None, :, :]
         if HAS_MIN:
             xs += xv

@@ -57,10 +57,10 @@ def _gemv_rows(
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
-    BN: tl.constexpr, S: tl.constexpr, UP: tl.constexpr,
+    BN: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     """[BN] float32: chunks c_begin .. c_end of W[rows] times the token x_row, S chunks a step
-    (the decode kernels' loop; UP: x formed from a SwiGLU's gate and up, see _float_chunks)."""
+    (the decode kernels' loop)."""
     acc = tl.zeros([BN, S, 4], dtype=tl.float32)
     # The next step's words are loaded before this step's math (a two-deep software pipeline:
     # twice the bytes in flight per thread; the compiler does not pipeline loads that feed no dot)
@@ -77,7 +77,6 @@ def _gemv_rows(
         acc = _float_chunks(
             acc, words, high, zero, x_row, rows, rmask, c0, c_end, scale_ptr, min_ptr, d_ptr,
             dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
-            UP,
         )  # fmt: skip
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -109,7 +108,7 @@ def _qgemv_kernel(
         x_ptr + t * x_stride, rows, rmask, c_begin, c_end,
         codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
         code_stride, grp_stride, sb_stride, zero,
-        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S, 0,
+        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S,
     )  # fmt: skip
     _split_k_store(
         part, y_ptr + t * y_stride + rows, rmask, part_ptr, t * N + rows, T * N,

@@ -246,7 +246,7 @@ def _float_step(
     acc = tl.zeros(words.shape, dtype=tl.float32)
     acc = _float_chunks(
         acc, words, high, zero, x_ptr, rows, rmask, c0, n_chunks, scale_ptr, min_ptr, d_ptr,
-        dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, 0,
+        dmin_ptr, grp_stride, sb_stride, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB,
     )  # fmt: skip
     return tl.sum(acc, axis=2)
 

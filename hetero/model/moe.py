@@ -95,10 +95,9 @@ class ExpertWeight(nn.Module):
             self.qweight = prepare_weight(impl, raw, self.ggml_type, self.shape)
         self.bias = None if bias is None else _dense(bias, rt.device, rt.torch_dtype())
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """x [T, K] or [S, K] -> [S, N]: each slot's row times its expert's matrix (+ bias);
-        act "silu": x is gate | up [S, 2K], multiplied as silu(gate) * up (moe_matmul's)."""
-        y = self._matmul(x, self.qweight, self.ggml_type, self.shape, ids, act)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, K] or [S, K] -> [S, N]: each slot's row times its expert's matrix (+ bias)."""
+        y = self._matmul(x, self.qweight, self.ggml_type, self.shape, ids)
         if self.bias is not None:
             y = y + self.bias[ids.reshape(-1)]
         return y
@@ -171,8 +170,6 @@ class Experts(nn.Module):
             return self.qdot(h, ids, w).to(home, dtype)
         if self.gate_up is not None:
             gu = self.gate_up(h, ids)  # [S, 2F]
-            if self.activation == "silu":  # the down matmul forms silu(gate) * up itself
-                return self._combine(self.down(gu, ids, "silu"), w).to(home, dtype)
             f = gu.shape[-1] // 2
             a = self._act(gu[:, :f], gu[:, f:])  # [S, F]
         else:

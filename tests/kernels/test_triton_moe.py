@@ -99,29 +99,6 @@ def test_grouped_matmul_equals_reference(ggml_type: str):
             ), f"{ggml_type} T={t} k={top}: max error {(got - want).abs().max().item():.2e}"
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "MXFP4"])
-def test_the_down_matmul_forms_silu_of_gate_and_up_itself(ggml_type: str):
-    """act "silu": x is gate | up [S, 2K]. The GEMV path forms silu(gate) * up as it loads x,
-    rounded as the silu_mul kernel rounds it: equal, bit for bit, to the silu_mul kernel then
-    the plain matmul; every path equals the reference's (which runs silu_mul first)."""
-    from hetero.kernels.triton_fused import silu_mul_triton
-
-    n, k = 40, 512
-    qt = int(get_quant(ggml_type).ggml_type)
-    for e, t, top in PATHS[1:4]:  # the GEMV, then both sorted FMA blocks
-        raw = experts(ggml_type, e, n, k, seed=e)
-        packed = tm.prepare_moe(raw, qt, (e, n, k))
-        ids = routing(t, top, e, seed=t)
-        gu = torch.randn(t * top, 2 * k, generator=torch.Generator().manual_seed(e)).to(DEVICE)
-        got = tm.moe_matmul_triton(gu, packed, qt, (e, n, k), ids, act="silu")
-        a = silu_mul_triton(gu[:, :k], gu[:, k:])
-        assert torch.equal(got, tm.moe_matmul_triton(a, packed, qt, (e, n, k), ids)), (e, t)
-        want = moe_matmul_ref(gu, raw, qt, (e, n, k), ids, act="silu")
-        assert (got - want).abs().max().item() < 1e-3 * (1 + want.abs().max().item())
-    with pytest.raises(ValueError, match=r"gate \| up"):
-        tm.moe_matmul_triton(gu[:, :k], packed, qt, (e, n, k), ids, act="silu")
-
-
 def test_every_registered_implementation_equals_the_reference():
     e, n, k = 4, 24, 256
     raw = experts("Q4_K", e, n, k, seed=7)
