@@ -39,7 +39,12 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty_like(x)
     c = x.shape[-1]
     native.load().native_rms_norm(
-        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(c, 1), c, eps,
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // max(c, 1),
+        c,
+        eps,
         cpu_threads.get(),
     )
     return out
