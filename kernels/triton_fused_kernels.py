@@ -31,6 +31,31 @@ def rms_norm_kernel(
 
 
 @triton.jit
+def _rotate_pairs(
+    src, dst, cs, sn, R, w, inv, BR: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr
+):  # fmt: skip
+    """One head's first 2R dims: pairs (src[2i], src[2i+1]) (normal, GGML) or (src[i],
+    src[i + R]) (neox) rotated by cs[i], sn[i] into dst. NORM: each value first times inv and
+    its weight w, rounded to dst's dtype (what an unfused norm would have stored)."""
+    i = tl.arange(0, BR)
+    im = i < R
+    if NEOX:
+        ia, ib = i, i + R
+    else:
+        ia, ib = 2 * i, 2 * i + 1
+    ty = dst.dtype.element_ty
+    a = tl.load(src + ia, mask=im, other=0.0).to(tl.float32)
+    b = tl.load(src + ib, mask=im, other=0.0).to(tl.float32)
+    if NORM:
+        a = (a * inv * tl.load(w + ia, mask=im, other=0.0)).to(ty).to(tl.float32)
+        b = (b * inv * tl.load(w + ib, mask=im, other=0.0)).to(ty).to(tl.float32)
+    c = tl.load(cs + i, mask=im, other=0.0)
+    s = tl.load(sn + i, mask=im, other=0.0)
+    tl.store(dst + ia, (a * c - b * s).to(ty), mask=im)
+    tl.store(dst + ib, (a * s + b * c).to(ty), mask=im)
+
+
+@triton.jit
 def rope_kernel(
     x, cos, sin, out, sx_t, sx_h, sc, so_t, so_h, R, D,
     BR: tl.constexpr, BD: tl.constexpr, NEOX: tl.constexpr,
@@ -40,21 +65,9 @@ def rope_kernel(
     normal (GGML): pairs (x[2i], x[2i+1]); neox: pairs (x[i], x[i + R]); cos/sin [T, R]."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    i = tl.arange(0, BR)
-    im = i < R
-    if NEOX:
-        ia, ib = i, i + R
-    else:
-        ia, ib = 2 * i, 2 * i + 1
     src = x + t * sx_t + h * sx_h
     dst = out + t * so_t + h * so_h
-    a = tl.load(src + ia, mask=im, other=0.0).to(tl.float32)
-    b = tl.load(src + ib, mask=im, other=0.0).to(tl.float32)
-    c = tl.load(cos + t * sc + i, mask=im, other=0.0)
-    s = tl.load(sin + t * sc + i, mask=im, other=0.0)
-    ty = out.dtype.element_ty
-    tl.store(dst + ia, (a * c - b * s).to(ty), mask=im)
-    tl.store(dst + ib, (a * s + b * c).to(ty), mask=im)
+    _rotate_pairs(src, dst, cos + t * sc, sin + t * sc, R, src, 1.0, BR, NEOX, False)
     d = tl.arange(0, BD)
     rest = (d >= 2 * R) & (d < D)
     tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
@@ -87,20 +100,7 @@ def qk_norm_rope_kernel(
     rest = (d >= 2 * R) & dm  # not rotated: normalized only
     g = tl.load(w + d, mask=dm, other=0.0).to(tl.float32)
     tl.store(dst + d, (v * inv * g).to(ty), mask=rest)
-    i = tl.arange(0, BR)
-    im = i < R
-    if NEOX:
-        ia, ib = i, i + R
-    else:
-        ia, ib = 2 * i, 2 * i + 1
-    a = tl.load(src + ia, mask=im, other=0.0).to(tl.float32)
-    b = tl.load(src + ib, mask=im, other=0.0).to(tl.float32)
-    a = (a * inv * tl.load(w + ia, mask=im, other=0.0)).to(ty).to(tl.float32)
-    b = (b * inv * tl.load(w + ib, mask=im, other=0.0)).to(ty).to(tl.float32)
-    c = tl.load(cos + t * sc + i, mask=im, other=0.0)
-    s = tl.load(sin + t * sc + i, mask=im, other=0.0)
-    tl.store(dst + ia, (a * c - b * s).to(ty), mask=im)
-    tl.store(dst + ib, (a * s + b * c).to(ty), mask=im)
+    _rotate_pairs(src, dst, cos + t * sc, sin + t * sc, R, w, inv, BR, NEOX, True)
 
 
 @triton.jit
