@@ -164,12 +164,20 @@ def chunk_codes(low_bits: int) -> int:
 
 
 def _pack_fields(q: torch.Tensor, low_bits: int, bits: int) -> torch.Tensor:
-    """Codes (n, K) < 2^bits, chunked as the LB-bit plane -> int64 (n, K*LB/32): one value a code
-    word, holding the word's F codes at bits f*bits."""
+    """Codes (n, K) uint8 < 2^bits, chunked as the LB-bit plane -> (n, K*LB/32) words of F*bits
+    bits (int8, int16 or int32: the two's-complement pattern of sum_f code_f << f*bits), one a
+    code word. Built byte by byte in uint8 and viewed as the word type (little-endian): a few
+    passes over the codes' own bytes, where int64 sums took eight times the memory (the repack
+    of a streamed layer's experts on the GPU runs this per prompt step)."""
     n, per_word = q.shape[0], 32 // low_bits
-    fields = q.reshape(n, -1, per_word, 4).transpose(2, 3).to(torch.int64)  # (n, chunk, c, f)
-    shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
-    return (fields << shifts).sum(-1).reshape(n, -1)
+    per_byte, nbytes = 8 // bits, per_word * bits // 8
+    fields = q.to(torch.uint8).reshape(n, -1, per_word, 4).transpose(2, 3)  # (n, chunk, c, f)
+    fields = fields.reshape(*fields.shape[:3], nbytes, per_byte)
+    packed = fields[..., 0].contiguous()  # a copy: the view is strided wherever per_byte > 1
+    for m in range(1, per_byte):
+        packed |= fields[..., m] << (m * bits)
+    dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32}[nbytes]
+    return packed.contiguous().view(dtype).reshape(n, -1)
 
 
 def high_bit_places(low_bits: int, high_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,13 +311,13 @@ def repack(
         raise ValueError(f"{qt.name}: K={k} is not a multiple of {chunk_codes(spec.low_bits)}")
     q = _codes(qt.ggml_type, blocks).reshape(n, k)
     lb = spec.low_bits
-    codes = _as_signed(_pack_fields(q & ((1 << lb) - 1), lb, lb), torch.int32)
+    codes = _pack_fields(q & ((1 << lb) - 1), lb, lb)
     high = None
     if spec.high_bits and high_layout == "bytes":
         words = _as_signed(_pack_high_bytes(q >> lb, lb, spec.high_bits), torch.int32)
         high = words.reshape(n, -1).contiguous().view(spec.high_dtype)
     elif spec.high_bits:
-        high = _as_signed(_pack_fields(q >> lb, lb, spec.high_bits), spec.high_dtype)
+        high = _pack_fields(q >> lb, lb, spec.high_bits)
     fields = {
         name: f.reshape(n, -1).contiguous() for name, f in _scales(qt.ggml_type, blocks).items()
     }
