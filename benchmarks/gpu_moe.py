@@ -4,7 +4,6 @@ copy bandwidth, at a real model's expert shapes.
     python benchmarks/gpu_moe.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--quant q4_k_m|mxfp4_moe]
                                  [--tokens 1,2,8,32,128,512] [--layers 8]
                                  [--block-n 0,32,16] [--gemv-max-slots 16,32,64]
-                                 [--tokens-per-expert 8,0]
 
 One MoE layer's expert tensors (gate|up joined as the model loads them: [E, 2F, C]; down:
 [E, C, F]) in the types `hetero synth` gives them, random blocks, copied `--layers` times so
@@ -109,11 +108,6 @@ def main() -> None:
         "--gemv-max-slots", default=str(tm.GEMV_MAX_SLOTS),
         help="the most slots the GEMV takes (more: the sorted kernel), in turn",
     )  # fmt: skip
-    ap.add_argument(
-        "--tokens-per-expert", default=str(tm.TOKENS_MAX_PER_EXPERT),
-        help="the most slots an expert on average the FMA blocks take (more, or 0: the tensor "
-        "cores), in turn",
-    )  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     s = get_shape(args.shape)
@@ -123,19 +117,19 @@ def main() -> None:
     types = ", ".join(f"{n} {get_quant(q).name}" for n, q, *_ in experts)
     print(f"{args.shape} {args.quant}: {s.n_experts} experts, {s.n_experts_used} a token; {types}")
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
-    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'fma<=':>5} {'us/layer':>10} {'touched MB':>11} "
-          f"{'GB/s':>8} {'of copy':>8}")  # fmt: skip
+    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'us/layer':>10} {'touched MB':>11} {'GB/s':>8} "
+          f"{'of copy':>8}")  # fmt: skip
     layer_bytes = sum(nb for *_, nb in experts)
     for t in (int(v) for v in args.tokens.split(",")):
         ids = routing(t, s.n_experts_used, s.n_experts, device, gen)
         touched = layer_bytes * ids.unique().numel() / s.n_experts
-        lists = (args.block_n, args.gemv_max_slots, args.tokens_per_expert)
-        for bn, most, fma in itertools.product(*([int(v) for v in a.split(",")] for a in lists)):
-            tm.GEMV_BLOCK_N, tm.GEMV_MAX_SLOTS, tm.TOKENS_MAX_PER_EXPERT = bn, most, fma
+        lists = (args.block_n, args.gemv_max_slots)
+        for bn, most in itertools.product(*([int(v) for v in a.split(",")] for a in lists)):
+            tm.GEMV_BLOCK_N, tm.GEMV_MAX_SLOTS = bn, most
             us = time_layer(experts, ids, s.d_model, device, args.layers)
             gbs = touched / (us / 1e6) / 1e9
-            print(f"{t:>5} {bn or 'auto':>5} {most:>6} {fma:>5} {us:>10.1f} "
-                  f"{touched / 1e6:>11.1f} {gbs:>8.0f} {gbs / bw:>8.0%}")  # fmt: skip
+            print(f"{t:>5} {bn or 'auto':>5} {most:>6} {us:>10.1f} {touched / 1e6:>11.1f} "
+                  f"{gbs:>8.0f} {gbs / bw:>8.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

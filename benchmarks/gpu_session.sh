@@ -26,8 +26,8 @@
 #   moeours  hetero on the MoE files, as the moe stage runs the peer
 #   moeprof  the MoE kernels' tests, the MoE decode step by kernel (gpu_step_profile.py), 32
 #            streams
-#   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens with and
-#            without the FMA blocks (gpu_moe.py)
+#   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
+#            or 16 GEMV rows a program (gpu_moe.py)
 #   diag     where the time goes: the CPU's decode step at 16 threads (pool spin 10/1000
 #            us, cProfile), the split's prompt step, llama.cpp's split prompt and its CPU
 #            decode at 4, 8 and 16 threads
@@ -198,7 +198,7 @@ if has moekern; then  # the MoE and fused kernels' tests on the device, the grou
     combine or rope or qwen3 or path or registered or bf16"
   tail -3 "$OUT/moe_kernel_tests.log"
   stage moe_sweep 150 "$PY" benchmarks/gpu_moe.py --tokens 1,8,32,128,512 \
-    --tokens-per-expert 8,0 --layers 4
+    --block-n 0,32,16 --layers 4
   tail -13 "$OUT/moe_sweep.log"
 fi
 

@@ -13,11 +13,8 @@ blocks of BT, each block one expert's, an expert's last block padded with the id
 
 Few slots (a decode step's, up to GEMV_MAX_SLOTS) skip the sort: one program per (slot, tile
 of rows) reads its expert's rows straight from topk_ids (`_moe_gemv_kernel`, the float decode
-loop of the dense GEMV). Where TOKENS_MAX_PER_EXPERT allows (off by default: slower on the
-H200), a few slots an expert go in sorted blocks of 4 or 8 whose weight fields are decoded once
-for all of the block's slots (the few-token GEMV's loop, `_moe_tokens_kernel`). Otherwise one
-program per (block, tile of BN output rows) decodes its expert's weight tile once and multiplies
-it with the block's BT rows of x on the tensor cores,
+loop of the dense GEMV). Otherwise one program per (block, tile of BN output rows) decodes its
+expert's weight tile once and multiplies it with the block's BT rows of x on the tensor cores,
 the `_qmm_kernel` step with the rows offset to the expert (the experts' matrices are one packed
 [E * N, K] weight: kernels/repack.py, every packable type including the codebook ones, MXFP4
 for gpt-oss).
@@ -44,15 +41,6 @@ BLOCK_N = 64
 # a decode step's k slots choose k distinct experts, so sorting them would only add launches and
 # pad each expert's one row to a tensor-core tile of 16
 GEMV_MAX_SLOTS = 16
-# Past GEMV_MAX_SLOTS, where the step gives each expert at most this many slots on average (T k /
-# E: batched decode), blocks of TT = 4 or 8 sorted slots decode each weight field once into
-# registers for their slots (_moe_tokens_kernel, float32 FMAs); more, the tensor cores
-# (_moe_mm_kernel). 0 (the default): the tensor cores from GEMV_MAX_SLOTS on. On the H200
-# (benchmarks/gpu_moe.py, Qwen3-30B-A3B's Q4_K/Q6_K experts, us a layer, FMA blocks / tensor
-# cores) the FMA blocks lost at every size tried: T = 8: 258 / 227, 32: 560 / 398, 128: 1065 /
-# 468; as the dense qgemv_tokens did (GEMV_TOKENS_MAX_T). --tokens-per-expert 8 sweeps them
-TOKENS_MAX_PER_EXPERT = 0
-TOKENS_BLOCK_N = 32
 # Rows a GEMV program; 0: the dense decode kernel's (gemv_block_n). A decode step's expert
 # matrices are small (8 x 1536 x 2048 codes), so fewer rows a program give more programs to fill
 # the SMs: benchmarks/gpu_moe.py --block-n sweeps it. H200, Qwen3-30B-A3B, one token: 32 rows
@@ -145,17 +133,6 @@ def moe_matmul_triton(
         _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
             x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:], **meta,
             BN=bn, S=256 // e, num_warps=_GEMV_WARPS,
-        )  # fmt: skip
-        return y
-    per_expert = s / n_experts
-    if per_expert <= TOKENS_MAX_PER_EXPERT:
-        tt = 4 if per_expert <= 2 else 8
-        sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, tt)
-        grid = (expert_ids.shape[0], -(-n // TOKENS_BLOCK_N))
-        _kernels()._moe_tokens_kernel[grid](
-            x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0),
-            y.stride(0), *args[6:], **meta, BN=TOKENS_BLOCK_N, S=256 // e, TT=tt,
-            num_warps=_GEMV_WARPS,
         )  # fmt: skip
         return y
     bt = block_rows(s, n_experts)

@@ -4,9 +4,6 @@
                       and multiplied on the tensor cores (batches: many slots an expert)
     _moe_gemv_kernel  one slot a program row, its expert's rows read straight from the ids
                       (decode: a few slots, each expert chosen once; no sort, no padded rows)
-    _moe_tokens_kernel slots sorted by expert into blocks of TT, each block's weight fields
-                      decoded once into registers for its TT slots (the few-token GEMV's loop:
-                      batched decode, a few slots an expert)
 
 Imported on first use only (it imports triton), like triton_qkernels.
 """
@@ -17,7 +14,6 @@ import triton
 import triton.language as tl
 
 from hetero.kernels.triton_qdecode import _decode_tile, _load_step
-from hetero.kernels.triton_qgemv_tokens import _tokens_rows, _x_tile
 from hetero.kernels.triton_qkernels import _gemv_rows
 
 
@@ -108,38 +104,6 @@ def _moe_gemv_kernel(
         LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S,
     )  # fmt: skip
     tl.store(y_ptr + s.to(tl.int64) * y_stride + local, y.to(y_ptr.dtype.element_ty), mask=rmask)
-
-
-@triton.jit(do_not_specialize=["N", "n_chunks", "n_slots", "x_div", "grp_stride", "sb_stride"])
-def _moe_tokens_kernel(
-    x_ptr, y_ptr, sorted_ptr, expert_ptr,
-    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
-    N, n_chunks, n_slots, x_div, x_stride, y_stride,
-    code_stride, grp_stride, sb_stride, zero,
-    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
-    BN: tl.constexpr, S: tl.constexpr, TT: tl.constexpr,
-):  # fmt: skip
-    """_moe_mm_kernel's blocks and layout (a block: TT sorted slots of expert_ids[block], -1
-    past the used ones) on float32 FMAs: y[slots, tile] = W_e[tile] x[slots // x_div]^T."""
-    blk = tl.program_id(0)
-    e = tl.load(expert_ptr + blk)
-    if e < 0:
-        return
-    local = tl.program_id(1) * BN + tl.arange(0, BN)
-    rmask = local < N
-    rows = e.to(tl.int64) * N + local
-    slots = tl.load(sorted_ptr + blk * TT + tl.arange(0, TT))
-    tmask = slots < n_slots
-    xrows = tl.where(tmask, slots // x_div, 0).to(tl.int64)
-    part = _tokens_rows(
-        _x_tile(x_ptr, xrows, x_stride, S, 4 * (32 // LB)), tmask, rows, rmask, 0, n_chunks,
-        codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
-        code_stride, grp_stride, sb_stride, zero,
-        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S, TT,
-    )  # fmt: skip
-    dst = y_ptr + slots.to(tl.int64)[:, None] * y_stride + local[None, :]
-    tl.store(dst, part.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
 
 
 @triton.jit

@@ -54,21 +54,31 @@ def _fma_words(qx, q, xv):
     return qx
 
 
-@triton.jit
-def _tokens_rows(
-    x_tile, tmask, rows, rmask, c_begin, c_end,
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
+def _qgemv_tokens_kernel(
+    x_ptr, y_ptr, part_ptr, cnt_ptr,
     codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+    T, N, n_chunks, chunks_per_split, x_stride, y_stride,
     code_stride, grp_stride, sb_stride, zero,
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr, TT: tl.constexpr,
 ):  # fmt: skip
-    """part [TT, BN]: the weight rows `rows` over chunks c_begin .. c_end - 1 times the TT token
-    rows of x at x_tile (pointers [TT, S, 4] to chunk 0's words; tmask: the real tokens), each
-    weight field decoded once for all TT tokens. The dense kernel below and the grouped MoE
-    kernel (a block of one expert's slots as its tokens) share it."""
+    """y[ts, rows] for the TT tokens ts of program_id(0) and the BN rows of program_id(1);
+    program_id(2) takes chunks_per_split chunks of K (the split-K fix-up of _split_k_store)."""
     F: tl.constexpr = 32 // LB
     E: tl.constexpr = 4 * F
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    ts = pid_t * TT + tl.arange(0, TT)
+    tmask = ts < T
+    c_begin = pid_k * chunks_per_split
+    c_end = tl.minimum(c_begin + chunks_per_split, n_chunks)
+    xc = tl.arange(0, S)[:, None] * E + tl.arange(0, 4)[None, :]  # [S, 4]
+    x_tile = x_ptr + ts[:, None, None] * x_stride + xc[None, :, :]  # [TT, S, 4]
     acc = tl.zeros([TT, BN, S], dtype=tl.float32)
     nxt_words, nxt_high = _load_step(
         codes_ptr, high_ptr, rows, rmask, c_begin, c_end, code_stride, S, LB, HB
@@ -101,44 +111,7 @@ def _tokens_rows(
                 acc += qx * tl.sum(a, axis=2)[None, :, :]
                 if HAS_MIN:
                     acc -= tl.sum(b, axis=2)[None, :, :] * xs[:, None, :]
-    return tl.sum(acc, axis=2)
-
-
-@triton.jit
-def _x_tile(x_ptr, xrows, x_stride, S: tl.constexpr, E: tl.constexpr):
-    """Pointers [TT, S, 4] to chunk 0's words of the x rows `xrows` (int64 [TT])."""
-    xc = tl.arange(0, S)[:, None] * E + tl.arange(0, 4)[None, :]  # [S, 4]
-    return x_ptr + xrows[:, None, None] * x_stride + xc[None, :, :]
-
-
-@triton.jit(do_not_specialize=NO_SPECIALIZE)
-def _qgemv_tokens_kernel(
-    x_ptr, y_ptr, part_ptr, cnt_ptr,
-    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
-    T, N, n_chunks, chunks_per_split, x_stride, y_stride,
-    code_stride, grp_stride, sb_stride, zero,
-    LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
-    BN: tl.constexpr, S: tl.constexpr, TT: tl.constexpr,
-):  # fmt: skip
-    """y[ts, rows] for the TT tokens ts of program_id(0) and the BN rows of program_id(1);
-    program_id(2) takes chunks_per_split chunks of K (the split-K fix-up of _split_k_store)."""
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < N
-    ts = pid_t * TT + tl.arange(0, TT)
-    tmask = ts < T
-    c_begin = pid_k * chunks_per_split
-    c_end = tl.minimum(c_begin + chunks_per_split, n_chunks)
-    x_tile = _x_tile(x_ptr, ts.to(tl.int64), x_stride, S, 4 * (32 // LB))
-    part = _tokens_rows(
-        x_tile, tmask, rows, rmask, c_begin, c_end,
-        codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
-        code_stride, grp_stride, sb_stride, zero,
-        LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB, BN, S, TT,
-    )  # fmt: skip
+    part = tl.sum(acc, axis=2)  # [TT, BN]
     _split_k_store(
         part, y_ptr + ts[:, None] * y_stride + rows[None, :], tmask[:, None] & rmask[None, :],
         part_ptr, ts[:, None] * N + rows[None, :], T * N,

@@ -197,7 +197,7 @@ class DeviceCost:
             h2d = self.dev.h2d_gbs or host.dev.link_gbs(self.dev)  # type: ignore[union-attr]
             total += max(here, crossing / (h2d * 1e9))
         elif ram:
-            total += 2 * transfer_seconds(self.dev, host.dev, tokens, self.desc.config.d_model)  # type: ignore[union-attr]
+            total += 2 * transfer_seconds(self.dev, host.dev, tokens, cfg.d_model)  # type: ignore[union-attr]
         return total
 
     def decode_layer_seconds(self, m: int, ctx: float, replay: bool = True) -> list[float]:
