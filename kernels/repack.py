@@ -200,13 +200,22 @@ def high_bit_places(low_bits: int, high_bits: int) -> tuple[torch.Tensor, torch.
 
 
 def _pack_high_bytes(hq: torch.Tensor, low_bits: int, high_bits: int) -> torch.Tensor:
-    """High codes (n, K) < 2^HB -> int64 (n, chunks, NHW) words in the "bytes" arrangement."""
+    """High codes (n, K) < 2^HB -> uint8 (n, chunks, 4 NHW): the "bytes" arrangement's words,
+    byte by byte (little-endian). Each byte holds 8 / HB codes at bits 0, HB, ..: the codes are
+    put in byte order, then shifted and added in uint8 (no int64 copies)."""
     n, k = hq.shape
     e_count = 4 * (32 // low_bits)
-    word, bit = (t.to(hq.device) for t in high_bit_places(low_bits, high_bits))
-    vals = hq.reshape(n, k // e_count, e_count).to(torch.int64) << bit
-    words = [(vals * (word == u)).sum(-1) for u in range(4 * high_bits // low_bits)]
-    return torch.stack(words, dim=-1)
+    word, bit = high_bit_places(low_bits, high_bits)
+    order = torch.argsort((word * 4 + bit // 8) * 8 + bit % 8)  # by byte, then place in it
+    tw = 8 // high_bits
+    places = (bit % 8)[order].reshape(-1, tw)
+    assert bool((places == torch.arange(tw) * high_bits).all())  # every byte filled alike
+    v = hq.reshape(n, k // e_count, e_count)[:, :, order.to(hq.device)].to(torch.uint8)
+    v = v.reshape(n, k // e_count, -1, tw)
+    out = v[..., 0].clone()
+    for j in range(1, tw):
+        out |= v[..., j] << (high_bits * j)
+    return out
 
 
 def _unpack_high_bytes(high: torch.Tensor, low_bits: int, high_bits: int) -> torch.Tensor:
@@ -216,12 +225,6 @@ def _unpack_high_bytes(high: torch.Tensor, low_bits: int, high_bits: int) -> tor
     words = high.contiguous().view(torch.int32).reshape(n, -1, 4 * high_bits // low_bits)
     vals = (words.to(torch.int64)[:, :, word] >> bit) & ((1 << high_bits) - 1)
     return vals.reshape(n, -1).to(torch.int32)
-
-
-def _as_signed(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Unsigned values below 2^bits(dtype) -> the same bits as `dtype` (two's complement)."""
-    half = 1 << (8 * dtype.itemsize - 1)
-    return torch.where(v >= half, v - 2 * half, v).to(dtype)
 
 
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -314,8 +317,7 @@ def repack(
     codes = _pack_fields(q & ((1 << lb) - 1), lb, lb)
     high = None
     if spec.high_bits and high_layout == "bytes":
-        words = _as_signed(_pack_high_bytes(q >> lb, lb, spec.high_bits), torch.int32)
-        high = words.reshape(n, -1).contiguous().view(spec.high_dtype)
+        high = _pack_high_bytes(q >> lb, lb, spec.high_bits).reshape(n, -1).view(spec.high_dtype)
     elif spec.high_bits:
         high = _pack_fields(q >> lb, lb, spec.high_bits)
     fields = {
