@@ -4,6 +4,7 @@ copy bandwidth, at a real model's expert shapes.
     python benchmarks/gpu_moe.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--quant q4_k_m|mxfp4_moe]
                                  [--tokens 1,2,8,32,128,512] [--layers 8]
                                  [--block-n 0,32,16] [--gemv-max-slots 16,32,64]
+                                 [--int-gemv off,128x4,64x8,256x2x128]
 
 One MoE layer's expert tensors (gate|up joined as the model loads them: [E, 2F, C]; down:
 [E, C, F]) in the types `hetero synth` gives them, random blocks, copied `--layers` times so
@@ -11,7 +12,9 @@ the weights streamed per step exceed the L2 as a model's layers do. Per T: rando
 tokens to k experts each; the gate|up and down calls of one layer, replayed from a CUDA graph
 (device time), in us; the bytes of the experts the tokens touched, GB/s and its share of the
 measured copy bandwidth (a 4 GiB device-to-device copy). Decode (T = 1) reads k of E experts:
-its roofline is those bytes over the copy bandwidth.
+its roofline is those bytes over the copy bandwidth. `--int-gemv` sweeps the integer Stream-K
+GEMV of the decode slots (triton_moe.GEMV_INT): BN x programs an SM [x codes a unit], or off
+(the float GEMV, whose rows a program --block-n sweeps).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 from hetero.kernels import triton_moe as tm
+from hetero.kernels.streamk import StreamKConfig
 from hetero.quant import get_quant, random_blocks
 from hetero.synth import tensor_specs
 from hetero.synth_shapes import get_shape
@@ -63,6 +67,16 @@ def layer_experts(shape: str, quant: str, device: torch.device, copies: int, rng
         name = "|".join(s.name.split(".")[2] for s in group)
         out.append((name, int(qt.ggml_type), (e, n, k), packs, sum(s.nbytes for s in group)))
     return out
+
+
+def int_config(text: str) -> StreamKConfig | None:
+    """ "off" -> None; "BNxC[xSTEP]" -> the row-a-thread config (BN / 32 warps)."""
+    if text == "off":
+        return None
+    bn, ctas, *step = (int(v) for v in text.split("x"))
+    return StreamKConfig(
+        bn=bn, step=step[0] if step else 256, ctas_per_sm=ctas, warps=bn // 32, rows=True
+    )
 
 
 def routing(t: int, k: int, e: int, device: torch.device, gen) -> torch.Tensor:
@@ -108,6 +122,7 @@ def main() -> None:
         "--gemv-max-slots", default=str(tm.GEMV_MAX_SLOTS),
         help="the most slots the GEMV takes (more: the sorted kernel), in turn",
     )  # fmt: skip
+    ap.add_argument("--int-gemv", default="128x4", help="integer GEMV configs, in turn (off: none)")
     args = ap.parse_args()
     device = torch.device("cuda")
     s = get_shape(args.shape)
@@ -117,19 +132,21 @@ def main() -> None:
     types = ", ".join(f"{n} {get_quant(q).name}" for n, q, *_ in experts)
     print(f"{args.shape} {args.quant}: {s.n_experts} experts, {s.n_experts_used} a token; {types}")
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
-    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'us/layer':>10} {'touched MB':>11} {'GB/s':>8} "
-          f"{'of copy':>8}")  # fmt: skip
+    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'int':>9} {'us/layer':>10} {'touched MB':>11} "
+          f"{'GB/s':>8} {'of copy':>8}")  # fmt: skip
     layer_bytes = sum(nb for *_, nb in experts)
     for t in (int(v) for v in args.tokens.split(",")):
         ids = routing(t, s.n_experts_used, s.n_experts, device, gen)
         touched = layer_bytes * ids.unique().numel() / s.n_experts
-        lists = (args.block_n, args.gemv_max_slots)
-        for bn, most in itertools.product(*([int(v) for v in a.split(",")] for a in lists)):
-            tm.GEMV_BLOCK_N, tm.GEMV_MAX_SLOTS = bn, most
+        lists = [[int(v) for v in a.split(",")] for a in (args.block_n, args.gemv_max_slots)]
+        for bn, most, cfg in itertools.product(*lists, args.int_gemv.split(",")):
+            tm.GEMV_BLOCK_N, tm.GEMV_MAX_SLOTS, tm.GEMV_INT = bn, most, int_config(cfg)
+            if t * s.n_experts_used > most and cfg != args.int_gemv.split(",")[0]:
+                continue  # (the sorted kernel: the same for every integer config)
             us = time_layer(experts, ids, s.d_model, device, args.layers)
             gbs = touched / (us / 1e6) / 1e9
-            print(f"{t:>5} {bn or 'auto':>5} {most:>6} {us:>10.1f} {touched / 1e6:>11.1f} "
-                  f"{gbs:>8.0f} {gbs / bw:>8.0%}")  # fmt: skip
+            print(f"{t:>5} {bn or 'auto':>5} {most:>6} {cfg:>9} {us:>10.1f} "
+                  f"{touched / 1e6:>11.1f} {gbs:>8.0f} {gbs / bw:>8.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hetero.kernels import cpu_qdot, cpu_threads, select
+from hetero.kernels import cpu_qdot, cpu_threads
 from hetero.kernels.cpu_qdot_moe import PackedExperts, grouped_matmul, route
-from hetero.kernels.moe import GATINGS, moe_combine_ref, moe_route_ref, swiglu_oai
+from hetero.kernels.moe import GATINGS, activation_fn, moe_combine_ref, moe_route_ref
 
 ACTIVATIONS = ("silu", "swiglu_oai")
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -164,8 +164,7 @@ def moe_layer_ref(
     def biased(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return y if b is None else y + b[rt.expert_of]
 
-    act = select("silu_mul", h.device).fn if layer.activation == "silu" else swiglu_oai
-    a = act(biased(gate, bg), biased(up, bu))
+    a = activation_fn(layer.activation, h.device)(biased(gate, bg), biased(up, bu))
     (down,) = grouped_matmul(a.contiguous(), [layer.down], rt, False, threads)
     o = torch.empty_like(down)
     o[rt.order] = biased(down, bd)  # back to slot order (t, j)

@@ -28,6 +28,15 @@ GATINGS = ("softmax", "softmax_topk")
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp: LLM_FFN_SWIGLU_OAI_MOE)
 
 
+def activation_fn(name: str, device: torch.device | str):
+    """The registry's implementation of an expert activation on `device`: "silu" (silu_mul) or
+    "swiglu_oai"; (gate, up) [S, F] -> [S, F]."""
+    from hetero.kernels.registry import select
+
+    return select("silu_mul" if name == "silu" else "swiglu_oai", device).fn
+
+
+@register("swiglu_oai", "torch")
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gpt-oss's activation: g sigmoid(1.702 g) (clamp(up, -7, 7) + 1), g = min(gate, 7)."""
     g = gate.clamp(max=OAI_LIMIT)
@@ -71,8 +80,10 @@ def moe_matmul_ref(
     ggml_type: int,
     shape: tuple[int, int, int],
     topk_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [S, N]: every slot's row of x times its expert's W^T (the module docstring).
+    """y [S, N]: every slot's row of x times its expert's W^T (the module docstring), plus its
+    expert's row of bias [E, N] where given (gpt-oss).
 
     x [T, K] or [S, K]; qweight: the GGUF bytes [E, N, row_bytes] (or dense floats [E, N, K]);
     shape (E, N, K); topk_ids [T, k] int. Experts no slot chose are never read.
@@ -89,7 +100,7 @@ def moe_matmul_ref(
         sel = (flat == e).nonzero().squeeze(1)
         w = expert_matrix(qweight, e, ggml_type, shape, x.dtype)
         y[sel] = x[rows[sel]] @ w.t()
-    return y
+    return y if bias is None else y + bias[flat].to(y.dtype)
 
 
 # llama.cpp clamps the sum of a token's chosen weights away from 0 (f16's smallest normal)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hetero.kernels.moe import OAI_ALPHA, OAI_LIMIT
 from hetero.kernels.registry import register
 from hetero.kernels.triton_qmatmul import triton_supported
 
@@ -99,15 +100,27 @@ def qk_norm_rope_triton(q, k, wq, wk, eps: float, cos, sin, style: str):
     return qo, ko
 
 
+@register("swiglu_oai", "triton", priority=10, supports=triton_supported)
+def swiglu_oai_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (kernels/moe.swiglu_oai) in one launch: gate, up [T, F] -> [T, F],
+    in float32 and rounded once (the reference rounds each torch op to the dtype)."""
+    return _gated(_kernels().swiglu_oai_kernel, gate, up, OAI_ALPHA, OAI_LIMIT)
+
+
 @register("silu_mul", "triton", priority=10, supports=triton_supported)
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [T, F] (e.g. the halves of one fused [T, 2F] matmul output) -> [T, F]."""
+    return _gated(_kernels().silu_mul_kernel, gate, up)
+
+
+def _gated(kernel, gate: torch.Tensor, up: torch.Tensor, *consts) -> torch.Tensor:
+    """An elementwise (gate, up) [T, F] -> [T, F] kernel over a grid of (T, tiles of F)."""
     g, u = _rows(gate), _rows(up)
     t, f = g.shape
     out = torch.empty(t, f, dtype=gate.dtype, device=gate.device)
     if t:
         bf = min(1024, _pow2(f))
-        _kernels().silu_mul_kernel[(t, -(-f // bf))](
-            g, u, out, f, g.stride(0), u.stride(0), out.stride(0), BF=bf, num_warps=4
+        kernel[(t, -(-f // bf))](
+            g, u, out, f, g.stride(0), u.stride(0), out.stride(0), *consts, BF=bf, num_warps=4
         )
     return out.reshape(gate.shape)

@@ -104,6 +104,20 @@ def qk_norm_rope_kernel(
 
 
 @triton.jit
+def swiglu_oai_kernel(gate, up, out, F, sg, su, so, alpha, limit, BF: tl.constexpr):
+    """Grid (T, F tiles): out = g sigmoid(alpha g) (clamp(up, -limit, limit) + 1), g =
+    min(gate, limit), in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
+    fm = f < F
+    g = tl.minimum(tl.load(gate + t * sg + f, mask=fm, other=0.0).to(tl.float32), limit)
+    u = tl.load(up + t * su + f, mask=fm, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    y = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    tl.store(out + t * so + f, y.to(out.dtype.element_ty), mask=fm)
+
+
+@triton.jit
 def silu_mul_kernel(gate, up, out, F, sg, su, so, BF: tl.constexpr):
     """Grid (T, F tiles): out = silu(gate) * up, silu rounded to the dtype first (as torch's
     F.silu(gate) * up rounds twice)."""

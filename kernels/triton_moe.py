@@ -11,9 +11,11 @@ blocks of BT, each block one expert's, an expert's last block padded with the id
     sorted_ids   [1 5 S S | 3 S S S | 0 2 4 S]  (+ unused blocks up to the static bound)
     expert_ids   [0       | 1       | 2      ]  (-1 for the unused blocks: they exit at once)
 
-Few slots (a decode step's, up to GEMV_MAX_SLOTS) skip the sort: one program per (slot, tile
-of rows) reads its expert's rows straight from topk_ids (`_moe_gemv_kernel`, the float decode
-loop of the dense GEMV). Otherwise one program per (block, tile of BN output rows) decodes its
+Few slots (a decode step's, up to GEMV_MAX_SLOTS) skip the sort: bf16 / fp16 ones run the dense
+decode's Stream-K kernel with a row a thread and integer dot products over all the slots' row
+tiles at once (triton_moe_streamk: each tile reads its slot's expert's rows straight from
+topk_ids); float32 ones one program per (slot, tile of rows), `_moe_gemv_kernel`, the float
+decode loop of the dense GEMV. Otherwise one program per (block, tile of BN output rows) decodes its
 expert's weight tile once and multiplies it with the block's BT rows of x on the tensor cores,
 the `_qmm_kernel` step with the rows offset to the expert (the experts' matrices are one packed
 [E * N, K] weight: kernels/repack.py, every packable type including the codebook ones, MXFP4
@@ -34,7 +36,16 @@ import torch
 from hetero.kernels.moe import moe_matmul_ref, slot_row_div
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
-from hetero.kernels.triton_qmatmul import _GEMV_WARPS, _plane_args, gemv_block_n, triton_supported
+from hetero.kernels.streamk import StreamKConfig, _asm_ok, schedule
+from hetero.kernels.triton_qmatmul import (
+    _GEMV_WARPS,
+    _counters,
+    _plane_args,
+    _sm_count,
+    gemv_block_n,
+    triton_supported,
+)
+from hetero.kernels.xquant import XLayout, xquant
 
 BLOCK_N = 64
 # Up to this many slots (T * k), each slot reads its expert's rows on its own (the GEMV kernel):
@@ -46,6 +57,9 @@ GEMV_MAX_SLOTS = 16
 # the SMs: benchmarks/gpu_moe.py --block-n sweeps it. H200, Qwen3-30B-A3B, one token: 32 rows
 # 19.7 us a layer, 16 rows 22.2, the default 22.1
 GEMV_BLOCK_N = 32
+# The integer Stream-K GEMV of bf16 / fp16 slots (None: the float GEMV above for every dtype):
+# rows a tile (32 x warps), codes of K a unit, programs an SM
+GEMV_INT = StreamKConfig(bn=128, step=256, ctas_per_sm=4, warps=4, rows=True)
 
 
 @dataclass(eq=False)
@@ -64,7 +78,10 @@ def prepare_moe(qweight: Any, ggml_type: int, shape: tuple[int, int, int]) -> An
     if not packable(ggml_type):
         return qweight
     e, n, k = shape
-    return PackedExperts(repack(qweight.reshape(e * n, -1), ggml_type, (e * n, k)), tuple(shape))
+    # the high plane as bytes: the integer GEMV reads only that arrangement, the float kernels
+    # either
+    packed = repack(qweight.reshape(e * n, -1), ggml_type, (e * n, k), high_layout="bytes")
+    return PackedExperts(packed, tuple(shape))
 
 
 def block_rows(n_slots: int, n_experts: int) -> int:
@@ -107,12 +124,13 @@ def moe_matmul_triton(
     ggml_type: int,
     shape: tuple[int, int, int],
     topk_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [S, N] (moe_matmul_ref's contract); qweight a PackedExperts or the GGUF bytes."""
     if not isinstance(qweight, PackedExperts):
         qweight = prepare_moe(qweight, ggml_type, shape)
         if not isinstance(qweight, PackedExperts):
-            return moe_matmul_ref(x, qweight, ggml_type, shape, topk_ids)
+            return moe_matmul_ref(x, qweight, ggml_type, shape, topk_ids, bias)
     n_experts, n, k = shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
@@ -129,12 +147,14 @@ def moe_matmul_triton(
     e = chunk_codes(pw.spec.low_bits)
     if s <= GEMV_MAX_SLOTS:
         ids = topk_ids.reshape(-1).contiguous()
+        if _int_gemv_ok(pw, x):  # (the bias added in the kernel)
+            return _moe_streamk(x, pw, ids, n, x_div, y, GEMV_INT, bias)
         bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
         _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
             x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:], **meta,
             BN=bn, S=256 // e, num_warps=_GEMV_WARPS,
         )  # fmt: skip
-        return y
+        return _biased(y, bias, ids)
     bt = block_rows(s, n_experts)
     sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -142,6 +162,52 @@ def moe_matmul_triton(
     _kernels()._moe_mm_kernel[grid](
         x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0), y.stride(0),
         *args[6:], **meta, BN=BLOCK_N, BT=bt, S=128 // e, PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    return _biased(y, bias, topk_ids.reshape(-1))
+
+
+def _biased(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    return y if bias is None else y + bias[ids].to(y.dtype)
+
+
+def _int_gemv_ok(pw: PackedWeight, x: torch.Tensor) -> bool:
+    """Whether the integer Stream-K GEMV runs these slots: 16-bit activations (float32 ones
+    keep the float decode, whose rounding they need), a high plane as bytes, a unit of whole
+    chunks and K in whole blocks of xquant."""
+    cfg, spec = GEMV_INT, pw.spec
+    if cfg is None or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    e = chunk_codes(spec.low_bits)
+    k = pw.shape[1]
+    high_ok = not spec.high_bits or pw.high_layout == "bytes"
+    return high_ok and cfg.step % e == 0 and cfg.step // e <= 16 and k % e == 0 and k % 32 == 0
+
+
+def _moe_streamk(
+    x: torch.Tensor, pw: PackedWeight, ids: torch.Tensor, n: int, x_div: int, y: torch.Tensor,
+    cfg: StreamKConfig, bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """y [S, N] of the S slots of ids (+ their experts' bias rows) through
+    `moe_streamk_rows_kernel` (module docstring)."""
+    from hetero.kernels.triton_moe_streamk import moe_streamk_rows_kernel
+
+    s_slots, k = ids.numel(), x.shape[-1]
+    e = chunk_codes(pw.spec.low_bits)
+    step = cfg.step // e
+    tiles = -(-n // cfg.bn)
+    sch = schedule(
+        s_slots * tiles * cfg.bn, k // e, step, cfg.ctas_per_sm * _sm_count(x.device), cfg.bn
+    )
+    words, floats = xquant(x, XLayout(pw.spec.low_bits, pw.spec.group))
+    part = torch.empty(sch.tiles, sch.max_programs, cfg.bn, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, sch.tiles)
+    args, meta = _plane_args(pw)
+    moe_streamk_rows_kernel[(sch.programs,)](
+        words, floats, y, part, cnt, ids, *args[:6], n, k // e, sch.ks, sch.units, sch.programs,
+        sch.max_programs, tiles, x_div, words.stride(0), floats.stride(0), y.stride(0),
+        y if bias is None else bias, 0 if bias is None else bias.stride(0),
+        *args[6:], **meta, BN=cfg.bn, S=step, ASM=_asm_ok(x.device), HAS_BIAS=bias is not None,
+        FULL=(k // e) % step == 0, num_warps=cfg.warps,
     )  # fmt: skip
     return y
 

@@ -153,6 +153,12 @@ def _bytes_high(
 @triton.jit
 def _codebook(q, CB: tl.constexpr):
     """float32 TABLE[q] of int32 codes q in 0..15 (the module docstring)."""
+    return _codebook_int(q, CB).to(tl.float32)
+
+
+@triton.jit
+def _codebook_int(q, CB: tl.constexpr):
+    """int32 TABLE[q] of int32 codes q in 0..15."""
     if CB == 1:
         lo = tl.where((q & 4) != 0, _NL1, _NL0)
         hi = tl.where((q & 4) != 0, _NL3, _NL2)
@@ -160,7 +166,7 @@ def _codebook(q, CB: tl.constexpr):
         lo = tl.where((q & 4) != 0, _FP1, _FP0)
         hi = tl.where((q & 4) != 0, _FP3, _FP2)
     word = tl.where((q & 8) != 0, hi, lo)
-    return ((word << (24 - 8 * (q & 3))) >> 24).to(tl.float32)
+    return (word << (24 - 8 * (q & 3))) >> 24
 
 
 @triton.jit

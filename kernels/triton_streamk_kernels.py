@@ -30,24 +30,37 @@ from hetero.kernels.triton_qkernels import _split_k_store
 
 
 @triton.jit
-def _dp4a(a, b, acc, SIGNED_B: tl.constexpr, ASM: tl.constexpr):
-    """acc + sum over bytes i of a_i * b_i (a's bytes unsigned; b's signed or unsigned).
-    ASM: the PTX instruction; else the same integer sum in plain ops (the interpreter)."""
+def _dp4a(
+    a, b, acc, SIGNED_B: tl.constexpr, ASM: tl.constexpr, SIGNED_A: tl.constexpr = False
+):  # fmt: skip
+    """acc + sum over bytes i of a_i * b_i (a's bytes unsigned, or signed: the codebook types'
+    table values; b's signed or unsigned). ASM: the PTX instruction; else the same integer sum
+    in plain ops (the interpreter)."""
     if ASM:
-        if SIGNED_B:
+        args = [a, b, acc]
+        if SIGNED_A and SIGNED_B:
             r = tl.inline_asm_elementwise(
-                "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc], dtype=tl.int32,
-                is_pure=True, pack=1,
-            )  # fmt: skip
+                "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", args, tl.int32, True, 1
+            )
+        elif SIGNED_A:
+            r = tl.inline_asm_elementwise(
+                "dp4a.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", args, tl.int32, True, 1
+            )
+        elif SIGNED_B:
+            r = tl.inline_asm_elementwise(
+                "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", args, tl.int32, True, 1
+            )
         else:
             r = tl.inline_asm_elementwise(
-                "dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc], dtype=tl.int32,
-                is_pure=True, pack=1,
-            )  # fmt: skip
+                "dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", args, tl.int32, True, 1
+            )
     else:
         r = acc
         for i in tl.static_range(4):
-            ai = (a >> (8 * i)) & 255
+            if SIGNED_A:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & 255
             if SIGNED_B:
                 bi = (b << (24 - 8 * i)) >> 24
             else:

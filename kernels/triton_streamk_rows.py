@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from hetero.kernels.triton_qdecode import _shift_to
+from hetero.kernels.triton_int_codebook import _table_bytes
+from hetero.kernels.triton_qdecode import _shift_to, e8m0_half
 from hetero.kernels.triton_streamk_kernels import (
     NO_SPECIALIZE_SK,
     _dp4a,
@@ -142,9 +143,12 @@ def _chain(q, xh, xl, hi, lo, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_units(words, high, xb, LB: tl.constexpr, HB: tl.constexpr, ASM: tl.constexpr):
+def _row_units(
+    words, high, xb, LB: tl.constexpr, HB: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr
+):  # fmt: skip
     """The chunk's integer sums q . m, one [BN] per unit: a 4-tuple (units past NU: 0). Each
-    unit's dp4a chain through its lanes into one accumulator a plane."""
+    unit's dp4a chain through its lanes into one accumulator a plane. A codebook type (CB > 0)
+    multiplies its codes' table values (signed bytes) instead of the codes."""
     J: tl.constexpr = 8 // LB
     w = _lanes(words)
     h01, h23 = _high_words(high, LB, HB)
@@ -156,6 +160,16 @@ def _row_units(words, high, xb, LB: tl.constexpr, HB: tl.constexpr, ASM: tl.cons
     if LB == 8:
         for c in tl.static_range(4):
             hi, lo = _chain(w[c], xh0[c], xl0[c], hi, lo, ASM)
+        out = (hi * 256 + lo, 0, 0, 0)
+    elif CB > 0:  # 4-bit codes, no high plane
+        xh1 = _lanes(tl.load(xb + 4 + tl.arange(0, 4)))
+        xl1 = _lanes(tl.load(xb + 4 * J + 4 + tl.arange(0, 4)))
+        for c in tl.static_range(4):
+            q0, q1 = _table_bytes(w[c], CB, ASM)
+            hi = _dp4a(q0, xh0[c], hi, True, ASM, True)
+            lo = _dp4a(q0, xl0[c], lo, False, ASM, True)
+            hi = _dp4a(q1, xh1[c], hi, True, ASM, True)
+            lo = _dp4a(q1, xl1[c], lo, False, ASM, True)
         out = (hi * 256 + lo, 0, 0, 0)
     elif LB == 4 and HB < 2:
         xh1 = _lanes(tl.load(xb + 4 + tl.arange(0, 4)))
@@ -214,9 +228,11 @@ def _units_lb2(w, hw, xb, HB: tl.constexpr, ASM: tl.constexpr):
 def _rows_int_step(
     words, high, sc, mn, d, dmin, xw_ptr, xf_ptr, c0, n_chunks, S: tl.constexpr,
     FULL: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, ASM: tl.constexpr,
+    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
-    """[BN] float: the unit's share of W x (one thread a row, integer dot products)."""
+    """[BN] float: the unit's share of W x (one thread a row, integer dot products; a codebook
+    type's table values, CB > 0)."""
     E: tl.constexpr = 128 // LB
     J: tl.constexpr = 8 // LB
     NU: tl.constexpr = (E + G - 1) // G
@@ -224,7 +240,10 @@ def _rows_int_step(
     if PACKED_MIN:  # Q2_K: one byte m << 4 | sc
         mn = sc.to(tl.int32) >> 4
         sc = sc.to(tl.int32) & 15
-    scf = sc.to(tl.float32)
+    if CB == 2:  # MXFP4: the E8M0 byte
+        scf = e8m0_half(sc)
+    else:
+        scf = sc.to(tl.float32)
     mnf = mn.to(tl.float32)
     acc_a = tl.zeros([words[0].shape[0]], dtype=tl.float32)  # sum A' s_b (isum + OFF M)
     acc_b = tl.zeros([words[0].shape[0]], dtype=tl.float32)  # sum B' s_b M
@@ -238,7 +257,7 @@ def _rows_int_step(
             ch = tl.minimum(c0 + s, n_chunks - 1)
             xb = xw_ptr + ch * (8 * J)
             xf = xf_ptr + ch * (2 * NU)
-        sums = _row_units(words[s], high[s], xb, LB, HB, ASM)
+        sums = _row_units(words[s], high[s], xb, LB, HB, CB, ASM)
         for u in tl.static_range(NU):
             s_b, xs = tl.split(tl.load(xf + 2 * u + tl.arange(0, 2)))
             if not FULL:
@@ -298,7 +317,7 @@ def qgemv_streamk_rows_kernel(
         )  # fmt: skip
         acc += _rows_int_step(
             *cur, x_ptr, xf_ptr, ks * S, n_chunks, S, FULL, LB, HB, G, OFF, KQUANT, HAS_MIN,
-            PACKED_MIN, ASM,
+            PACKED_MIN, CB, ASM,
         )  # fmt: skip
         end = wrap | (u + 1 == u1)
         if end:

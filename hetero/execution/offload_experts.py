@@ -26,7 +26,7 @@ import torch
 from hetero.execution.offload import Staging
 from hetero.kernels import cpu_qdot, select
 from hetero.kernels.cpu_qdot_moe import PackedExperts
-from hetero.kernels.moe import swiglu_oai
+from hetero.kernels.moe import activation_fn
 from hetero.kernels.registry import prepare_weight
 from hetero.model.moe import Experts, SparseMoE
 
@@ -48,8 +48,8 @@ class StreamedExperts:
         self.layers = layers
         self.next_of = {id(a): b for a, b in zip(layers, layers[1:] + layers[:1])}
         self.moe_matmul = select("moe_matmul", device)
-        self.silu_mul = select("silu_mul", device).fn
         self.combine = select("moe_combine", device).fn
+        self.activation = {a: activation_fn(a, device) for a in ("silu", "swiglu_oai")}
         cuda = device.type == "cuda"
         self.pinned_bytes = sum(e.qdot.pin_memory() if cuda else 0 for e in layers)
         self.biases = {  # small ([E, N] a part, float32): on the device for good
@@ -108,7 +108,7 @@ class StreamedExperts:
         bg, bu, bd = self.biases[id(experts)]
         gate = self._matmul(h, parts[0], blocks[0], ids, bg)
         up = self._matmul(h, parts[1], blocks[1], ids, bu)
-        a = self.silu_mul(gate, up) if experts.activation == "silu" else swiglu_oai(gate, up)
+        a = self.activation[experts.activation](gate, up)
         o = self._matmul(a, parts[2], blocks[2], ids, bd)
         return self.combine(o, w).to(h.dtype)
 
@@ -123,5 +123,4 @@ class StreamedExperts:
     def _matmul(self, x, p: PackedExperts, blocks, ids, bias) -> torch.Tensor:
         shape = (p.n_experts, p.n, p.k)
         weight = prepare_weight(self.moe_matmul, blocks, int(p.ggml_type), shape)
-        y = self.moe_matmul.fn(x, weight, int(p.ggml_type), shape, ids)
-        return y if bias is None else y + bias[ids.reshape(-1)].to(y.dtype)
+        return self.moe_matmul.fn(x, weight, int(p.ggml_type), shape, ids, bias)

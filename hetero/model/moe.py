@@ -41,7 +41,7 @@ from torch import nn
 from hetero.config import ModelConfig, RuntimeConfig
 from hetero.gguf_loader import GGUFModel, GGUFTensor
 from hetero.kernels import select
-from hetero.kernels.moe import GATINGS, swiglu_oai
+from hetero.kernels.moe import GATINGS, activation_fn
 from hetero.kernels.registry import prepare_weight
 from hetero.model.moe_qdot import QdotExperts, runs_on_qdot
 from hetero.quant import dequantize
@@ -97,10 +97,7 @@ class ExpertWeight(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, K] or [S, K] -> [S, N]: each slot's row times its expert's matrix (+ bias)."""
-        y = self._matmul(x, self.qweight, self.ggml_type, self.shape, ids)
-        if self.bias is not None:
-            y = y + self.bias[ids.reshape(-1)]
-        return y
+        return self._matmul(x, self.qweight, self.ggml_type, self.shape, ids, self.bias)
 
 
 def fused(
@@ -148,17 +145,12 @@ class Experts(nn.Module):
             if self.gate_up is None:
                 self.gate, self.up = (ExpertWeight(t, b, rt) for t, b in zip(weights, biases))
             self.down = ExpertWeight(weights[2], biases[2], rt)
-        self._silu_mul = select("silu_mul", self.device).fn
+        self._act = activation_fn(self.activation, self.device)  # (gate, up) [S, F] -> [S, F]
         self._combine = select("moe_combine", self.device).fn
 
     # a big step's experts on another device (execution/offload_experts.py sets it where the
     # experts are in RAM beside a GPU)
     offload = None
-
-    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [S, F] -> [S, F]
-        if self.activation == "silu":
-            return self._silu_mul(gate, up)
-        return swiglu_oai(gate, up)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         home, dtype = h.device, h.dtype

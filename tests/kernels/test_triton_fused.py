@@ -1,8 +1,8 @@
 """Small fused Triton kernels (hetero.kernels.triton_fused) against their torch references.
 
-A registry walk: every implementation of rms_norm, add_rms_norm, rope, qk_norm_rope and silu_mul
-other than the reference (run under the interpreter where there is no CUDA) on fresh random
-inputs: odd widths (masked tails), strided inputs (views of fused matmul outputs), both rope
+A registry walk: every implementation of rms_norm, add_rms_norm, rope, qk_norm_rope, silu_mul and
+swiglu_oai other than the reference (run under the interpreter where there is no CUDA) on fresh
+random inputs: odd widths (masked tails), strided inputs (views of fused matmul outputs), both rope
 layouts with partial rotation, float32 and float16.
 """
 
@@ -101,6 +101,17 @@ def test_silu_mul_on_fused_halves(dtype) -> None:
         gate, up = gate_up.split(f, dim=-1)
         want = reference("silu_mul").fn(gate, up)
         for impl in fast("silu_mul"):
+            close(impl.fn(gate, up), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_oai_on_fused_halves(dtype) -> None:
+    """gpt-oss's clamped SwiGLU: values spread past the clamps (|x| up to ~20)."""
+    for t, f in ((3, 1440), (1, 64)):
+        gate, up = (5 * randn(t, 2 * f, seed=f)).to(dtype).split(f, dim=-1)
+        want = reference("swiglu_oai").fn(gate, up)
+        assert (gate > 7).any() and (up.abs() > 7).any()
+        for impl in fast("swiglu_oai"):
             close(impl.fn(gate, up), want)
 
 

@@ -228,3 +228,43 @@ def test_the_gemvs_rows_a_program_leave_every_sum_as_it_was(ggml_type: str, monk
     for bn in (16, 32):
         monkeypatch.setattr(tm, "GEMV_BLOCK_N", bn)
         assert torch.equal(tm.moe_matmul_triton(x, packed, qt, (e, n, k), ids), want), bn
+
+
+# each low-bit width, with and without a high plane and mins, and the codebook types
+INT_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q2_K", "Q5_0", "MXFP4", "IQ4_XS", "IQ4_NL"]
+
+
+@pytest.mark.parametrize("ggml_type", INT_TYPES)
+def test_integer_gemv_of_16_bit_slots_equals_reference(ggml_type: str):
+    """bf16 decode slots take the integer Stream-K GEMV (triton_moe_streamk): every slot's
+    expert rows against the reference, within bf16's rounding of x, of the bias and of the
+    output; gate/up (a token's row for its k slots, a bias) and down (a row a slot, no bias)
+    alternate between the types."""
+    qt = get_quant(ggml_type)
+    e, n = 5, 40
+    k = 512 if qt.block_size == 256 else 352  # 352: 11 blocks of 32, a ragged unit
+    raw = experts(ggml_type, e, n, k, seed=len(ggml_type))
+    packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
+    assert tm._int_gemv_ok(packed.packed, torch.zeros(1, dtype=torch.bfloat16))
+    ids = torch.tensor([[0, 3], [4, 1]], device=DEVICE)
+    rows = 2 if INT_TYPES.index(ggml_type) % 2 else 4
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x = x.to(torch.bfloat16)
+    bias = None  # gpt-oss's expert biases, added in the kernel: on every other type
+    if INT_TYPES.index(ggml_type) % 2:
+        bias = torch.randn(e, n, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = tm.moe_matmul_triton(
+        x, packed, int(qt.ggml_type), (e, n, k), ids, None if bias is None else bias.bfloat16()
+    )
+    want = moe_matmul_ref(x.float(), raw, int(qt.ggml_type), (e, n, k), ids, bias)
+    w = dequantize(raw.reshape(e * n, -1), int(qt.ggml_type), (e * n, k)).abs().view(e, n, k)
+    scale = (x.float().abs()[slot_rows(x, ids)][:, None, :] * w[ids.flatten()]).sum(-1)
+    eps = 2.0**-7
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (4, n)
+    bad = (got.float() - want).abs() > 4 * eps * scale + 2 * eps * want.abs() + 1e-6
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off"
+    if CUDA:  # the fix-up's counters reset themselves: the same bits again
+        again = tm.moe_matmul_triton(
+            x, packed, int(qt.ggml_type), (e, n, k), ids, None if bias is None else bias.bfloat16()
+        )
+        assert torch.equal(again, got)
