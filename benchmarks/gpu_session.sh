@@ -12,6 +12,8 @@
 #   peer     llama-bench on the same files: 8B Q4_K_M and Q6_K all on the GPU (pp512, tg128),
 #            Q4_K_M with 24 of 32 layers on the GPU (-ngl 24 -t 16), CPU only (-ngl 0 -t 16
 #            -nopo 1: its prompt on the CPU too); llama-batched-bench at 1/16/64 streams
+#   quick    the single-stream rows only, peer and hetero: 8B Q4_K_M all on the GPU (decode,
+#            prompt 512) and with 24 of 32 layers there (-ngl 24, 16 threads)
 #   gpu      hetero on the GPU: decode 1 and 64 streams, prompt 512 (gpu_engine.py), with the
 #            checked-in GEMV tuning table of the GPU's arch (kernels/gemv_tuning_sm_XY.json)
 #   split    hetero with 24 of 32 layers on the GPU, the rest on the CPU (-ngl 24, 16 threads):
@@ -28,6 +30,9 @@
 #            streams
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
+#   probe    where a step's time goes, no peer (PEER_BUILD=0 keeps the build from competing for
+#            the host's cores): the CPU's decode at 16 threads (cProfile), the GPU's dense and
+#            gpt-oss decode steps by kernel, the dense step's host phases, the --cpu-moe decode
 #   diag     where the time goes: the CPU's decode step at 16 threads (pool spin 10/1000
 #            us, cProfile), the split's prompt step, llama.cpp's split prompt and its CPU
 #            decode at 4, 8 and 16 threads
@@ -72,7 +77,8 @@ if has setup; then
     echo "peer: the prebuilt binaries do not start here:"
     (source "$PEER_BIN/env.sh"; "$PEER_BIN/llama-bench" --help 2>&1 | tail -3)
   fi
-  if [ ! -x "$BUILD/bin/llama-bench" ] && ! pgrep -f "cmake --build $BUILD" >/dev/null; then
+  if [ "${PEER_BUILD:-1}" = 1 ] && [ ! -x "$BUILD/bin/llama-bench" ] \
+    && ! pgrep -f "cmake --build $BUILD" >/dev/null; then
     rm -rf /tmp/llsrc && cp -r "$PEER_SRC" /tmp/llsrc
     setsid bash -c "cmake -S /tmp/llsrc -B $BUILD -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
@@ -84,9 +90,12 @@ if has setup; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
-  has peer || has gpu || has split || has cpu || has gemv || has diag \
+  has peer || has gpu || has split || has cpu || has gemv || has diag || has probe || has quick \
     && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
-    --quant q4_k_m; [ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b --quant q6_k"
+    --quant q4_k_m"
+  has peer || has gpu || has gemv \
+    && stage synth6 240 bash -c "[ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b \
+    --quant q6_k"
   ls -la bench_out/*.gguf
   if [ "${GPU_TESTS:-1}" = 1 ]; then
     stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
@@ -100,13 +109,17 @@ if has gemv; then
   cp bench_out/gemv/*.json bench_out/gemv/suite.log "$OUT/" 2>/dev/null
 fi
 
-if has peer; then
-  for _ in $(seq 80); do  # the build, if it still runs (it stops early on an error)
+peer_wait() {  # the peer's build, if it still runs (it stops early on an error)
+  for _ in $(seq 80); do
     [ -x "$BUILD/bin/llama-batched-bench" ] && break
     pgrep -f "cmake --build $BUILD" >/dev/null || pgrep -f "cmake -S /tmp/llsrc" >/dev/null || break
     sleep 5
   done
   tail -2 /tmp/llbuild.log
+}
+
+if has peer; then
+  peer_wait
   [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
   LB="$BUILD/bin/llama-bench -r 3 -o json"
   stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
@@ -117,6 +130,21 @@ if has peer; then
     -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,16,64
   peer_rows peer_gpu_q4 peer_gpu_q6 peer_split peer_cpu
   grep -E "^\|" "$OUT/peer_batched.log" | tail -5
+fi
+
+if has quick; then  # the single-stream rows of both issues, peer and hetero back to back
+  peer_wait
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  LB="$BUILD/bin/llama-bench -r 3 -o json"
+  stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_split 200 $LB -m "$Q4" -ngl 24 -t 16 -fa 1 -p 512 -n 128
+  peer_rows peer_gpu_q4 peer_split
+  stage gpu_q4 200 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill 512 \
+    --json "$OUT/gpu_q4.json"
+  rows "$OUT/gpu_q4.log"
+  stage split_1 240 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 \
+    --input-len 512 --output-len 128
+  rows "$OUT/split_1.log"
 fi
 
 if has gpu; then  # the checked-in tuning table of this GPU's arch, as a user gets it
@@ -164,6 +192,7 @@ fi
 
 if has moe; then
   moe_files
+  peer_wait
   [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
   LB="$BUILD/bin/llama-bench -r 2 -o json"
   stage peer_moe_gpu 150 $LB -m "$QM" -ngl 99 -fa 1 -p 512 -n 128
@@ -192,14 +221,20 @@ if has moeours; then
 fi
 
 if has moekern; then  # the MoE and fused kernels' tests on the device, the grouped matmul's sweep
-  stage moe_kernel_tests 200 "$PY" -m pytest -q -x -p no:cacheprovider \
+  stage moe_kernel_tests 240 "$PY" -m pytest -q -p no:cacheprovider \
     tests/kernels/test_triton_moe.py tests/kernels/test_triton_fused.py \
+    tests/kernels/test_triton_streamk.py tests/kernels/test_triton_streamk_codebook.py \
     tests/execution/test_triton_engine.py -k "Q4_K or Q6_K or MXFP4 or sort or router or \
-    combine or rope or qwen3 or path or registered or bf16"
-  tail -3 "$OUT/moe_kernel_tests.log"
-  stage moe_sweep 150 "$PY" benchmarks/gpu_moe.py --tokens 1,8,32,128,512 \
-    --block-n 0,32,16 --layers 4
-  tail -13 "$OUT/moe_sweep.log"
+    combine or rope or qwen3 or path or registered or bf16 or integer or swiglu or refuse"
+  grep -E "^(FAILED|ERROR)" "$OUT/moe_kernel_tests.log" | head -12
+  tail -2 "$OUT/moe_kernel_tests.log"
+  # the decode GEMV's configs (off: the float one), then gpt-oss's MXFP4 experts
+  INTS=off,128x4,64x4,64x8,128x8,256x2,32x16
+  stage moe_sweep 150 "$PY" benchmarks/gpu_moe.py --tokens 1,2 --int-gemv $INTS --layers 4
+  tail -15 "$OUT/moe_sweep.log"
+  stage goss_sweep 150 "$PY" benchmarks/gpu_moe.py --shape gpt-oss-20b --quant mxfp4_moe \
+    --tokens 1,2 --int-gemv $INTS --layers 4
+  tail -15 "$OUT/goss_sweep.log"
 fi
 
 if has moeprof; then  # the MoE kernels' tests, the MoE decode step by kernel, 32 streams
@@ -221,6 +256,25 @@ fi
 if has profile; then  # the planner's device profiles (cached for the calls that follow)
   stage profile 200 "$PY" -m hetero.cli profile --refresh
   tail -12 "$OUT/profile.log"
+fi
+
+if has probe; then  # where a step's time goes: the CPU's decode at 16 threads, the GPU's dense
+  # and MoE decode steps by kernel, the --cpu-moe decode step on the host
+  stage probe_cpu 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cpu --threads 16 -c 1 \
+    --steps 8 --input-len 64 --profile 30
+  grep -E "^(prefill|decode step|  linear|  paged)" "$OUT/probe_cpu.log" | head -12
+  sed -n '/profile: decode/,/^$/p' "$OUT/probe_cpu.log" | head -34
+  stage probe_gpu 200 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1 --top 30
+  grep -E "wall|step|^ " "$OUT/probe_gpu.log" | tail -40
+  stage probe_host 150 "$PY" benchmarks/gpu_step_host.py "$Q4" --batches 1 --steps 30
+  tail -16 "$OUT/probe_host.log"
+  moe_files
+  stage probe_cpumoe 200 "$PY" benchmarks/cpu_step.py "$QM" --device cuda --cpu-moe \
+    --threads 16 -c 1 --steps 8 --input-len 64 --profile 30
+  grep -E "^(prefill|decode step|  linear|  paged)" "$OUT/probe_cpumoe.log" | head -12
+  sed -n '/profile: decode/,/^$/p' "$OUT/probe_cpumoe.log" | head -34
+  stage probe_goss 200 "$PY" benchmarks/gpu_step_profile.py "$GO" --batches 1 --top 24
+  grep -E "wall|step|^ " "$OUT/probe_goss.log" | tail -32
 fi
 
 if has diag; then
