@@ -89,7 +89,7 @@ def instrument(engine: Engine, timer: PhaseTimer) -> None:
     timer.wrap(engine.scheduler, "update", "update")
     timer.wrap(engine_mod, "sample_logits", "sample_host")
     timer.wrap(engine, "sampler", "sampler", device_time=True)  # (a call, not a method lookup)
-    timer.wrap(step_sampling, "make_batch", "make_batch")
+    timer.wrap(engine.sampling_states, "make", "make_batch")  # make_batch, or its kept state
     timer.wrap(step_sampling, "sampled_lists", "tolist")
     if graphs is None:
         timer.wrap(runner, "run", "eager_forward", device_time=True)

@@ -12,6 +12,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hetero.penalties import PAD_ID
@@ -84,6 +85,33 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def _to_device_rows(
+    ps: Sequence[SamplingParams], steps: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' per-request numbers in one host buffer, int64 [6, B], moved in one copy:
+    rows 0-1 top_k and seed keys; rows 2-4 the float32 [6, B] temperature, top_p, min_p,
+    repetition, presence and frequency; row 5's bytes the bools seeded and greedy [B] each.
+    Returns (ints [2, B], floats [6, B], seeded, greedy) on the device."""
+    b = len(ps)
+    host = np.empty((6, b), dtype=np.int64)
+    host[:2] = [
+        [max(p.top_k, 0) for p in ps],
+        [0 if p.seed is None else stream_key(p.seed, s) for p, s in zip(ps, steps, strict=True)],
+    ]
+    host[2:5].view(np.float32).reshape(6, b)[:] = [
+        [1.0 if p.greedy else p.temperature for p in ps],
+        [p.top_p for p in ps],
+        [p.min_p for p in ps],
+        [p.repetition_penalty for p in ps],
+        [p.presence_penalty for p in ps],
+        [p.frequency_penalty for p in ps],
+    ]
+    host[5].view(np.bool_)[: 2 * b] = [*(p.seed is not None for p in ps), *(p.greedy for p in ps)]
+    dev = _to_device(torch.from_numpy(host), device)
+    flags = dev[5].view(torch.bool)
+    return dev[:2], dev[2:5].view(torch.float32).view(6, b), flags[:b], flags[b : 2 * b]
+
+
 def make_batch(
     params_list: Sequence[SamplingParams],
     prompt_ids_list: Sequence[Sequence[int]],
@@ -112,28 +140,7 @@ def make_batch(
         raise ValueError("make_batch needs at least one request")
     device = torch.device(device)
     ps = params_list
-    floats = torch.tensor(
-        [
-            [1.0 if p.greedy else p.temperature for p in ps],
-            [p.top_p for p in ps],
-            [p.min_p for p in ps],
-            [p.repetition_penalty for p in ps],
-            [p.presence_penalty for p in ps],
-            [p.frequency_penalty for p in ps],
-        ],
-        dtype=torch.float32,
-    )
-    keys = [0 if p.seed is None else stream_key(p.seed, s) for p, s in zip(ps, steps, strict=True)]
-    ints = torch.tensor(
-        [
-            [max(p.top_k, 0) for p in ps],
-            keys,
-            [p.seed is not None for p in ps],
-            [p.greedy for p in ps],
-        ],
-        dtype=torch.int64,
-    )
-    floats, ints = _to_device(floats, device), _to_device(ints, device)
+    ints, floats, seeded, greedy_rows = _to_device_rows(ps, steps, device)
     rep = [p.repetition_penalty != 1 for p in ps]
     pen = [
         r or p.presence_penalty != 0 or p.frequency_penalty != 0
@@ -146,14 +153,14 @@ def make_batch(
     sampled = [p for p in ps if not p.greedy]  # masks and noise matter only on these rows
     return SamplingState(
         temperature=floats[0],
-        greedy=ints[3].bool(),
+        greedy=greedy_rows,
         top_k=ints[0],
         top_p=floats[1],
         min_p=floats[2],
         repetition=floats[3],
         presence=floats[4],
         frequency=floats[5],
-        seeded=ints[2].bool(),
+        seeded=seeded,
         seed_keys=ints[1],
         prompt_ids=_to_device(_padded(prompts), device) if any(rep) else None,
         output_ids=_to_device(_padded(outputs), device) if any(pen) else None,
@@ -194,6 +201,75 @@ def _bias(
         return None
     idx = _to_device(torch.tensor([rows, cols], dtype=torch.int64), device)
     return idx[0], idx[1], _to_device(torch.tensor(vals, dtype=torch.float32), device)
+
+
+class SamplingStates:
+    """make_batch for the engine's steps, keeping the last state while it cannot change.
+
+    A step's SamplingState depends on the rows' SamplingParams alone unless a row is seeded
+    (its noise keys follow the step), has a logit_bias, is short of its min_tokens (the end
+    tokens held back, which depends on the step), uses a penalty (read from token ids that grow
+    every step), or the step has an `allowed` mask. While every row is free of those and the
+    params (equal objects, in the same order) and the device are the last step's, the last
+    state's device tensors are the ones make_batch would build, and are returned again: a
+    decode step of steady requests skips the host work and the host-to-device copies.
+    """
+
+    def __init__(self) -> None:
+        self._params: list[SamplingParams] | None = None
+        self._device: torch.device | None = None
+        self._state: SamplingState | None = None
+        self._min_tokens = False  # a kept row has min_tokens (each step checks it is past)
+        self.hits = 0
+
+    def make(
+        self,
+        params_list: Sequence[SamplingParams],
+        prompt_ids_list: Sequence[Sequence[int]],
+        output_ids_list: Sequence[Sequence[int]],
+        steps: Sequence[int],
+        device: torch.device | str,
+        allowed: torch.Tensor | None = None,
+        eos_ids: Collection[int] = (),
+    ) -> SamplingState:
+        """make_batch's SamplingState (the same arguments)."""
+        device = torch.device(device)
+        params = params_list if isinstance(params_list, list) else list(params_list)
+        if (
+            allowed is None
+            and self._state is not None
+            and device == self._device
+            and len(params) == len(prompt_ids_list) == len(output_ids_list) == len(steps)
+            and params == self._params  # each row's object first: equal when the same
+            and (not self._min_tokens or all(map(_past_min_tokens, params, steps)))
+        ):
+            self.hits += 1
+            return self._state
+        state = make_batch(
+            params, prompt_ids_list, output_ids_list, steps, device, allowed, eos_ids
+        )  # fmt: skip
+        steady = allowed is None and all(map(_steady, params, steps))
+        self._state = state if steady else None
+        self._params, self._device = (list(params), device) if steady else (None, None)
+        self._min_tokens = steady and any(p.min_tokens > 0 for p in params)
+        return state
+
+
+def _past_min_tokens(p: SamplingParams, step: int) -> bool:
+    return step >= p.min_tokens
+
+
+def _steady(p: SamplingParams, step: int) -> bool:
+    """Whether the row's part of a SamplingState is the same at every step from this one on
+    (while it stays past its min_tokens)."""
+    return (
+        p.seed is None
+        and not p.logit_bias
+        and step >= p.min_tokens
+        and p.repetition_penalty == 1
+        and p.presence_penalty == 0
+        and p.frequency_penalty == 0
+    )
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from hetero.engine.spec.speculator import fit_rows
 from hetero.engine.stats import EngineGauges, EngineStats
 from hetero.engine.step_sampling import sample_logits
 from hetero.engine.timeline import Timelines
-from hetero.sampler import Sampler
+from hetero.sampler import Sampler, SamplingStates
 
 if TYPE_CHECKING:
     from hetero.config import ModelConfig
@@ -66,8 +66,10 @@ class Engine:
         self._start()
 
     def _start(self) -> None:
-        """Block manager and scheduler over the executor's pool (again after a restart)."""
+        """Block manager and scheduler over the executor's pool, and an empty cache of sampling
+        states (again after a restart)."""
         info, cfg = self.executor.info, self.config
+        self.sampling_states = SamplingStates()  # the steps' SamplingState, kept while steady
         tiers = self.executor.kv_tiers
         self.block_manager = BlockManager(
             info.num_blocks,
@@ -252,8 +254,8 @@ class Engine:
             return {}
         if res.logits is not None:
             sampled = sample_logits(
-                res.logits, producing, self.params, self.constraints, self.sampler, self.spec,
-                self.tokenizer.eos_ids, results,
+                res.logits, producing, self.params, self.constraints, self.sampler,
+                self.sampling_states, self.spec, self.tokenizer.eos_ids, results,
             )  # fmt: skip
         else:
             s, sampled = res.sampled, {}

@@ -13,7 +13,7 @@ import torch
 from hetero.engine.output import StepOutput, TokenLogprob, sampled_lists
 from hetero.engine.scheduler import ScheduledRequest
 from hetero.engine.spec.verify import accept_rows, expand_rows
-from hetero.sampler import Sampler, make_batch
+from hetero.sampler import Sampler, SamplingStates
 
 
 def sample_logits(
@@ -22,17 +22,19 @@ def sample_logits(
     params: dict,
     constraints,
     sampler: Sampler,
+    states: SamplingStates,
     spec,
     eos_ids,
     results: dict[str, StepOutput],
 ) -> dict[str, list[int]]:
     """Sample `logits` [N, V] and fill `results` with each request's StepOutput; returns request
-    id -> its new tokens."""
+    id -> its new tokens. `states` makes the rows' SamplingState (make_batch's, kept between
+    steps while it cannot change)."""
     reqs = [s.req for s in producing]
     plist = [params[r.request_id] for r in reqs]
     rows = expand_rows(reqs, [s.spec_ids for s in producing], plist)
     row_ids = [r.request_id for r, (lo, hi) in zip(reqs, rows.spans) for _ in range(lo, hi)]
-    state = make_batch(
+    state = states.make(
         rows.params,
         rows.prompts,
         rows.outputs,

@@ -11,6 +11,9 @@ sized for the largest captured batch:
     2, ...: one query a sequence); and for each KV cache group with layers in the pool
     (engine/kv_groups.py: its own tables) slots [Bmax] int64, block_tables [Bmax, max_blocks] int32
 
+All but q_start_loc are views of one device arena (graph_inputs.py): a step writes its values
+into a pinned host mirror of it with plain Python and numpy, and one copy moves them.
+
 A step of n rows runs the graph of the smallest bucket b >= n (1, 2, 4, 8, ... up to the
 largest captured); rows n .. b - 1 are padding: slot -1 (the KV write skips it) and seq_len 0
 (attention gives 0), their logits dropped. Steps with more rows than the largest bucket, a
@@ -59,13 +62,14 @@ import math
 import torch
 
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hetero.execution.graph_inputs import GraphInputs
+from hetero.execution.graph_inputs import is_decode as _is_decode
 from hetero.execution.kv_pool import KVPool
 from hetero.execution.paged_meta import (
     ROW_TILE,
     RowTiles,
     TensorMeta,
     decode_slots_from_tables,
-    split_row_tiles,
 )
 from hetero.execution.runner import PagedAttention, PagedMeta
 from hetero.kernels import select
@@ -102,11 +106,6 @@ def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, spec_tokens: int 
 def bucket_for(n: int, buckets: list[int]) -> int | None:
     """The smallest bucket that holds n sequences (None: more than the largest)."""
     return next((b for b in buckets if b >= n), None)
-
-
-def _is_decode(s: ScheduledRequest) -> bool:
-    """One known token (the last), then any guesses: a row each, no prefill chunk."""
-    return s.produces_token and s.num_new_tokens == 1 + len(s.spec_ids)
 
 
 def chunk_row_context(m: float, p: float, tile: int = 1) -> float:
@@ -164,25 +163,21 @@ class DecodeGraphs:
         self.block_size = pool.block_size
         self.max_blocks = -(-max_model_len // pool.block_size)
         bmax, dev = self.buckets[-1], self.device
-        self.tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(bmax, dtype=torch.long, device=dev)
         # per KV cache group (None: no layer of the group here)
         here = set(pool.layout.groups)
         self.groups = [g for g in range(pool.layout.n_groups) if g in here]
-        self.slots = [
-            torch.full((bmax,), -1, dtype=torch.long, device=dev) if g in here else None
-            for g in range(pool.layout.n_groups)
-        ]
-        self.block_tables = [
-            torch.zeros(bmax, self.max_blocks, dtype=torch.int32, device=dev) if g in here else None
-            for g in range(pool.layout.n_groups)
-        ]
-        self.seq_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
         self.row_tile = row_tile
-        self.decode_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)  # RowTiles
-        self.tile_lens = torch.zeros(bmax, dtype=torch.int32, device=dev)
+        # the static buffers: views of one device arena, filled from a host mirror in one copy
+        self.inputs = GraphInputs(
+            bmax, max_batch, self.max_blocks, self.groups, pool.layout.n_groups, self.block_size,
+            dev,
+        )  # fmt: skip
+        ins = self.inputs
+        self.tokens, self.positions, self.seq_lens = ins.tokens, ins.positions, ins.seq_lens
+        self.slots, self.block_tables = ins.slots, ins.block_tables
+        self.decode_lens, self.tile_lens = ins.decode_lens, ins.tile_lens  # RowTiles
+        self.logit_rows = ins.logit_rows
         self.q_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
-        self.logit_rows = torch.arange(max_batch, dtype=torch.long, device=dev)
         self.hidden = None  # [Bmax, C]: the previous stage's activations (a later stage only)
         if not model.is_first:
             dtype = model.runtime.torch_dtype()
@@ -246,48 +241,9 @@ class DecodeGraphs:
     def _fill(self, sched: list[ScheduledRequest], b: int) -> int:
         """Host values of the step into the static buffers, rows n .. b - 1 as padding; returns
         how many rows produce a token (their indices lead logit_rows)."""
-        bs = self.block_size
-        tokens, positions, produce = [], [], []
-        tables = {g: torch.zeros(b, self.max_blocks, dtype=torch.int32) for g in self.groups}
-        chunk_ids = torch.full((b,), -1, dtype=torch.long)  # each prompt row's chunk
-        row = 0
-        for i, s in enumerate(sched):
-            pos, m = s.start_pos, s.num_new_tokens
-            known = m - len(s.spec_ids)  # 1 for a decode, the chunk's tokens for a prompt
-            tokens += [*s.req.tokens(pos, pos + known), *s.spec_ids]
-            positions += range(pos, pos + m)
-            for g, t in tables.items():
-                table = s.req.block_tables[g][: (pos + m - 1) // bs + 1]
-                t[row : row + m, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            if not _is_decode(s):
-                chunk_ids[row : row + m] = i
-            row += m
-            if s.produces_token:
-                produce += range(row - 1 - len(s.spec_ids), row)
-        pad = b - row
-        lc = self._logit_count(b)
-        self.logit_rows[:lc].copy_(
-            torch.tensor(produce + [0] * (lc - len(produce)), dtype=torch.long), non_blocking=True
-        )
-        pos_t = torch.tensor(positions + [0] * pad, dtype=torch.long)
-        lens = torch.where(torch.arange(b) < row, pos_t + 1, 0).to(torch.int32)
-        fills = [
-            (torch.tensor(tokens + [0] * pad, dtype=torch.long), self.tokens),
-            (pos_t, self.positions),
-            (lens, self.seq_lens),
-        ]
-        block_of = (pos_t // bs)[:, None].to(torch.long).clamp_max(self.max_blocks - 1)
-        for g, t in tables.items():
-            blocks = t.gather(1, block_of)
-            slots = torch.where(lens > 0, blocks[:, 0].long() * bs + pos_t % bs, -1)
-            fills += [(slots, self.slots[g]), (t, self.block_tables[g])]
-        if self._tile(b) > 1:  # only these buckets' attention reads the tiles (_forward)
-            decode_lens, tile_lens = split_row_tiles(lens, chunk_ids, self.row_tile)
-            self.tiled_rows += int((tile_lens > 0).sum())
-            fills += [(decode_lens, self.decode_lens), (tile_lens, self.tile_lens)]
-        for host, static in fills:
-            static[:b].copy_(host, non_blocking=True)
-        return len(produce)
+        produced, tiled = self.inputs.fill(sched, b, self._tile(b))
+        self.tiled_rows += tiled
+        return produced
 
     def _forward(self, b: int) -> torch.Tensor:
         """The model over the first b rows of the static buffers: [b, V] float32."""
