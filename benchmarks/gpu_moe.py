@@ -141,6 +141,7 @@ def main() -> None:
         lists = [[int(v) for v in a.split(",")] for a in (args.block_n, args.gemv_max_slots)]
         for bn, most, cfg in itertools.product(*lists, args.int_gemv.split(",")):
             tm.GEMV_BLOCK_N, tm.GEMV_MAX_SLOTS, tm.GEMV_INT = bn, most, int_config(cfg)
+            tm.GEMV_INT_LINEAR = cfg != "off"  # (the K-quants too, to compare)
             if t * s.n_experts_used > most and cfg != args.int_gemv.split(",")[0]:
                 continue  # (the sorted kernel: the same for every integer config)
             us = time_layer(experts, ids, s.d_model, device, args.layers)

@@ -11,11 +11,12 @@ blocks of BT, each block one expert's, an expert's last block padded with the id
     sorted_ids   [1 5 S S | 3 S S S | 0 2 4 S]  (+ unused blocks up to the static bound)
     expert_ids   [0       | 1       | 2      ]  (-1 for the unused blocks: they exit at once)
 
-Few slots (a decode step's, up to GEMV_MAX_SLOTS) skip the sort: bf16 / fp16 ones run the dense
-decode's Stream-K kernel with a row a thread and integer dot products over all the slots' row
-tiles at once (triton_moe_streamk: each tile reads its slot's expert's rows straight from
-topk_ids); float32 ones one program per (slot, tile of rows), `_moe_gemv_kernel`, the float
-decode loop of the dense GEMV. Otherwise one program per (block, tile of BN output rows) decodes its
+Few slots (a decode step's, up to GEMV_MAX_SLOTS) skip the sort: bf16 / fp16 slots of a
+codebook type (gpt-oss's MXFP4, IQ4_*) run the dense decode's Stream-K kernel with a row a thread
+and integer dot products over all the slots' row tiles at once (triton_moe_streamk: each tile
+reads its slot's expert's rows straight from topk_ids); the others one program per (slot, tile
+of rows), `_moe_gemv_kernel`, the float decode loop of the dense GEMV (faster for the K-quants:
+GEMV_INT below). Otherwise one program per (block, tile of BN output rows) decodes its
 expert's weight tile once and multiplies it with the block's BT rows of x on the tensor cores,
 the `_qmm_kernel` step with the rows offset to the expert (the experts' matrices are one packed
 [E * N, K] weight: kernels/repack.py, every packable type including the codebook ones, MXFP4
@@ -58,8 +59,13 @@ GEMV_MAX_SLOTS = 16
 # 19.7 us a layer, 16 rows 22.2, the default 22.1
 GEMV_BLOCK_N = 32
 # The integer Stream-K GEMV of bf16 / fp16 slots (None: the float GEMV above for every dtype):
-# rows a tile (32 x warps), codes of K a unit, programs an SM
+# rows a tile (32 x warps), codes of K a unit, programs an SM. H200, one token's gate|up and down
+# (benchmarks/gpu_moe.py --tokens 1 --int-gemv ..): gpt-oss-20b's MXFP4 experts 100.6 us a layer
+# by the float GEMV, 55-58 by this one (64-128 rows a tile); Qwen3-30B-A3B's Q4_K / Q6_K 23.4 by
+# the float GEMV, 26.3-29.3 by this one (its two activation quantizations included). So the
+# codebook types take it, and linear codes only with GEMV_INT_LINEAR.
 GEMV_INT = StreamKConfig(bn=128, step=256, ctas_per_sm=4, warps=4, rows=True)
+GEMV_INT_LINEAR = False
 
 
 @dataclass(eq=False)
@@ -172,10 +178,12 @@ def _biased(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> to
 
 def _int_gemv_ok(pw: PackedWeight, x: torch.Tensor) -> bool:
     """Whether the integer Stream-K GEMV runs these slots: 16-bit activations (float32 ones
-    keep the float decode, whose rounding they need), a high plane as bytes, a unit of whole
-    chunks and K in whole blocks of xquant."""
+    keep the float decode, whose rounding they need), a codebook type (or GEMV_INT_LINEAR), a
+    high plane as bytes, a unit of whole chunks and K in whole blocks of xquant."""
     cfg, spec = GEMV_INT, pw.spec
     if cfg is None or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not spec.codebook and not GEMV_INT_LINEAR:
         return False
     e = chunk_codes(spec.low_bits)
     k = pw.shape[1]
