@@ -128,6 +128,8 @@ def main() -> None:
     s = get_shape(args.shape)
     bw = copy_gbs(device)
     rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    # K-quant experts with a high plane as bytes, so that the integer configs can run them too
+    tm.GEMV_INT_LINEAR = any(c != "off" for c in args.int_gemv.split(","))
     experts = layer_experts(args.shape, args.quant, device, args.layers, rng)
     types = ", ".join(f"{n} {get_quant(q).name}" for n, q, *_ in experts)
     print(f"{args.shape} {args.quant}: {s.n_experts} experts, {s.n_experts_used} a token; {types}")

@@ -84,9 +84,10 @@ def prepare_moe(qweight: Any, ggml_type: int, shape: tuple[int, int, int]) -> An
     if not packable(ggml_type):
         return qweight
     e, n, k = shape
-    # the high plane as bytes: the integer GEMV reads only that arrangement, the float kernels
-    # either
-    packed = repack(qweight.reshape(e * n, -1), ggml_type, (e * n, k), high_layout="bytes")
+    # the high plane as bytes where the integer GEMV may read it (it reads only that arrangement,
+    # the float kernels either; bytes cost the repack of streamed experts a pass more)
+    layout = "bytes" if GEMV_INT_LINEAR else "fields"
+    packed = repack(qweight.reshape(e * n, -1), ggml_type, (e * n, k), high_layout=layout)
     return PackedExperts(packed, tuple(shape))
 
 

@@ -244,10 +244,11 @@ def test_integer_gemv_of_16_bit_slots_equals_reference(ggml_type: str, monkeypat
     e, n = 5, 40
     k = 512 if qt.block_size == 256 else 352  # 352: 11 blocks of 32, a ragged unit
     raw = experts(ggml_type, e, n, k, seed=len(ggml_type))
-    packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
     x16 = torch.zeros(1, dtype=torch.bfloat16)
+    packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
     assert tm._int_gemv_ok(packed.packed, x16) == bool(SPECS[qt.ggml_type].codebook)
     monkeypatch.setattr(tm, "GEMV_INT_LINEAR", True)  # (linear codes: slower on the H200)
+    packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))  # (a high plane as bytes)
     assert tm._int_gemv_ok(packed.packed, x16)
     ids = torch.tensor([[0, 3], [4, 1]], device=DEVICE)
     rows = 2 if INT_TYPES.index(ggml_type) % 2 else 4
