@@ -46,7 +46,7 @@ import torch
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
-from hetero.kernels.xquant import XLayout, xquant
+from hetero.kernels.xquant import QuantizedRows, XLayout, silu_mul_xquant, xquant
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,12 @@ def qlinear_streamk(
     x: torch.Tensor, qweight: Any, ggml_type: int, shape: tuple[int, int]
 ) -> torch.Tensor:
     """y = x @ W^T, x [..., K] -> [..., N]: one token by the Stream-K kernel, more by
-    qlinear's default paths."""
+    qlinear's default paths; x may be QuantizedRows that `quantize_input` made."""
+    if isinstance(x, QuantizedRows):
+        cfg = choose(qweight, x) if isinstance(qweight, PackedWeight) else None
+        if x.shape != (1, shape[1]) or cfg is None or _int_layout(qweight, cfg) != x.layout:
+            raise ValueError("quantized rows must be in the layout quantize_input gives")
+        return qgemv_streamk(x, qweight, cfg, xq=(x.words, x.floats))
     if not isinstance(qweight, PackedWeight):
         qweight = prepare_streamk(qweight, ggml_type, shape)
     lead = x.shape[:-1]
@@ -212,3 +217,29 @@ def qlinear_streamk(
     if cfg is None or (cfg.int_dot and fields):  # (a weight another hook prepared)
         return tq.qlinear_triton(x, qweight, ggml_type, shape)
     return qgemv_streamk(x2, qweight, cfg).reshape(*lead, shape[0])
+
+
+def _int_layout(pw: PackedWeight, cfg: StreamKConfig) -> XLayout | None:
+    """The activations' layout of an integer config for pw (None: the float decode)."""
+    if not cfg.int_dot or (pw.spec.high_bits and pw.high_layout != "bytes"):
+        return None
+    return XLayout(pw.spec.low_bits, pw.spec.group)
+
+
+def quantize_input(
+    qweight: Any, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> QuantizedRows | None:
+    """A down projection's input act(gate, up) [1, F] as QuantizedRows where this weight reads
+    one token by integer dot products (the activation and the quantization in one launch, where
+    they were two), else None (the caller makes it as usual)."""
+    if gate.shape[0] != 1 or not isinstance(qweight, PackedWeight):
+        return None
+    cfg = choose(qweight, gate)
+    layout = None if cfg is None else _int_layout(qweight, cfg)
+    if layout is None:
+        return None
+    return QuantizedRows(*silu_mul_xquant(gate, up, layout, activation), layout, gate.dtype)
+
+
+# the registry's function carries the hook (model/layers.py's QuantLinear asks)
+qlinear_streamk.quantize_input = quantize_input

@@ -46,7 +46,7 @@ from hetero.kernels.triton_qmatmul import (
     gemv_block_n,
     triton_supported,
 )
-from hetero.kernels.xquant import XLayout, xquant
+from hetero.kernels.xquant import QuantizedRows, XLayout, silu_mul_xquant, xquant
 
 BLOCK_N = 64
 # Up to this many slots (T * k), each slot reads its expert's rows on its own (the GEMV kernel):
@@ -122,18 +122,42 @@ def sort_by_expert(
     return sorted_ids, expert_ids
 
 
+def int_input(qweight: Any, slots: int, dtype: torch.dtype) -> XLayout | None:
+    """The layout in which the integer GEMV reads `slots` slots of these experts, or None where
+    another kernel runs them."""
+    if not isinstance(qweight, PackedExperts) or not 0 < slots <= GEMV_MAX_SLOTS:
+        return None
+    pw = qweight.packed
+    return XLayout(pw.spec.low_bits, pw.spec.group) if _int_gemv_ok(pw, dtype) else None
+
+
+def quantize_input(
+    qweight: Any, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> QuantizedRows | None:
+    """The down projection's input act(gate, up) [S, F] as QuantizedRows where these experts
+    read it by the integer GEMV (one launch for the activation and the quantization), else None
+    (the caller makes it as usual)."""
+    layout = int_input(qweight, gate.shape[0], gate.dtype)
+    if layout is None:
+        return None
+    return QuantizedRows(*silu_mul_xquant(gate, up, layout, activation), layout, gate.dtype)
+
+
 @register(
     "moe_matmul", "triton", priority=10, supports=triton_supported, prepare=prepare_moe
 )  # fmt: skip
 def moe_matmul_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     qweight: Any,
     ggml_type: int,
     shape: tuple[int, int, int],
     topk_ids: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [S, N] (moe_matmul_ref's contract); qweight a PackedExperts or the GGUF bytes."""
+    """y [S, N] (moe_matmul_ref's contract); qweight a PackedExperts or the GGUF bytes; x may
+    be QuantizedRows in the layout `int_input` gives."""
+    if isinstance(x, QuantizedRows):
+        return _from_quantized(x, qweight, shape, topk_ids, bias)
     if not isinstance(qweight, PackedExperts):
         qweight = prepare_moe(qweight, ggml_type, shape)
         if not isinstance(qweight, PackedExperts):
@@ -154,7 +178,7 @@ def moe_matmul_triton(
     e = chunk_codes(pw.spec.low_bits)
     if s <= GEMV_MAX_SLOTS:
         ids = topk_ids.reshape(-1).contiguous()
-        if _int_gemv_ok(pw, x):  # (the bias added in the kernel)
+        if _int_gemv_ok(pw, x.dtype):  # (the bias added in the kernel)
             return _moe_streamk(x, pw, ids, n, x_div, y, GEMV_INT, bias)
         bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
         _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
@@ -177,12 +201,28 @@ def _biased(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> to
     return y if bias is None else y + bias[ids].to(y.dtype)
 
 
-def _int_gemv_ok(pw: PackedWeight, x: torch.Tensor) -> bool:
+# the registry's function carries the hooks of the integer GEMV's input (model/moe.py asks)
+moe_matmul_triton.quantize_input = quantize_input
+
+
+def _from_quantized(
+    xq: QuantizedRows, qweight: Any, shape: tuple[int, int, int], topk_ids: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    s, n, k = topk_ids.numel(), shape[1], shape[2]
+    if int_input(qweight, s, xq.dtype) != xq.layout or xq.shape[1] != k:
+        raise ValueError("quantized rows must be in the layout int_input gives for these experts")
+    y = torch.empty(s, n, dtype=xq.dtype, device=xq.device)
+    ids = topk_ids.reshape(-1).contiguous()
+    return _moe_streamk(xq, qweight.packed, ids, n, slot_row_div(xq, topk_ids), y, GEMV_INT, bias)
+
+
+def _int_gemv_ok(pw: PackedWeight, dtype: torch.dtype) -> bool:
     """Whether the integer Stream-K GEMV runs these slots: 16-bit activations (float32 ones
     keep the float decode, whose rounding they need), a codebook type (or GEMV_INT_LINEAR), a
     high plane as bytes, a unit of whole chunks and K in whole blocks of xquant."""
     cfg, spec = GEMV_INT, pw.spec
-    if cfg is None or x.dtype not in (torch.bfloat16, torch.float16):
+    if cfg is None or dtype not in (torch.bfloat16, torch.float16):
         return False
     if not spec.codebook and not GEMV_INT_LINEAR:
         return False
@@ -193,8 +233,8 @@ def _int_gemv_ok(pw: PackedWeight, x: torch.Tensor) -> bool:
 
 
 def _moe_streamk(
-    x: torch.Tensor, pw: PackedWeight, ids: torch.Tensor, n: int, x_div: int, y: torch.Tensor,
-    cfg: StreamKConfig, bias: torch.Tensor | None = None,
+    x: torch.Tensor | QuantizedRows, pw: PackedWeight, ids: torch.Tensor, n: int, x_div: int,
+    y: torch.Tensor, cfg: StreamKConfig, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """y [S, N] of the S slots of ids (+ their experts' bias rows) through
     `moe_streamk_rows_kernel` (module docstring)."""
@@ -207,7 +247,10 @@ def _moe_streamk(
     sch = schedule(
         s_slots * tiles * cfg.bn, k // e, step, cfg.ctas_per_sm * _sm_count(x.device), cfg.bn
     )
-    words, floats = xquant(x, XLayout(pw.spec.low_bits, pw.spec.group))
+    if isinstance(x, QuantizedRows):
+        words, floats = x.words, x.floats
+    else:
+        words, floats = xquant(x, XLayout(pw.spec.low_bits, pw.spec.group))
     part = torch.empty(sch.tiles, sch.max_programs, cfg.bn, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device, sch.tiles)
     args, meta = _plane_args(pw)

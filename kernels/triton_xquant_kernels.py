@@ -114,19 +114,26 @@ def add_rms_norm_xquant_kernel(
     _store_span(y, words_ptr, floats_ptr, t, base, K, 128 // LB, GU, SPAN)
 
 
-@triton.jit(do_not_specialize=["K"])
-def silu_mul_xquant_kernel(
-    gate_ptr, up_ptr, words_ptr, floats_ptr, K, g_stride, u_stride,
+@triton.jit(do_not_specialize=["K", "alpha", "limit"])
+def gated_xquant_kernel(
+    gate_ptr, up_ptr, words_ptr, floats_ptr, K, g_stride, u_stride, alpha, limit,
     LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr, SPAN: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, K / SPAN): silu(gate) * up of token t (rounded as the unfused ops round it:
-    silu to the dtype, then the product), its span quantized as `xquant_kernel` does."""
+    silu to the dtype, then the product), or with SWIGLU gpt-oss's clamped SwiGLU (as
+    swiglu_oai_kernel: float32, rounded once), its span quantized as `xquant_kernel` does."""
     t = tl.program_id(0).to(tl.int64)
     base, el = _span_elements(LB, GU, REGROUP, SPAN)
     em = el < K
     g = tl.load(gate_ptr + t * g_stride + el, mask=em, other=0.0)
     u = tl.load(up_ptr + t * u_stride + el, mask=em, other=0.0)
     gf = g.to(tl.float32)
-    sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    y = (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    if SWIGLU:
+        gf = tl.minimum(gf, limit)
+        uf = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
+        y = (gf / (1.0 + tl.exp(-alpha * gf)) * (uf + 1.0)).to(g.dtype).to(tl.float32)
+    else:
+        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        y = (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
     _store_span(y, words_ptr, floats_ptr, t, base, K, 128 // LB, GU, SPAN)

@@ -70,6 +70,27 @@ class XLayout:
         return self.chunk > self.group
 
 
+@dataclass(frozen=True, eq=False)
+class QuantizedRows:
+    """Activations [rows, K] already in xquant's layout for an integer GEMV: made by the op that
+    produced them (the kernels' `quantize_input` hooks: an activation and its quantization in
+    one launch), so no launch of their own quantizes them. dtype: the activations' (the
+    output's)."""
+
+    words: torch.Tensor
+    floats: torch.Tensor
+    layout: XLayout
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.words.shape[0], self.words.shape[1] * self.layout.chunk
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+
 def dot_elements(layout: XLayout) -> torch.Tensor:
     """int64 [E]: the chunk-local element of each (q, c, byte i), in that order (x's order)."""
     j_count, e = layout.shifts, torch.arange(layout.chunk)
@@ -179,26 +200,33 @@ def add_rms_norm_xquant(
 
 
 def silu_mul_xquant_ref(
-    gate: torch.Tensor, up: torch.Tensor, layout: XLayout
+    gate: torch.Tensor, up: torch.Tensor, layout: XLayout, activation: str = "silu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(words, floats) of silu(gate) * up: the feed-forward's input to its down projection."""
+    """(words, floats) of silu(gate) * up (or gpt-oss's clamped SwiGLU, activation
+    "swiglu_oai"): the feed-forward's input to its down projection."""
+    from hetero.kernels.moe import swiglu_oai
     from hetero.kernels.reference import silu_mul_ref
 
-    return xquant_ref(silu_mul_ref(gate, up), layout)
+    act = silu_mul_ref if activation == "silu" else swiglu_oai
+    return xquant_ref(act(gate, up), layout)
 
 
 def silu_mul_xquant(
-    gate: torch.Tensor, up: torch.Tensor, layout: XLayout
+    gate: torch.Tensor, up: torch.Tensor, layout: XLayout, activation: str = "silu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_mul_xquant_ref` in one launch (gate, up [T, F] with unit stride along F: e.g. the
-    halves of one fused gate|up output)."""
-    from hetero.kernels.triton_xquant_kernels import silu_mul_xquant_kernel
+    halves of one fused gate|up output); the SwiGLU rounded once, as its Triton kernel."""
+    from hetero.kernels.moe import OAI_ALPHA, OAI_LIMIT
+    from hetero.kernels.triton_xquant_kernels import gated_xquant_kernel
 
+    if activation not in ("silu", "swiglu_oai"):
+        raise ValueError(f"activation {activation!r} is not one of silu, swiglu_oai")
     t, f = gate.shape
     words, floats = _buffers(t, f, layout, gate.device)
     span = 256 if layout.chunk <= 256 else layout.chunk
-    silu_mul_xquant_kernel[(t, -(-f // span))](
-        gate, up, words, floats, f, gate.stride(0), up.stride(0), LB=layout.low_bits,
-        GU=layout.unit, REGROUP=layout.regroup, SPAN=span, num_warps=2,
+    gated_xquant_kernel[(t, -(-f // span))](
+        gate, up, words, floats, f, gate.stride(0), up.stride(0), OAI_ALPHA, OAI_LIMIT,
+        LB=layout.low_bits, GU=layout.unit, REGROUP=layout.regroup, SPAN=span,
+        SWIGLU=activation == "swiglu_oai", num_warps=2,
     )  # fmt: skip
     return words, floats

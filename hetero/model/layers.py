@@ -190,6 +190,14 @@ class QuantLinear(nn.Module):
             y = torch.cat([self._qlinear(x, w, t, shape) for w, t, shape in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 
+    def quantized_input(self, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"):
+        """act(gate, up) as this linear's kernel reads it pre-quantized (the activation and the
+        quantization in one launch: the integer decode GEMV's input), or None."""
+        if self.mode != "quant" or self.parts is not None or self.offload is not None:
+            return None
+        hook = getattr(self._qlinear, "quantize_input", None)
+        return None if hook is None else hook(self.qweight, gate, up, activation)
+
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of the fused parts: [T, N] -> ([T, N0], [T, N1], ...)."""
         return y.split(self.splits, dim=-1)

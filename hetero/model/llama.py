@@ -87,7 +87,8 @@ class FeedForward(nn.Module):
             if y is not None:
                 return y
         gate, up = self.gate_up.split(self.gate_up(h))
-        return self.down(self._silu_mul(gate, up))
+        a = self.down.quantized_input(gate, up)  # (SiLU and the down GEMV's quantization)
+        return self.down(a if a is not None else self._silu_mul(gate, up))
 
 
 class Block(nn.Module):

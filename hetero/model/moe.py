@@ -99,6 +99,12 @@ class ExpertWeight(nn.Module):
         """x [T, K] or [S, K] -> [S, N]: each slot's row times its expert's matrix (+ bias)."""
         return self._matmul(x, self.qweight, self.ggml_type, self.shape, ids, self.bias)
 
+    def quantized_input(self, gate: torch.Tensor, up: torch.Tensor, activation: str):
+        """act(gate, up) as this weight's kernel reads it pre-quantized (the activation and the
+        quantization in one launch: the integer decode GEMV of codebook experts), or None."""
+        hook = getattr(self._matmul, "quantize_input", None)
+        return None if hook is None else hook(self.qweight, gate, up, activation)
+
 
 def fused(
     parts: list[GGUFTensor], biases: list[GGUFTensor | None], rt: RuntimeConfig
@@ -163,7 +169,9 @@ class Experts(nn.Module):
         if self.gate_up is not None:
             gu = self.gate_up(h, ids)  # [S, 2F]
             f = gu.shape[-1] // 2
-            a = self._act(gu[:, :f], gu[:, f:])  # [S, F]
+            a = self.down.quantized_input(gu[:, :f], gu[:, f:], self.activation)
+            if a is None:
+                a = self._act(gu[:, :f], gu[:, f:])  # [S, F]
         else:
             a = self._act(self.gate(h, ids), self.up(h, ids))
         return self._combine(self.down(a, ids), w).to(home, dtype)  # [S, C] -> [T, C]

@@ -244,7 +244,7 @@ def test_integer_gemv_of_16_bit_slots_equals_reference(ggml_type: str, monkeypat
     e, n = 5, 40
     k = 512 if qt.block_size == 256 else 352  # 352: 11 blocks of 32, a ragged unit
     raw = experts(ggml_type, e, n, k, seed=len(ggml_type))
-    x16 = torch.zeros(1, dtype=torch.bfloat16)
+    x16 = torch.bfloat16
     packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
     assert tm._int_gemv_ok(packed.packed, x16) == bool(SPECS[qt.ggml_type].codebook)
     monkeypatch.setattr(tm, "GEMV_INT_LINEAR", True)  # (linear codes: slower on the H200)
@@ -272,3 +272,33 @@ def test_integer_gemv_of_16_bit_slots_equals_reference(ggml_type: str, monkeypat
             x, packed, int(qt.ggml_type), (e, n, k), ids, None if bias is None else bias.bfloat16()
         )
         assert torch.equal(again, got)
+
+
+def test_down_input_quantized_with_its_activation():
+    """quantize_input: the activation and the quantization in one launch give the integer GEMV
+    the bits that the activation's own kernel and xquant give (codebook experts, bf16 slots);
+    None where another kernel reads the slots; a layout it did not make is refused."""
+    from hetero.kernels import implementations
+
+    qt = get_quant("MXFP4")
+    e, n, k = 5, 40, 352
+    raw = experts("MXFP4", e, n, k, seed=9)
+    packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
+    ids = torch.tensor([[0, 3], [4, 1]], device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    gate, up = (4 * torch.randn(4, k, generator=g)).to(DEVICE, torch.bfloat16).chunk(2, dim=0)
+    gate, up = torch.cat([gate, up]), torch.cat([up, gate])  # [4, k] each: a row a slot
+    swiglu = next(i for i in implementations("swiglu_oai") if i.name == "triton").fn
+    xq = tm.quantize_input(packed, gate, up, "swiglu_oai")
+    assert isinstance(xq, tm.QuantizedRows) and xq.shape == (4, k)
+    shape = (e, n, k)
+    got = tm.moe_matmul_triton(xq, packed, int(qt.ggml_type), shape, ids)
+    assert torch.equal(
+        got, tm.moe_matmul_triton(swiglu(gate, up), packed, int(qt.ggml_type), shape, ids)
+    )
+    q4 = tm.prepare_moe(experts("Q4_K", e, n, 512, seed=2), 12, (e, n, 512))
+    assert tm.quantize_input(q4, gate, up, "silu") is None  # (K-quants: the float GEMV)
+    assert tm.quantize_input(packed, gate.float(), up.float(), "silu") is None
+    with pytest.raises(ValueError, match="layout"):
+        bad = tm.QuantizedRows(xq.words, xq.floats, tm.XLayout(4, 16), xq.dtype)
+        tm.moe_matmul_triton(bad, packed, int(qt.ggml_type), shape, ids)

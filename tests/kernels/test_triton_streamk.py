@@ -150,9 +150,9 @@ def _assert_quantized_close(words, floats, ref_words, ref_floats, layout: XLayou
 
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=lambda v: f"lb{v.low_bits}g{v.group}")
 def test_fused_norm_and_silu_quantizers(layout: XLayout) -> None:
-    """add_rms_norm_xquant (with and without the residual) and silu_mul_xquant against their
-    references: the residual sum bit for bit, the quantized values within rounding. float16:
-    the interpreter rounds float32 -> bfloat16 by truncation."""
+    """add_rms_norm_xquant (with and without the residual) and silu_mul_xquant (SiLU and
+    gpt-oss's SwiGLU) against their references: the residual sum bit for bit, the quantized
+    values within rounding. float16: the interpreter rounds float32 -> bfloat16 by truncation."""
     from hetero.kernels.xquant import (
         add_rms_norm_xquant,
         add_rms_norm_xquant_ref,
@@ -172,6 +172,14 @@ def test_fused_norm_and_silu_quantizers(layout: XLayout) -> None:
     _assert_quantized_close(
         *silu_mul_xquant(gate, up, layout), *silu_mul_xquant_ref(gate, up, layout), layout
     )
+    # gpt-oss's clamped SwiGLU (values past its clamps at 7): as the unfused Triton kernel then
+    # xquant, bit for bit; against the torch reference within rounding
+    gate, up = 4 * gate, 4 * up
+    got = silu_mul_xquant(gate, up, layout, "swiglu_oai")
+    swiglu = next(i for i in implementations("swiglu_oai") if i.name == "triton").fn
+    unfused = xquant(swiglu(gate, up), layout)
+    assert all(torch.equal(a, b) for a, b in zip(got, unfused))
+    _assert_quantized_close(*got, *silu_mul_xquant_ref(gate, up, layout, "swiglu_oai"), layout)
 
 
 # ---------------------------------------------------------------- the Stream-K kernels
@@ -308,3 +316,27 @@ def test_checked_in_tables_name_their_arch_and_only_runnable_configs(path: Path)
         if cfg is not None:
             _, pw = bytes_weight(type_name, 8, 512, seed=0)
             assert streamk.config_ok(cfg, pw), (type_name, n, k, cfg)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K"])
+def test_down_input_quantized_with_its_activation(ggml_type: str) -> None:
+    """quantize_input (the feed-forward's SiLU and the down GEMV's quantization in one launch)
+    gives the Stream-K kernel the bits that silu_mul's kernel then xquant give; None where the
+    token is not one or the activations are float32; a layout it did not make is refused."""
+    from hetero.kernels.xquant import QuantizedRows
+
+    raw, pw = bytes_weight(ggml_type, 37, 512, seed=6)
+    qt, shape = int(get_quant(ggml_type).ggml_type), (37, 512)
+    dtype = torch.float16 if INTERPRETED else torch.bfloat16
+    gate, up = (3 * torch.randn(2, 512, device=DEVICE)).to(dtype).chunk(2)
+    silu = next(i for i in implementations("silu_mul") if i.name == "triton").fn
+    xq = streamk.quantize_input(pw, gate, up, "silu")
+    assert isinstance(xq, QuantizedRows) and xq.shape == (1, 512)
+    got = streamk.qlinear_streamk(xq, pw, qt, shape)
+    assert torch.equal(got, streamk.qlinear_streamk(silu(gate, up), pw, qt, shape))
+    assert streamk.quantize_input(pw, gate.float(), up.float(), "silu") is None
+    two = torch.cat([gate, gate]), torch.cat([up, up])
+    assert streamk.quantize_input(pw, *two, "silu") is None
+    with pytest.raises(ValueError, match="layout"):
+        bad = QuantizedRows(xq.words, xq.floats, XLayout(8, 32), xq.dtype)
+        streamk.qlinear_streamk(bad, pw, qt, shape)
