@@ -26,6 +26,8 @@
 #   moecheck the tiny MoE models' greedy tokens on the GPU (and with --cpu-moe) against the
 #            references
 #   moeours  hetero on the MoE files, as the moe stage runs the peer
+#   moequick the MoE kernels' tests, hetero's single-stream rows (Qwen3-30B-A3B, gpt-oss-20b),
+#            then the peer's
 #   moeprof  the MoE kernels' tests, the MoE decode step by kernel (gpu_step_profile.py), 32
 #            streams
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
@@ -204,20 +206,38 @@ if has moe; then
   grep -E "^\|" "$OUT/peer_moe_batched.log" | tail -3
 fi
 
+single() {  # single NAME FILE: hetero's one-stream row on a MoE file, all on the GPU
+  stage "$1" 200 "${BENCH[@]}" "$2" --device cuda -ngl 99 -c 1 -n 3 --input-len 512 \
+    --output-len 128
+  rows "$OUT/$1.log"
+}
+
+if has moequick; then  # the MoE single-stream rows, hetero then the peer, with the kernel tests
+  moe_files
+  stage moe_int_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py \
+    tests/kernels/test_triton_fused.py -k "integer or swiglu or router"
+  grep -E "^(FAILED|ERROR)" "$OUT/moe_int_tests.log" | head -8
+  tail -1 "$OUT/moe_int_tests.log"
+  single moe_1 "$QM"
+  single goss_1 "$GO"
+  peer_wait
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  LB="$BUILD/bin/llama-bench -r 2 -o json"
+  stage peer_moe_gpu 120 $LB -m "$QM" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_goss 120 $LB -m "$GO" -ngl 99 -fa 1 -p 512 -n 128
+  peer_rows peer_moe_gpu peer_goss
+fi
+
 if has moeours; then
   moe_files
-  stage moe_1 200 "${BENCH[@]}" "$QM" --device cuda -ngl 99 -c 1 -n 3 --input-len 512 \
-    --output-len 128
-  rows "$OUT/moe_1.log"
+  single moe_1 "$QM"
   stage moe_32 150 "${BENCH[@]}" "$QM" --device cuda -ngl 99 -c 32 -n 32 --input-len 128 \
     --output-len 128
   rows "$OUT/moe_32.log"
   stage moe_cpu 240 "${BENCH[@]}" "$QM" --device cuda -ngl 99 --cpu-moe --threads 16 -c 1 -n 2 \
     --input-len 512 --output-len 64
   rows "$OUT/moe_cpu.log"
-  stage goss_1 200 "${BENCH[@]}" "$GO" --device cuda -ngl 99 -c 1 -n 3 --input-len 512 \
-    --output-len 128
-  rows "$OUT/goss_1.log"
+  single goss_1 "$GO"
 fi
 
 if has moekern; then  # the MoE and fused kernels' tests on the device, the grouped matmul's sweep
