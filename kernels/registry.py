@@ -30,6 +30,10 @@ class KernelImpl:
     # blocks repacked into a kernel layout). Same arguments as the op minus its activations;
     # `fn` must still accept the unprepared form.
     prepare: Callable | None = None
+    # Optional: (prepared weight, gate, up, activation) -> the activation act(gate, up) already
+    # in the form this implementation's integer kernel reads (made in one launch with the
+    # quantization), or None where it would not read such a form; `fn` then takes it as x.
+    quantize_input: Callable | None = None
 
     @property
     def is_reference(self) -> bool:
@@ -40,7 +44,9 @@ _REGISTRY: dict[str, list[KernelImpl]] = {}
 _FORCED: dict[str, str] = {}  # op -> implementation name, while `forcing` is active
 
 
-def register(op: str, name: str, priority: int = 0, supports=any_device, prepare=None):
+def register(
+    op: str, name: str, priority: int = 0, supports=any_device, prepare=None, quantize_input=None
+):
     """Decorator: register `fn` as an implementation of `op` (priority 0 marks the reference)."""
 
     def wrap(fn: Callable) -> Callable:
@@ -49,7 +55,7 @@ def register(op: str, name: str, priority: int = 0, supports=any_device, prepare
             raise ValueError(f"kernel {name!r} is already registered for op {op!r}")
         if priority == 0 and any(i.is_reference for i in impls):
             raise ValueError(f"op {op!r} already has a reference implementation")
-        impls.append(KernelImpl(op, name, fn, priority, supports, prepare))
+        impls.append(KernelImpl(op, name, fn, priority, supports, prepare, quantize_input))
         impls.sort(key=lambda i: -i.priority)
         return fn
 

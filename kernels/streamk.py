@@ -192,8 +192,31 @@ def streamk_supported(device: torch.device | str) -> bool:
     return tq.triton_supported(device) and has_table(device)
 
 
+def _int_layout(pw: PackedWeight, cfg: StreamKConfig) -> XLayout | None:
+    """The activations' layout of an integer config for pw (None: the float decode)."""
+    if not cfg.int_dot or (pw.spec.high_bits and pw.high_layout != "bytes"):
+        return None
+    return XLayout(pw.spec.low_bits, pw.spec.group)
+
+
+def quantize_input(
+    qweight: Any, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> QuantizedRows | None:
+    """A down projection's input act(gate, up) [1, F] as QuantizedRows where this weight reads
+    one token by integer dot products (the activation and the quantization in one launch, where
+    they were two), else None (the caller makes it as usual)."""
+    if gate.shape[0] != 1 or not isinstance(qweight, PackedWeight):
+        return None
+    cfg = choose(qweight, gate)
+    layout = None if cfg is None else _int_layout(qweight, cfg)
+    if layout is None:
+        return None
+    return QuantizedRows(*silu_mul_xquant(gate, up, layout, activation), layout, gate.dtype)
+
+
 @register(
-    "qlinear", "triton_streamk", priority=15, supports=streamk_supported, prepare=prepare_streamk
+    "qlinear", "triton_streamk", priority=15, supports=streamk_supported, prepare=prepare_streamk,
+    quantize_input=quantize_input,
 )  # fmt: skip
 def qlinear_streamk(
     x: torch.Tensor, qweight: Any, ggml_type: int, shape: tuple[int, int]
@@ -217,29 +240,3 @@ def qlinear_streamk(
     if cfg is None or (cfg.int_dot and fields):  # (a weight another hook prepared)
         return tq.qlinear_triton(x, qweight, ggml_type, shape)
     return qgemv_streamk(x2, qweight, cfg).reshape(*lead, shape[0])
-
-
-def _int_layout(pw: PackedWeight, cfg: StreamKConfig) -> XLayout | None:
-    """The activations' layout of an integer config for pw (None: the float decode)."""
-    if not cfg.int_dot or (pw.spec.high_bits and pw.high_layout != "bytes"):
-        return None
-    return XLayout(pw.spec.low_bits, pw.spec.group)
-
-
-def quantize_input(
-    qweight: Any, gate: torch.Tensor, up: torch.Tensor, activation: str
-) -> QuantizedRows | None:
-    """A down projection's input act(gate, up) [1, F] as QuantizedRows where this weight reads
-    one token by integer dot products (the activation and the quantization in one launch, where
-    they were two), else None (the caller makes it as usual)."""
-    if gate.shape[0] != 1 or not isinstance(qweight, PackedWeight):
-        return None
-    cfg = choose(qweight, gate)
-    layout = None if cfg is None else _int_layout(qweight, cfg)
-    if layout is None:
-        return None
-    return QuantizedRows(*silu_mul_xquant(gate, up, layout, activation), layout, gate.dtype)
-
-
-# the registry's function carries the hook (model/layers.py's QuantLinear asks)
-qlinear_streamk.quantize_input = quantize_input

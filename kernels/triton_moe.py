@@ -144,7 +144,8 @@ def quantize_input(
 
 
 @register(
-    "moe_matmul", "triton", priority=10, supports=triton_supported, prepare=prepare_moe
+    "moe_matmul", "triton", priority=10, supports=triton_supported, prepare=prepare_moe,
+    quantize_input=quantize_input,
 )  # fmt: skip
 def moe_matmul_triton(
     x: torch.Tensor | QuantizedRows,
@@ -199,10 +200,6 @@ def moe_matmul_triton(
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     return y if bias is None else y + bias[ids].to(y.dtype)
-
-
-# the registry's function carries the hooks of the integer GEMV's input (model/moe.py asks)
-moe_matmul_triton.quantize_input = quantize_input
 
 
 def _from_quantized(

@@ -28,7 +28,7 @@ from hetero.kernels import cpu_qdot, select
 from hetero.kernels.cpu_qdot_moe import PackedExperts
 from hetero.kernels.moe import activation_fn
 from hetero.kernels.registry import prepare_weight
-from hetero.model.moe import Experts, SparseMoE
+from hetero.model.moe import ACTIVATIONS, Experts, SparseMoE
 
 # Streamed only where the step gives each expert this many rows on average (T k / E): below, the
 # CPU reads each chosen expert once for a few rows at RAM speed, as fast as PCIe would carry it
@@ -49,7 +49,7 @@ class StreamedExperts:
         self.next_of = {id(a): b for a, b in zip(layers, layers[1:] + layers[:1])}
         self.moe_matmul = select("moe_matmul", device)
         self.combine = select("moe_combine", device).fn
-        self.activation = {a: activation_fn(a, device) for a in ("silu", "swiglu_oai")}
+        self.activation = {a: activation_fn(a, device) for a in ACTIVATIONS}
         cuda = device.type == "cuda"
         self.pinned_bytes = sum(e.qdot.pin_memory() if cuda else 0 for e in layers)
         self.biases = {  # small ([E, N] a part, float32): on the device for good

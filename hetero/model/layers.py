@@ -82,7 +82,7 @@ class QuantLinear(nn.Module):
         # hook runs here, once per device (Triton: repack the blocks into its planes), so calls
         # never repack.
         impl = select("qlinear", torch.device(rt.device))
-        self._qlinear = impl.fn
+        self._qlinear, self._quantize_input = impl.fn, impl.quantize_input
         runs = _same_type_runs(weights) if rt.fuse_linears else [[w] for w in weights]
         parts = []
         for run in runs:
@@ -166,7 +166,7 @@ class QuantLinear(nn.Module):
             self.qweight = prepare_weight(
                 impl, embedding.qweight, embedding.ggml_type, embedding.shape
             )
-            self._qlinear = impl.fn
+            self._qlinear, self._quantize_input = impl.fn, impl.quantize_input
         return self
 
     # a big step's matmul on another device (execution/offload.py sets it on a CPU segment)
@@ -195,7 +195,7 @@ class QuantLinear(nn.Module):
         quantization in one launch: the integer decode GEMV's input), or None."""
         if self.mode != "quant" or self.parts is not None or self.offload is not None:
             return None
-        hook = getattr(self._qlinear, "quantize_input", None)
+        hook = self._quantize_input
         return None if hook is None else hook(self.qweight, gate, up, activation)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -88,6 +88,7 @@ class ExpertWeight(nn.Module):
         self.ggml_type = int(t.ggml_type)
         impl = select("moe_matmul", torch.device(rt.device))
         self._matmul = impl.fn
+        self._quantize_input = impl.quantize_input  # (the integer GEMV's input, where it has one)
         if rt.weights == "dense":  # asked for: "auto" keeps experts in blocks on a GPU too
             self.qweight = _dense(t, rt.device, rt.torch_dtype())
         else:  # the file's blocks (on a CPU a view of the mapping: no copy)
@@ -102,7 +103,7 @@ class ExpertWeight(nn.Module):
     def quantized_input(self, gate: torch.Tensor, up: torch.Tensor, activation: str):
         """act(gate, up) as this weight's kernel reads it pre-quantized (the activation and the
         quantization in one launch: the integer decode GEMV of codebook experts), or None."""
-        hook = getattr(self._matmul, "quantize_input", None)
+        hook = self._quantize_input
         return None if hook is None else hook(self.qweight, gate, up, activation)
 
 
