@@ -95,6 +95,12 @@ def main() -> None:
             split = run("cuda", args.kv_dtype, args.tokens, eager=False, dtype=dtype, cpu_moe=True)
             compare("GPU + experts on the CPU vs GPU reference", split, ref)
             compare("GPU + experts on the CPU vs CPU fp32", split, cpu)
+            # the decode steps' graphs hold the CPU's experts as host nodes: as the eager steps
+            eager = run("cuda", args.kv_dtype, args.tokens, eager=True, dtype=dtype, cpu_moe=True)
+            hs, he = compare("GPU + experts on the CPU, graphs vs eager", split, eager)
+            if hs < len(eager) or he > FP32_LOGPROB_TOL:  # (prompt rows attend in tiles)
+                print("FAIL: the graphs' host nodes must compute what the eager steps do")
+                failed = True
             # the RAM experts streamed to the GPU for a prompt step long enough (4 prompts of
             # 40-odd tokens: the first token comes from that step, exact; decode then rounds on
             # the CPU)

@@ -28,6 +28,9 @@
 #   moeours  hetero on the MoE files, as the moe stage runs the peer
 #   moequick the MoE kernels' tests, hetero's single-stream rows (Qwen3-30B-A3B, gpt-oss-20b),
 #            then the peer's
+#   hop      experts in RAM beside the GPU (--cpu-moe): the host-node graphs' test and the tiny
+#            models' graphs against eager, hetero's decode and prompt at pool spins of 10 and
+#            200 us, then the peer's -ncmoe 99
 #   moeprof  the MoE kernels' tests, the MoE decode step by kernel (gpu_step_profile.py), 32
 #            streams
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
@@ -215,7 +218,7 @@ single() {  # single NAME FILE: hetero's one-stream row on a MoE file, all on th
 if has moequick; then  # the MoE single-stream rows, hetero then the peer, with the kernel tests
   moe_files
   stage moe_int_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py \
-    tests/kernels/test_triton_fused.py -k "integer or swiglu or router"
+    tests/kernels/test_triton_fused.py -k "${MOE_TESTS:-integer or swiglu or router}"
   grep -E "^(FAILED|ERROR)" "$OUT/moe_int_tests.log" | head -8
   tail -1 "$OUT/moe_int_tests.log"
   single moe_1 "$QM"
@@ -238,6 +241,27 @@ if has moeours; then
     --input-len 512 --output-len 64
   rows "$OUT/moe_cpu.log"
   single goss_1 "$GO"
+fi
+
+if has hop; then  # experts in RAM: the graphs' host nodes checked, then hetero and the peer
+  moe_files
+  stage hop_tests 200 "$PY" -m pytest -q -p no:cacheprovider tests/execution/test_host_hop.py
+  grep -E "^(FAILED|E  )" "$OUT/hop_tests.log" | head -6
+  tail -1 "$OUT/hop_tests.log"
+  [ "${HOP_CHECK:-1}" = 1 ] && stage hop_check 200 "$PY" benchmarks/gpu_check_smollm2.py \
+    --model bench_out/tiny-qwen3moe.gguf --dtypes float32 --tokens 24 --cpu-moe
+  grep -E "outputs equal|first tokens|FAIL|Error" "$OUT/hop_check.log" | tail -8
+  for spin in ${SPINS:-default 1000}; do
+    stage "moe_cpu_$spin" 240 env $([ $spin != default ] && echo HETERO_POOL_SPIN_US=$spin) \
+      "${BENCH[@]}" "$QM" --device cuda \
+      -ngl 99 --cpu-moe --threads 16 -c 1 -n 2 --input-len 512 --output-len 64
+    rows "$OUT/moe_cpu_$spin.log"
+  done
+  peer_wait
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  stage peer_moe_cpu 200 "$BUILD/bin/llama-bench" -r 2 -o json -m "$QM" -ngl 99 -ncmoe 99 -t 16 \
+    -fa 1 -p 512 -n 64
+  peer_rows peer_moe_cpu
 fi
 
 if has moekern; then  # the MoE and fused kernels' tests on the device, the grouped matmul's sweep

@@ -296,3 +296,21 @@ int moe_layer_forward(const moe_layer *L, const float *h, int64_t T, int k, int6
     pool_run(combine, &c, T, c.S * C >= SMALL ? nthreads : 1);
     return 0;
 }
+
+/* The layer as a host function of a CUDA stream (cuLaunchHostFunc, a host node of a captured
+ * graph: kernels/host_hop.py): its arguments in one struct that outlives the call, its result
+ * code written back there. The router always runs here (the GPU half hands over h only). */
+typedef struct { /* kernels/cpu_moe_layer.py's _Hop mirrors this */
+    const moe_layer *L;
+    const float *h;
+    float *out, *wts;
+    int64_t *ids;
+    int64_t T;
+    int32_t k, nthreads, rc, calls;
+} moe_hop;
+
+void moe_layer_hop(void *arg) {
+    moe_hop *a = arg;
+    a->rc = moe_layer_forward(a->L, a->h, a->T, a->k, a->ids, a->wts, a->out, 1, a->nthreads);
+    a->calls++;
+}

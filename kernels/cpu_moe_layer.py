@@ -46,6 +46,15 @@ class _Layer(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _Hop(ctypes.Structure):
+    """cpu_moe_layer.c's moe_hop: one call of the layer as a CUDA host function."""
+
+    _fields_ = [
+        ("layer", _P), ("h", _P), ("out", _P), ("wts", _P), ("ids", _P), ("T", _I64),
+        ("k", _I32), ("nthreads", _I32), ("rc", _I32), ("calls", _I32),
+    ]  # fmt: skip
+
+
 @dataclass(eq=False)
 class RouterWeights:
     """The router: float32 weight [E, C] (+ bias [E]), its gating (kernels/moe.py), k, norm."""
@@ -97,6 +106,32 @@ class MoeLayer:
     def d_model(self) -> int:
         return self.gate.k
 
+    def hop(self, h: int, out: int, t: int, threads: int = 0) -> _Hop:
+        """The arguments of one routed call on h, out [t, C] float32 (their addresses) as a
+        host function (moe_layer_hop, kernels/host_hop.py): the struct, holding what it points
+        to; its rc after the call is moe_layer's (0, -1, -2, -3: raise_for)."""
+        if self.router is None:
+            raise ValueError("a host call routes: the layer needs its router")
+        k, threads = self.router.k, threads or cpu_threads.get()
+        args = _Hop(ctypes.addressof(self._c), h, out, None, None, t, k, threads)
+        args.keep = (self, torch.empty(t, k, dtype=torch.int64), torch.empty(t, k))
+        args.ids, args.wts = args.keep[1].data_ptr(), args.keep[2].data_ptr()
+        return args
+
+    @staticmethod
+    def hop_fn() -> int:
+        """The address of moe_layer_hop, the host function that takes hop()'s arguments."""
+        return ctypes.cast(cpu_qdot.load().moe_layer_hop, ctypes.c_void_p).value or 0
+
+    def raise_for(self, rc: int) -> None:
+        """moe_layer_forward's result code as the error it means (none for 0)."""
+        if rc == -2:
+            raise MemoryError("moe layer: no memory for its scratch")
+        if rc == -3:
+            raise ValueError(f"expert ids must be in 0..{self.gate.n_experts - 1}")
+        if rc:
+            raise ValueError("moe layer: an expert type or width the qdot kernels do not take")
+
 
 def _router_ok(r: RouterWeights, e: int, c: int) -> bool:
     tensors = [(r.weight, (e, c))] + ([] if r.bias is None else [(r.bias, (e,))])
@@ -137,12 +172,7 @@ def moe_layer(
         ctypes.addressof(layer._c), h.data_ptr(), h.shape[0], ids.shape[1], ids.data_ptr(),
         w.data_ptr(), out.data_ptr(), int(routing), threads or cpu_threads.get(),
     )  # fmt: skip
-    if rc == -2:
-        raise MemoryError("moe layer: no memory for its scratch")
-    if rc == -3:
-        raise ValueError(f"expert ids must be in 0..{layer.gate.n_experts - 1}")
-    if rc:
-        raise ValueError("moe layer: an expert type or width the qdot kernels do not take")
+    layer.raise_for(rc)
     return out, ids, w
 
 

@@ -9,8 +9,8 @@
  * Here a job is a count of items; every thread (the caller first) claims the next item with one
  * compare-and-swap on `state` = generation << 32 | next item, so the share of a thread that is
  * descheduled is taken over by the others and only the item it is in holds the call up. An idle
- * worker spins for `HETERO_POOL_SPIN_US` microseconds (default 10), then sleeps on a futex; a new
- * job wakes the sleepers, and the caller starts on the items meanwhile, so a worker's wake-up
+ * worker spins for `HETERO_POOL_SPIN_US` microseconds (default 10; 200 from 8 cores on), then
+ * sleeps on a futex; a new job wakes the sleepers, and the caller starts on the items meanwhile, so a worker's wake-up
  * delays a call by a part of it. Longer spins lost under load: SmolLM2 decode with 2 threads at
  * load 11-15 on 2 cores, 50 us 13-15 tok/s, 200 us 12.5-13, 0-10 us 13-17 (a spinning worker
  * takes the time slices the engine's own thread needs). A caller waiting for the last items
@@ -25,6 +25,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -124,7 +125,11 @@ static void after_fork_in_child(void) {
 static void grow(int nthreads) {
     if (spin_ns < 0) {
         const char *env = getenv("HETERO_POOL_SPIN_US");
-        spin_ns = 1000 * (env ? atoi(env) : 10);
+        /* small machines (the engine's own threads compete for the cores): 10 us; from 8
+         * cores on, 200 us, which keeps the workers awake across a GPU's part of a layer when
+         * the CPU's experts are host nodes of a CUDA graph (kernels/host_hop.py) */
+        const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        spin_ns = 1000 * (env ? atoi(env) : cores >= 8 ? 200 : 10);
         pthread_atfork(NULL, NULL, after_fork_in_child);
     }
     pthread_attr_t attr;

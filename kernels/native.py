@@ -70,6 +70,7 @@ SIGNATURES = {  # C function -> (argument types, result type)
         _INT,
     ),
     "moe_layer_forward": ([_PTR, _PTR, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT], _INT),
+    "moe_layer_hop": ([_PTR], None),
     "native_rms_norm": ([_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "native_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "native_silu_mul": ([_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT], None),

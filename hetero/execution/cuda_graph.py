@@ -72,7 +72,7 @@ from hetero.execution.paged_meta import (
     decode_slots_from_tables,
 )
 from hetero.execution.runner import PagedAttention, PagedMeta
-from hetero.kernels import select
+from hetero.kernels import host_hop, select
 from hetero.kernels.registry import chosen as chosen_kernels
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.llama import LlamaModel
@@ -185,6 +185,11 @@ class DecodeGraphs:
         self.scale = model.config.head_dim**-0.5
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # the host functions each graph calls (layers with their experts in RAM: their
+        # arguments, kept while the graph may replay them), and an event whose wait sleeps
+        # rather than spins: a replay that computes on the CPU leaves the cores to it
+        self.host_calls: dict[int, list] = {}
+        self._done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self._ref_attention = _check_kernels(self.device)
         self.steps = 0  # steps run through the static buffers (replayed or not)
         self.rows_run = 0  # their rows (sequences, guesses, prompt tokens)
@@ -235,7 +240,13 @@ class DecodeGraphs:
         keep = produced if self.model.is_last else n
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.outputs[b][:keep].clone()  # the graph's buffer is rewritten next replay
+            out = self.outputs[b][:keep].clone()  # the graph's buffer is rewritten next replay
+            calls = self.host_calls.get(b)
+            if calls:
+                self._done.record()
+                self._done.synchronize()
+                host_hop.check(calls)
+            return out
         return self._forward(b)[:keep]
 
     def _fill(self, sched: list[ScheduledRequest], b: int) -> int:
@@ -290,9 +301,9 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             # the capture stream must be on this device: torch's default one is made once, on
             # whichever device was current first, and would capture nothing of this one's work
-            with torch.cuda.graph(graph, pool=mempool, stream=side):
+            with host_hop.recording() as calls, torch.cuda.graph(graph, pool=mempool, stream=side):
                 self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+            self.graphs[b], self.host_calls[b] = graph, calls
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
         return self

@@ -69,8 +69,11 @@ class LocalExecutor:
             self.kv_tiers = build_tiers(
                 config, s.pool, s.size.block_bytes, str(s.device), model_path, s.model.layer_range
             )
+        # a graph holds no streamed step: its steps stay below the first that streams (their
+        # experts in RAM run as host nodes of the graph)
+        row_cap = self.expert_offload.first - 1 if self.expert_offload is not None else None
         for s in self.segments:
-            s.capture(config, max_model_len, spec_tokens)
+            s.capture(config, max_model_len, spec_tokens, row_cap)
         self.offload = StreamedMatmuls.install(self.segments, offload_min_tokens, offload_device)
         self.info = self._info()
         self._out: ModelOutput | None = None

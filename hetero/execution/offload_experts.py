@@ -75,8 +75,13 @@ class StreamedExperts:
             return None
         return cls([m.experts for m in moes], moes[0].router.k, device, min_tokens)
 
+    @property
+    def first(self) -> int:
+        """The fewest tokens of a step that streams (fewer: the CPU reads the experts)."""
+        return max(self.min_tokens, -(-SLOTS_PER_EXPERT * self.n_experts // self.k))
+
     def describe(self) -> str:
-        first = max(self.min_tokens, -(-SLOTS_PER_EXPERT * self.n_experts // self.k))
+        first = self.first
         return (
             f"prompt steps of >= {first} tokens run the experts of {len(self.layers)} "
             f"layers on {self.device}, streaming {self.pinned_bytes / 2**30:.2f} GiB of pinned "

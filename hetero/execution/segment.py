@@ -73,14 +73,22 @@ class Segment:
         )
         return kv_dtype, size
 
-    def capture(self, config: EngineConfig, max_model_len: int, spec_tokens: int) -> None:
-        """CUDA graphs of this segment's decode steps (a GPU only; not under enforce_eager)."""
+    def capture(
+        self, config: EngineConfig, max_model_len: int, spec_tokens: int, row_cap: int | None = None
+    ) -> None:
+        """CUDA graphs of this segment's decode steps (a GPU only; not under enforce_eager), of
+        at most row_cap rows where given."""
         if config.enforce_eager or self.device.type != "cuda":
             return
         sc = config.scheduler
-        rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, spec_tokens)
+        rows, prompt_rows = (
+            graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, spec_tokens),
+            config.prompt_graph_rows,
+        )
+        if row_cap is not None:
+            rows, prompt_rows = min(rows, row_cap), min(prompt_rows, row_cap)
         self.runner.graphs = capture_decode_graphs(
-            self.model, self.pool, rows, max_model_len, config.prompt_graph_rows
+            self.model, self.pool, rows, max_model_len, prompt_rows
         )
 
     def run(self, out, hidden: torch.Tensor | None) -> torch.Tensor:

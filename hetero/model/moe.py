@@ -239,6 +239,6 @@ class SparseMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         offload = self.experts.offload
         if self._routed is not None and not (offload is not None and offload.runs(h)):
-            return self._routed(h.to("cpu")).to(h.device, h.dtype)
+            return self._routed(h)
         ids, w = self.router(h)
         return self.experts(h, ids, w)

@@ -24,6 +24,7 @@ from torch import nn
 
 from hetero.config import RuntimeConfig
 from hetero.gguf_loader import GGUFTensor
+from hetero.kernels import host_hop
 from hetero.kernels.cpu_moe_layer import MoeLayer, RouterWeights, moe_layer
 from hetero.kernels.cpu_qdot_moe import PackedExperts, pack_experts, runs_natively
 
@@ -70,7 +71,20 @@ class QdotExperts(nn.Module):
         same native call: h [T, C] -> [T, C] float32."""
         router = RouterWeights(weight.detach().contiguous(), bias, gating, k, norm)
         self.routed = dataclasses.replace(self.layer, router=router)
-        return lambda h: moe_layer(self.routed, h.float())[0]
+        return self._routed_call
+
+    def _routed_call(self, h: torch.Tensor) -> torch.Tensor:
+        """The routed layer of h [T, C]: where h is on a GPU, one hop to this CPU and back, a
+        host node of the graph that captures it (kernels/host_hop.py); eagerly a copy there and
+        back, which also reserves the pinned room of the capture that may follow."""
+        layer = self.routed
+        assert layer is not None
+        if not h.is_cuda:
+            return moe_layer(layer, h.float())[0].to(h.dtype)
+        if host_hop.capturing(h):
+            return host_hop.run_on_host(h, layer.hop_fn(), layer.hop).to(h.dtype)
+        host_hop.reserve(h.device, h.shape[1], h.shape[0])
+        return moe_layer(layer, h.to("cpu", torch.float32))[0].to(h.device, h.dtype)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h [T, C], ids [T, k], w [T, k] -> [T, C] float32."""

@@ -6,6 +6,8 @@ and up of one type share one pool job with down; of two types they run in turn).
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -117,3 +119,32 @@ def test_bad_choices_are_refused():
     no_router = MoeLayer(lay.gate, lay.up, lay.down, lay.biases, "silu")
     with pytest.raises(ValueError, match="router"):
         moe_layer(no_router, tokens(2))
+
+
+@pytest.mark.parametrize("case", CASES[::2], ids=lambda c: "-".join(c.get("types", ["Q4_K"])))
+@pytest.mark.parametrize("t", [1, 4])
+def test_the_host_function_is_the_routed_call(case, t):
+    """moe_layer_hop, the layer as a CUDA host node calls it (kernels/host_hop.py), called here
+    directly with the arguments hop() makes: the routed call's output, counted, rc 0."""
+    lay, x = layer(**case), tokens(t)
+    out = torch.full_like(x, float("nan"))
+    args = lay.hop(x.data_ptr(), out.data_ptr(), t, threads=2)
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lay.hop_fn())
+    for calls in (1, 2):  # a graph replays the same arguments
+        fn(ctypes.addressof(args))
+        assert (args.rc, args.calls) == (0, calls)
+        assert torch.equal(out, moe_layer(lay, x, threads=2)[0])
+
+
+def test_a_failing_host_function_reports_through_its_arguments():
+    lay = layer()
+    x, out = tokens(2), torch.empty(2, C)
+    args = lay.hop(x.data_ptr(), out.data_ptr(), 2, threads=1)
+    args.k = E + 1  # more experts a token than the layer has
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lay.hop_fn())(ctypes.addressof(args))
+    assert args.rc == -3
+    with pytest.raises(ValueError, match="expert ids"):
+        lay.raise_for(args.rc)
+    no_router = MoeLayer(lay.gate, lay.up, lay.down, lay.biases, "silu")
+    with pytest.raises(ValueError, match="router"):
+        no_router.hop(x.data_ptr(), out.data_ptr(), 2)
