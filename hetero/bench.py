@@ -157,3 +157,11 @@ def run_bench(
         result.spec_proposed = spec.proposed - spec0[0]
         result.spec_accepted = spec.accepted - spec0[1]
     return result
+
+
+def warm_up(engine: Engine, concurrency: int, input_len: int, output_len: int, seed: int) -> None:
+    """An untimed run at the shapes of the measured one: `concurrency` prompts of input_len
+    tokens at once (other prompts: seed + 1), a few tokens out, so that kernels compile and
+    buffers fill at the step sizes the timed run meets (a prompt step of 32 x 128 tokens, a
+    prompt long enough to stream a CPU's weights) and not inside its first TTFT."""
+    run_bench(engine, concurrency, concurrency, input_len, min(output_len, 4), seed=seed + 1)

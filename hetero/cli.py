@@ -183,7 +183,12 @@ def quantize(src, dst, qtype):
 )
 @click.option("--input-len", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--warmup/--no-warmup", default=True, help="one short untimed run first")
+@click.option(
+    "--warmup/--no-warmup",
+    default=True,
+    help="an untimed run first at each concurrency, with prompts of the measured length (4 "
+    "tokens out): kernels compile at the shapes the run meets",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
 @click.option(
     "--workload",
@@ -213,7 +218,7 @@ def bench(
     spec_oracle, **options,
 ):  # fmt: skip
     """Offline throughput and latency: N requests, C at a time."""
-    from hetero.bench import run_bench
+    from hetero.bench import run_bench, warm_up
     from hetero.factory import LaunchConfig
     from hetero.launch import build_engine
 
@@ -228,10 +233,10 @@ def bench(
                 engine, list(workload), list(concurrency), input_len, output_len, seed, spec_oracle
             )
             return
-        if warmup:
-            run_bench(engine, 1, 1, min(input_len, 16), 4, seed=seed + 1)
         for w in workload:
             for c in concurrency:
+                if warmup:
+                    warm_up(engine, c, input_len, output_len, seed)
                 result = run_bench(
                     engine, num_requests or c, c, input_len, output_len, seed=seed, workload=w
                 )

@@ -38,3 +38,29 @@ def test_per_stream_speed_when_steps_deliver_several_tokens():
     assert result([0.02, 0.02, 0.04]).per_stream_tok_s == pytest.approx(50.0)  # 1 / median
     assert result([0.0, 0.0, 0.06, 0.0, 0.06]).per_stream_tok_s == pytest.approx(5 / 0.12)
     assert result([]).per_stream_tok_s == 0.0
+
+
+def test_the_warm_up_runs_the_measured_shapes(smollm2_path):
+    """`hetero bench`'s untimed run: all `concurrency` prompts of the measured length in the
+    first step (kernels compile at its size), a few tokens out, every request finished."""
+    from hetero.bench import warm_up
+    from hetero.engine.config import EngineConfig
+    from hetero.factory import LaunchConfig
+    from hetero.launch import build_engine
+    from hetero.model.llama import load_model
+    from tests.support import exact_weights
+
+    loaded = load_model(smollm2_path, exact_weights.runtime())
+    engine = build_engine(None, LaunchConfig(EngineConfig(num_kv_blocks=64)), loaded=loaded)
+    sizes = []
+    record = engine.stats.record
+
+    def spy(out, *args, **kwargs):
+        sizes.append(out.num_batched_tokens)
+        record(out, *args, **kwargs)
+
+    engine.stats.record = spy
+    warm_up(engine, concurrency=3, input_len=40, output_len=100, seed=0)
+    assert sizes[0] == 3 * 40  # the three prompts in one step
+    assert sizes[1:] == [3, 3, 3]  # then 4 tokens out each: three decode steps of 3 rows
+    assert not engine.has_unfinished()
