@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hetero.execution.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
+from hetero.execution.offload_experts import streams_experts
 from hetero.execution.paged_meta import ROW_TILE
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
 from hetero.planner.cost import (
@@ -137,8 +138,12 @@ class Setup:
     def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
         """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
         replays a CUDA graph on device i (cuda_graph.DecodeGraphs.fits)."""
-        c = self.costs[i]
+        c, cfg = self.costs[i], self.desc.config
         if not c.graphs or c.dev.is_cpu or n > self.config.engine.cuda_graph_max_tokens:
+            return False
+        if c.ram_experts and streams_experts(
+            n, cfg.n_experts, cfg.n_experts_used, c.stream_experts_from
+        ):  # the graphs stop below the first step that streams the RAM experts (local.py)
             return False
         tile = (
             ROW_TILE if n > self.config.engine.scheduler.max_num_seqs else 1

@@ -220,3 +220,16 @@ def test_prompts_stream_the_ram_experts_to_the_gpu(a3b):
     off = _place_with(a3b, devices, PlanConfig(cpu_moe=True, offload_min_tokens=0), 4096, 48)
     on_the_cpu = off[1].costs[0]._layer_matmuls
     assert on_the_cpu(0, 127) == layer(0, 127) and on_the_cpu(0, 512) > layer(0, 512)
+
+
+def test_graphs_stop_below_the_first_streamed_prompt_step(a3b):
+    """The engine captures no step that streams the RAM experts (execution/local.py caps its
+    graphs' rows below the first one): the planner prices such prompt steps eagerly, and those
+    below, or any step of a plan without experts in RAM, as replays."""
+    devices = [gpu("cuda:0", 1000, 24), cpu(64)]
+    ram = _place_with(a3b, devices, PlanConfig(cpu_moe=True), 4096, 48)[1]
+    assert ram._replays_prompt(0, 127, 0, 1) and not ram._replays_prompt(0, 128, 0, 1)
+    never = _place_with(a3b, devices, PlanConfig(cpu_moe=True, offload_min_tokens=0), 4096, 48)
+    assert never[1]._replays_prompt(0, 256, 0, 1)  # nothing streams: graphs up to 512 rows
+    whole = _place_with(a3b, [gpu("cuda:0", 1000, 80), cpu(64)], PlanConfig(), 4096, 0)[1]
+    assert whole._replays_prompt(0, 256, 0, 1)
