@@ -38,6 +38,8 @@
 #   probe    where a step's time goes, no peer (PEER_BUILD=0 keeps the build from competing for
 #            the host's cores): the CPU's decode at 16 threads (cProfile), the GPU's dense and
 #            gpt-oss decode steps by kernel, the dense step's host phases, the --cpu-moe decode
+#   cpuhost  the host's CPU alone (no GPU work, no peer): its read bandwidth, the qdot kernel's
+#            GB/s at 1-16 threads (Q4_K, Q6_K), the unpack's ns a unit (cpu_qunpack_micro.c)
 #   diag     where the time goes: the CPU's decode step at 16 threads (pool spin 10/1000
 #            us, cProfile), the split's prompt step, llama.cpp's split prompt and its CPU
 #            decode at 4, 8 and 16 threads
@@ -319,6 +321,20 @@ if has probe; then  # where a step's time goes: the CPU's decode at 16 threads, 
   sed -n '/profile: decode/,/^$/p' "$OUT/probe_cpumoe.log" | head -34
   stage probe_goss 200 "$PY" benchmarks/gpu_step_profile.py "$GO" --batches 1 --top 24
   grep -E "wall|step|^ " "$OUT/probe_goss.log" | tail -32
+fi
+
+if has cpuhost; then  # the qdot kernel on this host's cores, without the model around it
+  for t in 1 4 8 16; do
+    stage "qdot_$t" 120 "$PY" benchmarks/cpu_qdot_types.py --types Q4_K,Q6_K --tokens 1 \
+      --threads $t --variants avx512,avx2 --shape 14336x4096 --rounds 5
+    grep -E "^(avx512|avx2) " "$OUT/qdot_$t.log"
+  done
+  SO=$("$PY" -c "from hetero.kernels import native; native.load(); print(native.build('avx512'))")
+  gcc -O2 benchmarks/cpu_qunpack_micro.c "$SO" -o /tmp/qunpack -Wl,-rpath,"$(dirname "$SO")" \
+    && /tmp/qunpack | tee "$OUT/qunpack.log"
+  "$PY" -c "import torch, time; torch.set_num_threads(16); x = torch.ones(1 << 30); x.sum()
+t = time.perf_counter(); [x.sum() for _ in range(5)]
+print(f'read {5 * 4 * 2**30 / (time.perf_counter() - t) / 1e9:.1f} GB/s (torch.sum, 16 threads)')"
 fi
 
 if has diag; then
