@@ -168,10 +168,48 @@ static void *scratch(size_t need) { /* per thread, kept between calls */
     return buf;
 }
 
+#if QDOT_ISA
+/* Row groups g0 .. g1 of a Q4_K or Q6_K W times the one activation row t: each unit's head
+ * unpacked into `head`, its codes read in place (kdot1_q4k, kdot1_q6k) */
+#define ROW_KERNEL(NAME, HEAD, KDOT)                                                             \
+    static void NAME(const gemm_job *j, int64_t g0, int64_t g1, int64_t t, uint8_t *head) {      \
+        const int64_t nbq = j->K / 256, ub = j->qt->unit_bytes;                                  \
+        const int8_t *y = j->xq + t * j->K;                                                      \
+        const float *dy = j->xd + t * nbq;                                                       \
+        const int16_t *bs = j->bs + t * (j->K / 16);                                             \
+        for (int64_t g = g0; g < g1; g++) {                                                      \
+            vf f[QR / VR];                                                                       \
+            for (int sl = 0; sl < QR / VR; sl++) f[sl] = VF_SET1(0.0f);                          \
+            const uint8_t *unit = j->w + g * j->nunits * ub;                                     \
+            for (int64_t u = 0; u < j->nunits; u++, unit += ub) {                                \
+                HEAD(unit, head);                                                                \
+                for (int sl = 0; sl < QR / VR; sl++)                                             \
+                    KDOT(head, unit, sl, y + 256 * u, dy[u], bs + 16 * u, &f[sl]);               \
+            }                                                                                    \
+            float out[QR];                                                                       \
+            for (int sl = 0; sl < QR / VR; sl++) VF_STORE(out + sl * VR, f[sl]);                 \
+            const int rows = (int)(j->N - QR * g < QR ? j->N - QR * g : QR);                     \
+            memcpy(j->y + t * j->N + QR * g, out, sizeof(float) * (size_t)rows);                 \
+        }                                                                                        \
+    }
+ROW_KERNEL(gemm_q4k_row, k4_head, kdot1_q4k)
+ROW_KERNEL(gemm_q6k_row, q6k_head, kdot1_q6k)
+#define Q4_K_TYPE 12
+#define Q6_K_TYPE 14
+#endif
+
 /* Row groups g0 .. g1 of W times activation rows t0 .. t1 into y; -2 where this thread's
  * scratch cannot be allocated. */
 static int gemm_range(const gemm_job *j, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
     const qtype *qt = j->qt;
+#if QDOT_ISA
+    if ((qt->ggml_type == Q4_K_TYPE || qt->ggml_type == Q6_K_TYPE) && t1 - t0 == 1) {
+        uint8_t *head = scratch(KTILE_BYTES); /* a decode row: the codes read in place */
+        if (!head) return -2;
+        (qt->ggml_type == Q4_K_TYPE ? gemm_q4k_row : gemm_q6k_row)(j, g0, g1, t0, head);
+        return 0;
+    }
+#endif
     const int64_t tile_bytes = qt->kind == QK_KQUANT ? KTILE_BYTES : LTILE_BYTES;
     const int64_t uc = TILE_BUDGET / tile_bytes > 0 ? TILE_BUDGET / tile_bytes : 1;
     uint8_t *tiles = scratch((size_t)(uc * tile_bytes + (t1 - t0) * QR * 4));

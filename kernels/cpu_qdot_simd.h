@@ -36,6 +36,10 @@ typedef __m512 vf;
 #define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
 #define VI_SET1(v) _mm512_set1_epi32(v)
 #define VI_ADD(a, b) _mm512_add_epi32(a, b)
+#define VI_AND(a, b) _mm512_and_si512(a, b)
+#define VI_SRL16(a, n) _mm512_srli_epi16(a, n)
+#define VI_SLL16(a, n) _mm512_slli_epi16(a, n)
+#define VI_OR(a, b) _mm512_or_si512(a, b)
 #define DOT(part, w, y) _mm512_dpbusd_epi32(part, w, y)
 #define DOTS(sgn, part, w, y) DOT(part, w, y)
 #define FLUSH(acc, part, s) _mm512_add_epi32(acc, _mm512_mullo_epi32(part, s))
@@ -60,6 +64,10 @@ typedef __m256 vf;
 #define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 #define VI_SET1(v) _mm256_set1_epi32(v)
 #define VI_ADD(a, b) _mm256_add_epi32(a, b)
+#define VI_AND(a, b) _mm256_and_si256(a, b)
+#define VI_SRL16(a, n) _mm256_srli_epi16(a, n)
+#define VI_SLL16(a, n) _mm256_slli_epi16(a, n)
+#define VI_OR(a, b) _mm256_or_si256(a, b)
 #define DOT(part, w, y) _mm256_add_epi16(part, _mm256_maddubs_epi16(w, y))
 /* Q8_0's signed codes: |w| x (y with w's sign), one chunk per flush (2 * 128 * 127 fits) */
 #define DOTS(sgn, part, w, y)                                                                    \
@@ -92,6 +100,10 @@ typedef float32x4_t vf;
 #define VI_LOAD(p) vld1q_s32((const int32_t *)(const void *)(p))
 #define VI_SET1(v) vdupq_n_s32(v)
 #define VI_ADD(a, b) vaddq_s32(a, b)
+#define VI_AND(a, b) vandq_s32(a, b)
+#define VI_SRL16(a, n) vreinterpretq_s32_u16(vshrq_n_u16(vreinterpretq_u16_s32(a), n))
+#define VI_SLL16(a, n) vreinterpretq_s32_u16(vshlq_n_u16(vreinterpretq_u16_s32(a), n))
+#define VI_OR(a, b) vorrq_s32(a, b)
 /* sdot is signed x signed: codes 0..63 and Q8_0's int8 both read as int8 */
 #define DOT(part, w, y) vdotq_s32(part, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(y))
 #define DOTS(sgn, part, w, y) DOT(part, w, y)
@@ -161,6 +173,70 @@ static ALWAYS void kdot(int tt, int nsub, int flush, int sgn, const uint8_t *til
         }
     }
     for (int t = 0; t < tt; t++) VF_STORE(out + t * QR + r0, f[t]);
+}
+
+/* One Q4_K unit times one activation row, the codes read where they are packed (no tile: a
+ * decode step's one row would read each unpacked code once, so the unpack's stores and loads
+ * were a third of the work): qs (u + 256) the unit's 32 code vectors (vector p = 8j + q: chunk 16j + q
+ * in its low nibbles, chunk 16j + 8 + q in its high ones, the rows as in a chunk), head a tile
+ * holding the unit's sc, mn, dk and dm (k4_head). The same integer sums in the same order and
+ * the same float operations as kdot on the unpacked tile: equal bit for bit. */
+static ALWAYS void kdot1_q4k(const uint8_t *head, const uint8_t *u, int slice, const int8_t *y,
+                             float dy, const int16_t *bs, vf *f) {
+    const uint8_t *qs = u + 256;
+    const int r0 = slice * VR;
+    const vi low = VI_SET1(0x0F0F0F0F);
+    vi acc = VI_ZERO();
+    for (int j = 0; j < 4; j++) {
+        vi lo = VI_ZERO(), hi = VI_ZERO();
+        for (int q = 0; q < 8; q++) {
+            const vi v = VI_LOAD(qs + 64 * (8 * j + q) + 4 * r0);
+            lo = DOT(lo, VI_AND(v, low), VI_BCAST(y + 4 * (16 * j + q)));
+            hi = DOT(hi, VI_AND(VI_SRL16(v, 4), low), VI_BCAST(y + 4 * (16 * j + 8 + q)));
+        }
+        acc = FLUSH(acc, lo, SCALE(head + KTILE_SC + 4 * (QR * (2 * j) + r0)));
+        acc = FLUSH(acc, hi, SCALE(head + KTILE_SC + 4 * (QR * (2 * j + 1) + r0)));
+    }
+    vi am = VI_ZERO();
+    for (int j = 0; j < 8; j++)
+        am = PAIRDOT(am, VI_LOAD(head + KTILE_MN + 4 * (QR * j + r0)), VI_BCAST(bs + 2 * j));
+    const vf d = VF_SET1(dy);
+    *f = VF_FMA(VF_CVT(acc), VF_MUL(VF_LOAD(head + KTILE_DK + 4 * r0), d), *f);
+    *f = VF_FMA(VF_CVT(am), VF_MUL(VF_LOAD(head + KTILE_DM + 4 * r0), d), *f);
+}
+
+/* kdot1_q4k for a Q6_K unit u (ql at 288: vector 16h + 8(k % 2) + q holds chunk 32h + 8k + q's
+ * low four bits, in its low nibbles for k < 2 and its high ones after; qh at 2336: vector 8h + q
+ * holds that chunk's two high bits at bits 2k), its 16 sub-blocks of 4 chunks flushed as kdot
+ * flushes them; head: the unit's sc, mn, dk, dm (q6k_head). Bit for bit kdot's. */
+static ALWAYS void kdot1_q6k(const uint8_t *head, const uint8_t *u, int slice, const int8_t *y,
+                             float dy, const int16_t *bs, vf *f) {
+    const int r0 = slice * VR, fe = FLUSH_EVERY(2, 4);
+    const vi low = VI_SET1(0x0F0F0F0F), high = VI_SET1(0x30303030);
+    vi acc = VI_ZERO(), part = VI_ZERO();
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++)
+            for (int q = 0; q < 8; q++) {
+                const vi l = VI_LOAD(u + 288 + 64 * (16 * h + 8 * (k % 2) + q) + 4 * r0);
+                const vi x = VI_LOAD(u + 2336 + 64 * (8 * h + q) + 4 * r0);
+                const vi nb = VI_AND(k < 2 ? l : VI_SRL16(l, 4), low);
+                const vi hb = VI_AND(k == 0   ? VI_SLL16(x, 4)
+                                     : k == 1 ? VI_SLL16(x, 2)
+                                     : k == 2 ? x
+                                              : VI_SRL16(x, 2),
+                                     high);
+                const int ch = 32 * h + 8 * k + q;
+                part = DOT(part, VI_OR(nb, hb), VI_BCAST(y + 4 * ch));
+                if ((q % 4 + 1) % fe) continue;
+                acc = FLUSH(acc, part, SCALE(head + KTILE_SC + 4 * (QR * (ch / 4) + r0)));
+                part = VI_ZERO();
+            }
+    vi am = VI_ZERO();
+    for (int j = 0; j < 8; j++)
+        am = PAIRDOT(am, VI_LOAD(head + KTILE_MN + 4 * (QR * j + r0)), VI_BCAST(bs + 2 * j));
+    const vf d = VF_SET1(dy);
+    *f = VF_FMA(VF_CVT(acc), VF_MUL(VF_LOAD(head + KTILE_DK + 4 * r0), d), *f);
+    *f = VF_FMA(VF_CVT(am), VF_MUL(VF_LOAD(head + KTILE_DM + 4 * r0), d), *f);
 }
 
 /* Legacy units (LTILE_BYTES apart), 32 weights each: the same contract as kdot, with the

@@ -55,5 +55,9 @@ typedef struct {
 } qtype;
 
 const qtype *qtype_of(int ggml_type);
+/* Q4_K's and Q5_K's unit head (d, dmin, the 6-bit scales and mins) into a tile's sc, mn, dk and
+ * dm, its codes left alone: what the single-row product reads beside the packed codes */
+void k4_head(const uint8_t *u, uint8_t *t);
+void q6k_head(const uint8_t *u, uint8_t *t); /* Q6_K's: d and the int8 scales, as above */
 float half_to_float32(uint16_t h);
 #endif

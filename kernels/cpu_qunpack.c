@@ -234,7 +234,7 @@ static void unpack_q3_k(const uint8_t *u, uint8_t *t) {
     }
 }
 
-static void k4_head(const uint8_t *u, uint8_t *t) { /* | d | dmin | scales | of Q4_K, Q5_K */
+void k4_head(const uint8_t *u, uint8_t *t) { /* | d | dmin | scales | of Q4_K, Q5_K */
     halves(u, (float *)(t + KTILE_DK));
     halves(u + 32, (float *)(t + KTILE_DM));
     k4_scales(u + 64, t);
@@ -266,10 +266,14 @@ static void unpack_q5_k(const uint8_t *u, uint8_t *t) {
 
 /* chunk c = 32h + 8k + q: low nibbles from ql vector 16h + 8(k % 2) + q (high nibble for
  * k >= 2), high crumb k from qh vector 8h + q */
-static void unpack_q6_k(const uint8_t *u, uint8_t *t) {
+void q6k_head(const uint8_t *u, uint8_t *t) {
     halves(u, (float *)(t + KTILE_DK));
     for (int s = 0; s < 16; s++) put_sc(t, s, plane(u + 32, s), 1, 0); /* int8 scales */
     k16_offsets(t, 32);
+}
+
+static void unpack_q6_k(const uint8_t *u, uint8_t *t) {
+    q6k_head(u, t);
     for (int h = 0; h < 2; h++)
         for (int q = 0; q < 8; q++) {
             const v64 hq = ld(u + 2336 + 64 * (8 * h + q));
