@@ -171,8 +171,51 @@ static inline void put_mn(uint8_t *tile, int j, v16 a, v16 b) {
     memcpy(tile + KTILE_MN + 64 * j, out, sizeof out);
 }
 
-/* 6-bit (sc, m) of Q4_K/Q5_K from 12 planes of 16 rows (quant/kquants.py draws the bytes);
- * u32 lanes of 16 rows, which vectorize */
+/* 6-bit (sc, m) of Q4_K/Q5_K from 12 planes of 16 rows (quant/kquants.py draws the bytes), in
+ * u32 lanes of 16 rows: AVX-512 and AVX2 widen the bytes with vpmovzxbd (the compiler left the
+ * plain loop below unvectorized: 64 ns a unit, most of a decode row's Q4_K unit) */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+typedef __m512i u32v;
+#define U32V(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define U32_LANES 16
+#define U32_AND(a, k) _mm512_and_si512(a, _mm512_set1_epi32(k))
+#define U32_OR(a, b) _mm512_or_si512(a, b)
+#define U32_SRL(a, n) _mm512_srli_epi32(a, n)
+#define U32_SLL(a, n) _mm512_slli_epi32(a, n)
+#define U32_NEG(a) _mm512_sub_epi32(_mm512_setzero_si512(), a)
+#define U32_STORE(p, v) _mm512_storeu_si512((void *)(p), v)
+#else
+typedef __m256i u32v;
+#define U32V(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define U32_LANES 8
+#define U32_AND(a, k) _mm256_and_si256(a, _mm256_set1_epi32(k))
+#define U32_OR(a, b) _mm256_or_si256(a, b)
+#define U32_SRL(a, n) _mm256_srli_epi32(a, n)
+#define U32_SLL(a, n) _mm256_slli_epi32(a, n)
+#define U32_NEG(a) _mm256_sub_epi32(_mm256_setzero_si256(), a)
+#define U32_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#endif
+/* the pair (-m, -m) of int16 in a u32 */
+static inline u32v neg_pair(u32v m) {
+    const u32v n = U32_AND(U32_NEG(m), 0xFFFF);
+    return U32_OR(n, U32_SLL(n, 16));
+}
+
+static void k4_scales(const uint8_t *restrict p, uint8_t *restrict tile) {
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < QR; r += U32_LANES) {
+            const u32v b = U32V(p + QR * j + r), m = U32V(p + QR * (4 + j) + r);
+            const u32v x = U32V(p + QR * (8 + j) + r);
+            const u32v sc_hi = U32_OR(U32_AND(x, 15), U32_SLL(U32_SRL(b, 6), 4));
+            const u32v m_hi = U32_OR(U32_SRL(x, 4), U32_SLL(U32_SRL(m, 6), 4));
+            U32_STORE(tile + KTILE_SC + 4 * (QR * j + r), U32_AND(b, 63));
+            U32_STORE(tile + KTILE_SC + 4 * (QR * (4 + j) + r), sc_hi);
+            U32_STORE(tile + KTILE_MN + 4 * (QR * j + r), neg_pair(U32_AND(m, 63)));
+            U32_STORE(tile + KTILE_MN + 4 * (QR * (4 + j) + r), neg_pair(m_hi));
+        }
+}
+#else
 static void k4_scales(const uint8_t *restrict p, uint8_t *restrict tile) {
     int32_t sc[8 * QR];
     uint32_t mn[8 * QR];
@@ -188,6 +231,7 @@ static void k4_scales(const uint8_t *restrict p, uint8_t *restrict tile) {
     memcpy(tile + KTILE_SC, sc, sizeof sc);
     memcpy(tile + KTILE_MN, mn, sizeof mn);
 }
+#endif
 
 /* per-16 scales sc [16][16] with codes u - off: M_j = -off * sc_j, dm = dk */
 static void k16_offsets(uint8_t *tile, int off) {
