@@ -52,14 +52,16 @@ def _check(rc: int, what: str) -> None:
 
 
 def reserve(device: torch.device, width: int, rows: int) -> None:
-    """Pinned room for hops of `rows` rows of `width` float32 on `device` (a no-op where there
-    is room, or past _MAX_ROWS: such steps run eagerly)."""
+    """Pinned room for hops of `rows` rows of `width` float32 on `device`, rounded up to a power
+    of two (the buffers grow a few times at most, and each size they had stays: a graph may hold
+    it); a no-op where there is room, or past _MAX_ROWS (a graph never has that many)."""
     key = (device.index or 0, width)
     have = _buffers.get(key)
     if rows > _MAX_ROWS or (have is not None and have[0].shape[0] >= rows):
         return
     if have is not None:
         _retired.extend(have)
+    rows = 1 << max(0, rows - 1).bit_length()
     _buffers[key] = tuple(  # type: ignore[assignment]
         torch.zeros(rows, width, dtype=torch.float32).pin_memory() for _ in range(2)
     )
