@@ -63,3 +63,12 @@ def test_gpu_graphs_with_experts_in_ram_equal_eager(tmp_path, n_cpu_moe):
         la = torch.tensor([x.logprob for x in a.outputs[0].logprobs])
         lb = torch.tensor([x.logprob for x in b.outputs[0].logprobs])
         assert torch.allclose(la, lb, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_room_grows_by_powers_of_two():
+    dev, width = torch.device("cuda"), 24  # a width no model here has
+    for rows, room in ((130, 256), (131, 256), (256, 256), (257, 512), (5000, 512)):
+        host_hop.reserve(dev, width, rows)
+        inp, out = host_hop._buffers[(dev.index or 0, width)]
+        assert inp.shape == out.shape == (room, width) and inp.is_pinned()
