@@ -147,8 +147,8 @@ static inline __attribute__((always_inline)) void axpys_h(float *y, const float 
 }
 #endif
 
-/* sc[0 .. n-1] = exp(sc - max); returns their sum */
-static float softmax_numerators(float *sc, int64_t n) {
+/* sc[0 .. n-1] = exp(sc - max); returns their sum, and the max in *max */
+static float softmax_numerators(float *sc, int64_t n, float *max) {
     float m = -INFINITY, l = 0.0f;
     int64_t j = 0;
 #ifdef __AVX2__
@@ -172,17 +172,20 @@ static float softmax_numerators(float *sc, int64_t n) {
         sc[j] = expf(sc[j] - m);
         l += sc[j];
     }
+    *max = m;
     return l;
 }
 
-/* Attention of query row t (at position pos of sequence s) for the G query heads of KV head g;
- * positions go 4 at a time (buf holds 4 converted rows). */
-static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64_t G, int64_t KV,
-                   int64_t D, const void *kc, const void *vc, const float *ks, const float *vs,
-                   int dtype, const int64_t *slots, int64_t n, float scale, float *out,
-                   float *scores, float *buf) {
+/* Attention of query row t for the G query heads of KV head g over the context positions
+ * slots[0 .. n - 1], 4 at a time (buf holds 4 converted rows), into og [G, D]. With m and l
+ * given (a part of a split context), og is left unnormalized: sum_j exp(s_j - m_i) v_j, with
+ * m_i the part's largest score of head i and l_i its sum of exp(s_j - m_i); else og is the
+ * attention's output. */
+static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64_t G,
+                   int64_t KV, int64_t D, const void *kc, const void *vc, const float *ks,
+                   const float *vs, int dtype, const int64_t *slots, int64_t n, float scale,
+                   float *og, float *m, float *l, float *scores, float *buf) {
     const float *qg = q + t * q_stride + g * G * D;
-    float *og = out + (t * KV + g) * G * D;
     const float *rows[4];
     float sc[4];
     const int64_t row_bytes = D * (dtype == 0 ? 4 : dtype == 1 ? 2 : 1);
@@ -219,8 +222,8 @@ static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64
             for (int r = 0; r < R; r++) scores[i * n + j + r] = sc[r] * scale;
         }
     }
-    float inv[MAX_GROUP];
-    for (int64_t i = 0; i < G; i++) inv[i] = 1.0f / softmax_numerators(scores + i * n, n);
+    float sum[MAX_GROUP], mx[MAX_GROUP];
+    for (int64_t i = 0; i < G; i++) sum[i] = softmax_numerators(scores + i * n, n, mx + i);
     memset(og, 0, (size_t)(G * D) * sizeof(float));
     for (int64_t j = 0; j < n; j += 4) {
         const int R = n - j < 4 ? (int)(n - j) : 4;
@@ -241,8 +244,14 @@ static void attend(const float *q, int64_t q_stride, int64_t t, int64_t g, int64
             else axpys(og + i * D, scores + i * n + j, rows, R, D);
         }
     }
-    for (int64_t i = 0; i < G; i++)
-        for (int64_t d = 0; d < D; d++) og[i * D + d] *= inv[i];
+    if (m != NULL) { /* a part: the caller combines the parts */
+        for (int64_t i = 0; i < G; i++) m[i] = mx[i], l[i] = sum[i];
+        return;
+    }
+    for (int64_t i = 0; i < G; i++) {
+        const float inv = 1.0f / sum[i];
+        for (int64_t d = 0; d < D; d++) og[i * D + d] *= inv;
+    }
 }
 
 typedef struct {
@@ -251,28 +260,91 @@ typedef struct {
     const void *k_cache, *v_cache;
     const float *k_scale, *v_scale;
     int dtype;
-    int64_t S, T, max_ctx;
+    int64_t S, T, span; /* span: the most positions one item attends to */
     const int64_t *q_start, *q_len, *ctx_len, *slot_off, *slots;
     float scale;
     float *out;
+    int64_t parts;   /* > 1: each task's context in this many parts (split_parts) */
+    float *partial;  /* [tasks, parts, G, D + 2]: each part's unnormalized output, max, sum */
     float *scratch[POOL_MAX_THREADS]; /* per worker: scores [G, max_ctx], then 4 rows of D */
 } attention_job;
 
 #define TASKS_PER_ITEM 4
+#define SPLIT_TASKS 16    /* fewer (query row, KV head) tasks than this split their contexts */
+#define SPLIT_ITEMS 32    /* into about this many items in all, */
+#define SPLIT_MIN_LEN 128 /* of at least this many positions */
+
+/* The parts each task's context is cut into: a decode step of one sequence has KV tasks (8 for
+ * Llama-3-8B), too few for the cores of a large machine, and its long context is where the
+ * time goes. Depends on the shapes alone, never on the thread count, so that a result does not
+ * change with --threads. */
+static int64_t split_parts(int64_t tasks, int64_t max_ctx) {
+    if (tasks >= SPLIT_TASKS || max_ctx < 2 * SPLIT_MIN_LEN) return 1;
+    const int64_t want = (SPLIT_ITEMS + tasks - 1) / tasks, most = max_ctx / SPLIT_MIN_LEN;
+    return want < most ? want : most;
+}
+
+/* Task `task`'s query row t, KV head g, and its context's length n and slots */
+static const int64_t *task_of(const attention_job *j, int64_t task, int64_t *t, int64_t *g,
+                              int64_t *n) {
+    *t = task / j->KV, *g = task % j->KV;
+    int64_t s = 0; /* the sequence of row t (S is small: a linear walk) */
+    while (s + 1 < j->S && j->q_start[s + 1] <= *t) s++;
+    *n = j->ctx_len[s] - j->q_len[s] + (*t - j->q_start[s]) + 1; /* positions 0 .. its own */
+    return j->slots + j->slot_off[s];
+}
 
 static void attention_item(void *ctx, int64_t item, int worker) {
     const attention_job *j = ctx;
-    float *scores = j->scratch[worker], *row = scores + j->G * (j->max_ctx > 0 ? j->max_ctx : 1);
-    const int64_t tasks = j->T * j->KV;
+    float *scores = j->scratch[worker], *row = scores + j->G * (j->span > 0 ? j->span : 1);
+    const int64_t tasks = j->T * j->KV, G = j->G, D = j->D;
+    int64_t t, g, n;
+    if (j->parts > 1) { /* one part of one task's context */
+        const int64_t task = item / j->parts, p = item % j->parts;
+        const int64_t *slots = task_of(j, task, &t, &g, &n);
+        const int64_t lo = n * p / j->parts, hi = n * (p + 1) / j->parts;
+        float *part = j->partial + item * G * (D + 2);
+        if (hi <= lo) { /* a context shorter than the parts: nothing here */
+            for (int64_t i = 0; i < G; i++) part[G * D + i] = -INFINITY, part[G * D + G + i] = 0;
+            return;
+        }
+        attend(j->q, j->q_stride, t, g, G, j->KV, D, j->k_cache, j->v_cache, j->k_scale,
+               j->v_scale, j->dtype, slots + lo, hi - lo, j->scale, part, part + G * D,
+               part + G * D + G, scores, row);
+        return;
+    }
     for (int64_t task = item * TASKS_PER_ITEM; task < tasks && task < (item + 1) * TASKS_PER_ITEM;
          task++) {
-        const int64_t t = task / j->KV, g = task % j->KV;
-        int64_t s = 0; /* the sequence of row t (S is small: a linear walk) */
-        while (s + 1 < j->S && j->q_start[s + 1] <= t) s++;
-        const int64_t pos = j->ctx_len[s] - j->q_len[s] + (t - j->q_start[s]);
-        attend(j->q, j->q_stride, t, g, j->G, j->KV, j->D, j->k_cache, j->v_cache, j->k_scale,
-               j->v_scale, j->dtype, j->slots + j->slot_off[s], pos + 1, j->scale, j->out, scores,
-               row);
+        const int64_t *slots = task_of(j, task, &t, &g, &n);
+        attend(j->q, j->q_stride, t, g, G, j->KV, D, j->k_cache, j->v_cache, j->k_scale,
+               j->v_scale, j->dtype, slots, n, j->scale, j->out + (t * j->KV + g) * G * D, NULL,
+               NULL, scores, row);
+    }
+}
+
+/* out = the parts' outputs, each rescaled to the task's largest score, over their rescaled sums */
+static void combine_parts(const attention_job *j) {
+    const int64_t tasks = j->T * j->KV, G = j->G, D = j->D, P = j->parts;
+    for (int64_t task = 0; task < tasks; task++) {
+        const float *parts = j->partial + task * P * G * (D + 2);
+        float *og = j->out + task * G * D; /* task = t * KV + g */
+        for (int64_t i = 0; i < G; i++) {
+            float m = -INFINITY, l = 0.0f, w[SPLIT_ITEMS];
+            for (int64_t p = 0; p < P; p++) {
+                const float mp = parts[p * G * (D + 2) + G * D + i];
+                m = mp > m ? mp : m;
+            }
+            for (int64_t p = 0; p < P; p++) {
+                const float *part = parts + p * G * (D + 2);
+                w[p] = part[G * D + G + i] > 0 ? expf(part[G * D + i] - m) : 0.0f;
+                l += w[p] * part[G * D + G + i];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                float acc = 0.0f;
+                for (int64_t p = 0; p < P; p++) acc += w[p] * parts[p * G * (D + 2) + i * D + d];
+                og[i * D + d] = acc / l;
+            }
+        }
     }
 }
 
@@ -288,16 +360,24 @@ int native_paged_attention(const float *q, int64_t q_stride, int64_t T, int64_t 
     int64_t max_ctx = 0;
     for (int64_t s = 0; s < S; s++) max_ctx = ctx_len[s] > max_ctx ? ctx_len[s] : max_ctx;
     if (dtype == 2) init_e4m3();
-    const int64_t items = (T * KV + TASKS_PER_ITEM - 1) / TASKS_PER_ITEM;
+    const int64_t parts = split_parts(T * KV, max_ctx);
+    const int64_t items = parts > 1 ? T * KV * parts : (T * KV + TASKS_PER_ITEM - 1) / TASKS_PER_ITEM;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > items) nthreads = (int)(items > 0 ? items : 1);
     if (nthreads > POOL_MAX_THREADS) nthreads = POOL_MAX_THREADS;
+    const int64_t span = parts > 1 ? (max_ctx + parts - 1) / parts : max_ctx;
     attention_job j = {q, q_stride, H / KV, KV, D, k_cache, v_cache, k_scale, v_scale, dtype, S,
-                       T, max_ctx, q_start, q_len, ctx_len, slot_off, slots, scale, out, {0}};
-    const size_t per = sizeof(float) * (size_t)(j.G * (max_ctx > 0 ? max_ctx : 1) + 4 * D);
+                       T, span, q_start, q_len, ctx_len, slot_off, slots, scale, out, parts,
+                       NULL, {0}};
+    const size_t per = sizeof(float) * (size_t)(j.G * (span > 0 ? span : 1) + 4 * D);
     int failed = 0;
+    if (parts > 1) failed |= !(j.partial = malloc(sizeof(float) * (size_t)(items * j.G * (D + 2))));
     for (int i = 0; i < nthreads; i++) failed |= !(j.scratch[i] = malloc(per));
-    if (!failed) pool_run(attention_item, &j, items, nthreads);
+    if (!failed) {
+        pool_run(attention_item, &j, items, nthreads);
+        if (parts > 1) combine_parts(&j);
+    }
     for (int i = 0; i < nthreads; i++) free(j.scratch[i]);
+    free(j.partial);
     return failed ? 2 : 0;
 }

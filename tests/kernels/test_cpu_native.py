@@ -98,6 +98,37 @@ def test_paged_attention_reads_the_cache_in_place(dtype, q_lens, ctx_lens):
     assert torch.equal(again, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, "fp8"])
+@pytest.mark.parametrize(
+    "q_lens, ctx_lens, heads",
+    [
+        ([1], [700], (8, 2)),  # one decode, long context: 2 tasks, its context in parts
+        ([1, 1], [600, 2], (9, 3)),  # a context shorter than the parts: empty parts
+        ([3], [300], (8, 4)),  # guesses of one sequence: each row its own length
+    ],
+)
+def test_paged_attention_splits_few_long_contexts(dtype, q_lens, ctx_lens, heads):
+    """Few (row, KV head) tasks over long contexts are cut into parts that run in parallel and
+    are combined: the same attention, whatever the thread count."""
+    from hetero.kernels.paged import FP8
+
+    dtype = FP8 if dtype == "fp8" else dtype
+    ref, fast = pair("paged_attention")
+    q, kc, vc, ks, vs, meta = _paged_case(dtype, q_lens, ctx_lens, heads=heads, seed=4)
+    want = ref(q, kc, vc, ks, vs, meta, 0.125)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got[n] = fast(q, kc, vc, ks, vs, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert meta.native_flat is not None
+    torch.testing.assert_close(got[1], want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[2], got[1]) and torch.equal(got[3], got[1])
+
+
 def test_paged_attention_on_a_strided_query_and_odd_shapes():
     ref, fast = pair("paged_attention")
     q, kc, vc, ks, vs, meta = _paged_case(torch.float16, [3, 1], [9, 30], heads=(4, 4), d=40)
