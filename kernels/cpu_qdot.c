@@ -193,7 +193,13 @@ static void *scratch(size_t need) { /* per thread, kept between calls */
         }                                                                                        \
     }
 ROW_KERNEL(gemm_q4k_row, k4_head, kdot1_q4k)
+#if QDOT_ISA >= 2 /* x86: Q6_K's head read in place too */
+#define NO_HEAD(unit, head) (void)(head)
+#define KDOT1_Q6K(head, unit, sl, y, dy, bs, f) kdot1_q6k_direct(unit, sl, y, dy, bs, f)
+ROW_KERNEL(gemm_q6k_row, NO_HEAD, KDOT1_Q6K)
+#else
 ROW_KERNEL(gemm_q6k_row, q6k_head, kdot1_q6k)
+#endif
 #define Q4_K_TYPE 12
 #define Q6_K_TYPE 14
 #endif

@@ -57,6 +57,15 @@ FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
     _T.MXFP4: ((0, 1, 1), (1, 16, 4)),  # the e8m0 exponent byte, then the codes
 }
 NATIVE_TYPES = tuple(FIELDS)
+# Q6_K's 48 code vectors (32 of ql, then 16 of qh, after its 288-byte head) reordered to the order
+# its decode row reads them, one forward stream (Q6K_QL and Q6K_QH in kernels/cpu_qtypes.h)
+Q6K_HEAD = 288
+Q6K_ORDER = [
+    v
+    for h in range(2)
+    for v in [x for q in range(8) for x in (16 * h + q, 32 + 8 * h + q)]
+    + [16 * h + 8 + q for q in range(8)]
+]
 ISA_NAMES = {3: "avx512-vnni", 2: "avx2", 1: "neon-dotprod", 0: "generic C"}
 
 
@@ -139,7 +148,11 @@ def pack(raw: torch.Tensor, qt: QuantType, n: int, k: int) -> QdotWeight:
     if pad:  # zero rows: d = 0, so their weights are 0
         blocks = torch.cat((blocks, blocks.new_zeros(pad, *blocks.shape[1:])))
     parts = [_rows16(blocks[:, :, o : o + s], e) for o, s, e in FIELDS[t]]
-    return QdotWeight(t, n, k, torch.cat(parts, dim=2).contiguous())
+    packed = torch.cat(parts, dim=2)
+    if t == _T.Q6_K:
+        codes = packed[:, :, Q6K_HEAD:].unflatten(2, (-1, 64))
+        packed = torch.cat((packed[:, :, :Q6K_HEAD], codes[:, :, Q6K_ORDER].flatten(2)), dim=2)
+    return QdotWeight(t, n, k, packed.contiguous())
 
 
 def gguf_bytes(w: QdotWeight, packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,6 +160,10 @@ def gguf_bytes(w: QdotWeight, packed: torch.Tensor | None = None) -> torch.Tenso
     `packed`: the same bytes elsewhere (a copy on a GPU): undone there, on its device."""
     packed = w.packed if packed is None else packed
     qt = get_quant(w.ggml_type)
+    if w.ggml_type == _T.Q6_K:  # the code vectors back in field order
+        codes = torch.empty_like(packed[:, :, Q6K_HEAD:]).unflatten(2, (-1, 64))
+        codes[:, :, Q6K_ORDER] = packed[:, :, Q6K_HEAD:].unflatten(2, (-1, 64))
+        packed = torch.cat((packed[:, :, :Q6K_HEAD], codes.flatten(2)), dim=2)
     out = torch.empty(
         packed.shape[0] * GROUP, w.k // qt.block_size, qt.type_size, dtype=torch.uint8,
         device=packed.device,

@@ -205,9 +205,9 @@ static ALWAYS void kdot1_q4k(const uint8_t *head, const uint8_t *u, int slice, c
     *f = VF_FMA(VF_CVT(am), VF_MUL(VF_LOAD(head + KTILE_DM + 4 * r0), d), *f);
 }
 
-/* kdot1_q4k for a Q6_K unit u (ql at 288: vector 16h + 8(k % 2) + q holds chunk 32h + 8k + q's
- * low four bits, in its low nibbles for k < 2 and its high ones after; qh at 2336: vector 8h + q
- * holds that chunk's two high bits at bits 2k), its 16 sub-blocks of 4 chunks flushed as kdot
+/* kdot1_q4k for a Q6_K unit u (ql vector Q6K_QL(h, k % 2, q) holds chunk 32h + 8k + q's low
+ * four bits, in its low nibbles for k < 2 and its high ones after; qh vector Q6K_QH(h, q) holds
+ * that chunk's two high bits at bits 2k: cpu_qtypes.h), its 16 sub-blocks of 4 chunks flushed as kdot
  * flushes them; head: the unit's sc, mn, dk, dm (q6k_head). Bit for bit kdot's. */
 static ALWAYS void kdot1_q6k(const uint8_t *head, const uint8_t *u, int slice, const int8_t *y,
                              float dy, const int16_t *bs, vf *f) {
@@ -217,8 +217,8 @@ static ALWAYS void kdot1_q6k(const uint8_t *head, const uint8_t *u, int slice, c
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 4; k++)
             for (int q = 0; q < 8; q++) {
-                const vi l = VI_LOAD(u + 288 + 64 * (16 * h + 8 * (k % 2) + q) + 4 * r0);
-                const vi x = VI_LOAD(u + 2336 + 64 * (8 * h + q) + 4 * r0);
+                const vi l = VI_LOAD(u + Q6K_QL(h, k % 2, q) + 4 * r0);
+                const vi x = VI_LOAD(u + Q6K_QH(h, q) + 4 * r0);
                 const vi nb = VI_AND(k < 2 ? l : VI_SRL16(l, 4), low);
                 const vi hb = VI_AND(k == 0   ? VI_SLL16(x, 4)
                                      : k == 1 ? VI_SLL16(x, 2)
@@ -238,6 +238,78 @@ static ALWAYS void kdot1_q6k(const uint8_t *head, const uint8_t *u, int slice, c
     *f = VF_FMA(VF_CVT(acc), VF_MUL(VF_LOAD(head + KTILE_DK + 4 * r0), d), *f);
     *f = VF_FMA(VF_CVT(am), VF_MUL(VF_LOAD(head + KTILE_DM + 4 * r0), d), *f);
 }
+
+#if QDOT_ISA >= 2
+/* Q6_K's head read where it is packed (x86): d (u + 0, 16 halves), the int8 scales (u + 32:
+ * plane s = sub-block s of the 16 rows). SC6: rows r0 .. r0 + VR - 1 of plane p as int32;
+ * SC6_PAIRS: their (plane a, plane b) int16 pairs, a row's two side by side; D6: d as float. */
+#if QDOT_ISA == 3
+#define SC6(p, r0) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+static ALWAYS vi sc6_pairs(const uint8_t *a, const uint8_t *b, int r0) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)a), y = _mm_loadu_si128((const __m128i *)b);
+    (void)r0;
+    return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_unpacklo_epi8(x, y)), _mm_unpackhi_epi8(x, y), 1));
+}
+#define D6(u, r0) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(u)))
+#define SCALEV(v) (v)
+#define VI_NEG32X(v) _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(v, 5))
+#else
+#define SC6(p, r0) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((p) + (r0))))
+static ALWAYS vi sc6_pairs(const uint8_t *a, const uint8_t *b, int r0) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)a), y = _mm_loadu_si128((const __m128i *)b);
+    return _mm256_cvtepi8_epi16(r0 ? _mm_unpackhi_epi8(x, y) : _mm_unpacklo_epi8(x, y));
+}
+#define D6(u, r0) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((u) + 2 * (r0))))
+#define SCALEV(v) pair16(v)
+#define VI_NEG32X(v) _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(v, 5))
+#endif
+
+/* kdot1_q6k with no head and in memory order (x86): each ql vector read once for its two chunks,
+ * the unit's vectors in the order they are packed, so that a decode row streams its weights
+ * forward (read in field order, a Q6_K row ran at ~40% of Q4_K's rate from memory while at 1.3x
+ * its time a unit in cache: the prefetchers lost the two interleaved streams that came back over
+ * each ql vector twice); the scales widened from their planes as each flush needs them, and
+ * the offset term (the codes are q + 32) as -32 * sum_s sc_s * bsum_s, the int32 that the
+ * head's mn pairs (-32 sc) gave. The same sub-block sums, added to the same int32 in another
+ * order (exact), and the same float operations: bit for bit kdot's. */
+static ALWAYS void kdot1_q6k_direct(const uint8_t *u, int slice, const int8_t *y, float dy,
+                                    const int16_t *bs, vf *f) {
+    const int r0 = slice * VR, fe = FLUSH_EVERY(2, 4);
+    const vi low = VI_SET1(0x0F0F0F0F), high = VI_SET1(0x30303030);
+    const uint8_t *sc = u + 32;
+    vi acc = VI_ZERO();
+    /* each ql vector once, in memory order, for both of its chunks: c (k = kk, low nibbles,
+     * crumb kk) and c + 16 (k = kk + 2, high nibbles, crumb kk + 2) */
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+        for (int kk = 0; kk < 2; kk++) {
+            vi pa = VI_ZERO(), pb = VI_ZERO();
+#pragma GCC unroll 8
+            for (int q = 0; q < 8; q++) {
+                const vi l = VI_LOAD(u + Q6K_QL(h, kk, q) + 4 * r0);
+                const vi x = VI_LOAD(u + Q6K_QH(h, q) + 4 * r0);
+                const vi ha = VI_AND(kk == 0 ? VI_SLL16(x, 4) : VI_SLL16(x, 2), high);
+                const vi hb = VI_AND(kk == 0 ? x : VI_SRL16(x, 2), high);
+                const int c = 32 * h + 8 * kk + q;
+                pa = DOT(pa, VI_OR(VI_AND(l, low), ha), VI_BCAST(y + 4 * c));
+                pb = DOT(pb, VI_OR(VI_AND(VI_SRL16(l, 4), low), hb), VI_BCAST(y + 4 * (c + 16)));
+                if ((q % 4 + 1) % fe) continue;
+                acc = FLUSH(acc, pa, SCALEV(SC6(sc + QR * (c / 4), r0)));
+                acc = FLUSH(acc, pb, SCALEV(SC6(sc + QR * (c / 4 + 4), r0)));
+                pa = pb = VI_ZERO();
+            }
+        }
+    vi am = VI_ZERO();
+    for (int j = 0; j < 8; j++)
+        am = PAIRDOT(am, sc6_pairs(sc + QR * 2 * j, sc + QR * (2 * j + 1), r0), VI_BCAST(bs + 2 * j));
+    am = VI_NEG32X(am);
+    const vf d = VF_SET1(dy), dk = VF_MUL(D6(u, r0), d);
+    *f = VF_FMA(VF_CVT(acc), dk, *f);
+    *f = VF_FMA(VF_CVT(am), dk, *f);
+}
+#endif
 
 /* Legacy units (LTILE_BYTES apart), 32 weights each: the same contract as kdot, with the
  * type's integer offset `off` times the block sums and its float offsets m. */

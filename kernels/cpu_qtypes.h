@@ -54,6 +54,15 @@ typedef struct {
     unpack_fn unpack;
 } qtype;
 
+/* Q6_K's code vectors (after its 288-byte head: d, then the int8 scales' 16 planes) in the order
+ * the decode row reads them, one forward stream (kernels/cpu_qdot.py packs them so): per half h,
+ * for q = 0 .. 7 the ql vector of chunks 32h + q (low nibbles) and 32h + 16 + q (high nibbles)
+ * beside the qh vector of chunks 32h + 8k + q (crumb k), then the 8 ql vectors of chunks
+ * 32h + 8 + q and 32h + 24 + q. Q6K_QL(h, kk, q): the ql vector of chunk 32h + 8kk + q (kk 0,
+ * 1; its high nibbles chunk + 16); Q6K_QH(h, q): the qh vector. */
+#define Q6K_QL(h, kk, q) (288 + 64 * (24 * (h) + ((kk) ? 16 + (q) : 2 * (q))))
+#define Q6K_QH(h, q) (288 + 64 * (24 * (h) + 2 * (q) + 1))
+
 const qtype *qtype_of(int ggml_type);
 /* Q4_K's and Q5_K's unit head (d, dmin, the 6-bit scales and mins) into a tile's sc, mn, dk and
  * dm, its codes left alone: what the single-row product reads beside the packed codes */

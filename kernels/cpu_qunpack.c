@@ -308,8 +308,8 @@ static void unpack_q5_k(const uint8_t *u, uint8_t *t) {
     k4_codes(u + 768, u + 256, t);
 }
 
-/* chunk c = 32h + 8k + q: low nibbles from ql vector 16h + 8(k % 2) + q (high nibble for
- * k >= 2), high crumb k from qh vector 8h + q */
+/* chunk c = 32h + 8k + q: low nibbles from ql vector Q6K_QL(h, k % 2, q) (its high nibble for
+ * k >= 2), high crumb k from qh vector Q6K_QH(h, q) */
 void q6k_head(const uint8_t *u, uint8_t *t) {
     halves(u, (float *)(t + KTILE_DK));
     for (int s = 0; s < 16; s++) put_sc(t, s, plane(u + 32, s), 1, 0); /* int8 scales */
@@ -320,10 +320,10 @@ static void unpack_q6_k(const uint8_t *u, uint8_t *t) {
     q6k_head(u, t);
     for (int h = 0; h < 2; h++)
         for (int q = 0; q < 8; q++) {
-            const v64 hq = ld(u + 2336 + 64 * (8 * h + q));
+            const v64 hq = ld(u + Q6K_QH(h, q));
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
-                const v64 lo = ld(u + 288 + 64 * (16 * h + 8 * (k % 2) + q));
+                const v64 lo = ld(u + Q6K_QL(h, k % 2, q));
                 st(t, 32 * h + 8 * k + q, nib(lo, k / 2) | crumb_at4(hq, k));
             }
         }

@@ -91,7 +91,7 @@ def test_kernel_equals_integer_reference(ggml_type: str, variant: str):
 @pytest.mark.parametrize("ggml_type", ("Q4_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"))
 def test_rows_do_not_depend_on_tiles_or_threads(ggml_type: str, variant: str):
     """Each output row is the same sums in the same order whatever the batch and the split (one
-    row of Q4_K reads its codes in place, more rows unpack them into tiles)."""
+    row of Q4_K or Q6_K reads its codes in place, more rows unpack them into tiles)."""
     n, k = 70, 1024
     w = pack(weight(ggml_type, n, k, seed=9), get_quant(ggml_type), n, k)
     x = torch.randn(37, k)
