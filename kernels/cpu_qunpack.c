@@ -318,15 +318,13 @@ void q6k_head(const uint8_t *u, uint8_t *t) {
 
 static void unpack_q6_k(const uint8_t *u, uint8_t *t) {
     q6k_head(u, t);
-    for (int h = 0; h < 2; h++)
-        for (int q = 0; q < 8; q++) {
-            const v64 hq = ld(u + Q6K_QH(h, q));
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const v64 lo = ld(u + Q6K_QL(h, k % 2, q));
-                st(t, 32 * h + 8 * k + q, nib(lo, k / 2) | crumb_at4(hq, k));
+    for (int h = 0; h < 2; h++) /* the vectors in the order they are packed */
+        for (int kk = 0; kk < 2; kk++)
+            for (int q = 0; q < 8; q++) {
+                const v64 hq = ld(u + Q6K_QH(h, q)), lo = ld(u + Q6K_QL(h, kk, q));
+                st(t, 32 * h + 8 * kk + q, nib(lo, 0) | crumb_at4(hq, kk));
+                st(t, 32 * h + 8 * kk + 16 + q, nib(lo, 1) | crumb_at4(hq, kk + 2));
             }
-        }
 }
 
 /* ---- the table ------------------------------------------------------------------------------ */
