@@ -8,6 +8,7 @@
  *   e = 4 for codes (qs, ql, qh, hmask): vector p (64 bytes) = bytes 4p..4p+3 of each row
  *   e = 2 for fp16 scales (d, dmin, m): 16 halves;  e = 1 for scale bytes: planes [F][16]
  * so one 64-byte vector of codes holds 4 consecutive weights of each of the 16 rows.
+ * Q6_K's code vectors then go in the order its decode row reads them (Q6K_QL, Q6K_QH below).
  *
  * Tile (what a unit unpacks into, per thread, in L1):
  *   codes uint8 [QB/4 chunks][16 rows][4]   chunk c = weights 4c..4c+3 of each row (unsigned
