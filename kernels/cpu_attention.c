@@ -266,7 +266,7 @@ typedef struct {
     float *out;
     int64_t parts;   /* > 1: each task's context in this many parts (split_parts) */
     float *partial;  /* [tasks, parts, G, D + 2]: each part's unnormalized output, max, sum */
-    float *scratch[POOL_MAX_THREADS]; /* per worker: scores [G, max_ctx], then 4 rows of D */
+    float *scratch[POOL_MAX_THREADS]; /* per worker: scores [G, span], then 4 rows of D */
 } attention_job;
 
 #define TASKS_PER_ITEM 4

@@ -242,7 +242,7 @@ static ALWAYS void kdot1_q6k(const uint8_t *head, const uint8_t *u, int slice, c
 #if QDOT_ISA >= 2
 /* Q6_K's head read where it is packed (x86): d (u + 0, 16 halves), the int8 scales (u + 32:
  * plane s = sub-block s of the 16 rows). SC6: rows r0 .. r0 + VR - 1 of plane p as int32;
- * SC6_PAIRS: their (plane a, plane b) int16 pairs, a row's two side by side; D6: d as float. */
+ * sc6_pairs: their (plane a, plane b) int16 pairs, a row's two side by side; D6: d as float. */
 #if QDOT_ISA == 3
 #define SC6(p, r0) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 static ALWAYS vi sc6_pairs(const uint8_t *a, const uint8_t *b, int r0) {
