@@ -139,7 +139,7 @@ def kv_write_native(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, FP8: 2}
 
 
-def _flat_meta(meta) -> tuple[torch.Tensor, ...]:
+def flat_meta(meta) -> tuple[torch.Tensor, ...]:
     """PagedMeta's host lists as the kernel's arrays, made once per step (the meta is shared by
     every layer): q_start, q_len, ctx_len, slot_off [S] and the concatenated slots."""
     flat = meta.native_flat
@@ -172,7 +172,7 @@ def paged_attention_native(q, k_cache, v_cache, k_scale, v_scale, meta, scale: f
         and len(meta.ctx_slots) == len(meta.q_starts) > 0
     )
     if ok:
-        q_start, q_len, ctx_len, slot_off, slots = _flat_meta(meta)
+        q_start, q_len, ctx_len, slot_off, slots = flat_meta(meta)
         out = torch.empty(t, h, d)
         scales = (k_scale.data_ptr(), v_scale.data_ptr()) if code == 2 else (None, None)
         failed = native.load().native_paged_attention(

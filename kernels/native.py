@@ -32,7 +32,7 @@ from pathlib import Path
 
 _NAMES = (
     "cpu_qdot.c", "cpu_qunpack.c", "cpu_qcodebook.c", "cpu_pool.c", "cpu_features.c",
-    "cpu_small_ops.c", "cpu_attention.c", "cpu_qdot_moe.c", "cpu_moe_layer.c",
+    "cpu_small_ops.c", "cpu_attention.c", "cpu_qdot_moe.c", "cpu_moe_layer.c", "cpu_block.c",
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _NAMES)
 _HEADER_NAMES = (
@@ -71,6 +71,7 @@ SIGNATURES = {  # C function -> (argument types, result type)
     ),
     "moe_layer_forward": ([_PTR, _PTR, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT], _INT),
     "moe_layer_hop": ([_PTR], None),
+    "dense_block_forward": ([_PTR, _PTR], _INT),
     "native_rms_norm": ([_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "native_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "native_silu_mul": ([_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT], None),

@@ -15,6 +15,7 @@ from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.execution.kv_pool import KVPool
 from hetero.execution.paged_meta import TensorMeta, tensor_meta
 from hetero.kernels import select
+from hetero.kernels.cpu_native import flat_meta, paged_attention_native
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.llama import LlamaModel
 
@@ -43,6 +44,24 @@ class PagedAttention:
         self.meta = meta if isinstance(meta, list) else [meta]
         self._group = pool.layout.groups if len(self.meta) > 1 else None
         self._attend = select("paged_attention", pool.k.device).fn
+        self._native: bool | None = None  # whether native_layer() serves (known at first ask)
+
+    def native_layer(self, layer: int):
+        """(k_cache, v_cache, new slots, the C attention's arrays, scale) of `layer`, for a kernel
+        that writes the step's KV and attends itself (kernels/cpu_block.py) as this backend
+        would, or None where this backend goes another way (fp8 caches, not the native
+        attention)."""
+        if self._native is None:
+            self._native = self._attend is paged_attention_native and self.pool.k_scale is None
+        if not self._native:
+            return None
+        i = layer - self.first
+        g = 0 if self._group is None else self._group[i]
+        meta, slots = self.meta[g], self.slots[g]
+        if slots.dtype != torch.int64 or not len(meta.ctx_slots) == len(meta.q_starts) > 0:
+            return None
+        k_cache, v_cache, _, _ = self.pool.layer(i)
+        return k_cache, v_cache, slots.contiguous(), flat_meta(meta), self.scale
 
     def __call__(self, layer: int, q, k, v, window: int = 0, sinks=None) -> torch.Tensor:
         i = layer - self.first

@@ -27,6 +27,7 @@ from hetero.kernels import cpu_threads, select
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.layers import QuantEmbedding, QuantLinear, RMSNorm, Rotary
 from hetero.model.moe import cpu_expert_layers
+from hetero.model.native_block import dense_block
 
 
 class Attention(nn.Module):
@@ -109,6 +110,8 @@ class Block(nn.Module):
         self.attn = attn or Attention(gm, i, rt)
         self.ffn_norm = RMSNorm(gm.tensor(f"blk.{i}.{ffn_norm}.weight"), eps, rt)
         self.ffn = ffn or FeedForward(gm, i, rt)
+        self._native = None  # the block as one native call on a CPU (model/native_block.py)
+        self._lins = [m for m in self.modules() if isinstance(m, QuantLinear)]
 
     def forward(
         self, x, pending: torch.Tensor | None, rotary, cos, sin, batch: ForwardBatch
@@ -116,6 +119,15 @@ class Block(nn.Module):
         """(x [T, C], the block's output not yet added to x): the feed-forward's output is added
         by the next block's attention norm (one fused add + norm instead of an add, then a
         norm), or by the model after the last block. `pending`: the previous block's output."""
+        fast = self._native
+        if fast is None:  # decided at the first call: the weights are final then
+            fast = self._native = (x.device.type == "cpu" and dense_block(self)) or False
+        if fast and not any(lin.offload is not None and lin.offload.runs(x) for lin in self._lins):
+            native_layer = getattr(batch.attention, "native_layer", None)
+            kv = native_layer(self.attn.layer) if native_layer is not None else None
+            out = fast(x, pending, cos, sin, kv)
+            if out is not None:
+                return out
         if pending is None:
             h = self.attn_norm(x)
         else:
