@@ -84,6 +84,19 @@ def main(ctx, model, concurrency, input_len, steps, profile, **options) -> None:
             return r
 
         lib.native_paged_attention = timed_attention
+    from hetero.kernels import cpu_block
+
+    block_call = cpu_block.DenseBlock.__call__
+
+    def timed_block(self, x, *args):  # a whole block in one native call (its linears inside)
+        t = time.perf_counter()
+        out = block_call(self, x, *args)
+        entry = spent[("block", x.shape[0])]
+        entry[0] += time.perf_counter() - t
+        entry[1] += 1
+        return out
+
+    cpu_block.DenseBlock.__call__ = timed_block
     if ctx.get_parameter_source("speculative") != ParameterSource.COMMANDLINE:
         options["speculative"] = "off"  # a plain decode step (n-gram guesses change its rows)
     engine = build_engine(str(resolve_model(model)), LaunchConfig.from_options(**options))
@@ -95,6 +108,7 @@ def main(ctx, model, concurrency, input_len, steps, profile, **options) -> None:
     with profiled(profile, "prefill"):
         engine.step()
     click.echo(f"prefill of {concurrency} x {input_len} tokens: {time.perf_counter() - t0:.3f} s")
+    report(spent, 1, "prefill")
     for _ in range(3):
         engine.step()
     spent.clear()
@@ -104,16 +118,26 @@ def main(ctx, model, concurrency, input_len, steps, profile, **options) -> None:
             engine.step()
     step = (time.perf_counter() - t0) / steps
     click.echo(f"decode step {step * 1e3:.1f} ms: {concurrency / step:.1f} tok/s")
+    report(spent, steps, "step")
+    engine.close()
+
+
+def report(spent: dict, steps: int, what: str) -> None:
+    """The timed native calls' ms per `what`, slowest first."""
     for key, (s, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
-        if key[0] == "attention":
-            click.echo(f"  paged attention: {s / steps * 1e3:.2f} ms per step ({n // steps} calls)")
+        if key[0] == "block":
+            ms = s / steps * 1e3
+            click.echo(f"  native blocks T={key[1]}: {ms:.2f} ms per {what} ({n // steps} calls)")
+        elif key[0] == "attention":
+            ms = s / steps * 1e3
+            click.echo(f"  paged attention: {ms:.2f} ms per {what} ({n // steps} calls)")
         else:
             _, n_out, k, t = key
             rate = 2 * n_out * k * t * n / s / 1e9
             click.echo(
-                f"  linear {n_out}x{k}: {s / steps * 1e3:.2f} ms per step, {rate:.1f} GFLOP/s"
+                f"  linear {n_out}x{k} T={t}: {s / steps * 1e3:.2f} ms per {what}, "
+                f"{rate:.1f} GFLOP/s"
             )
-    engine.close()
 
 
 if __name__ == "__main__":

@@ -125,6 +125,30 @@ def measure(
     return med
 
 
+def profiled(engine: Engine, batch: int, context: int, steps: int, top: int) -> None:
+    """Decode steps under cProfile (host time inflates; the shares are what it tells)."""
+    import cProfile
+    import io
+    import pstats
+
+    to_decode(engine, batch, context)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        print(f"-- profile B={batch}, {steps} steps, by {key}")
+        print("\n".join(line[:160] for line in out.getvalue().splitlines()[6:]))
+    for r in list(engine.scheduler.running):
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -133,6 +157,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-dtype", default="fp8", choices=["fp8", "fp16", "bf16"])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", type=int, default=0, help="then --steps more steps under "
+                    "cProfile: the N functions of most own time")  # fmt: skip
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     sched = SchedulerConfig(
@@ -151,6 +177,8 @@ def main() -> None:
         med = measure(engine, timer, b, args.context, args.steps)
         results[b] = med
         print(f"B={b}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()), flush=True)
+        if args.profile:
+            profiled(engine, b, args.context, args.steps, args.profile)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
