@@ -19,6 +19,8 @@
 #   split    hetero with 24 of 32 layers on the GPU, the rest on the CPU (-ngl 24, 16 threads):
 #            decode 1 stream, prompt 512, 16 streams aggregate
 #   cpu      hetero on the CPU alone, 16 threads: decode 1 stream, prompt 512
+#   alt      the split's and the CPU's single-stream rows, hetero and the peer alternated,
+#            ROUNDS times (2): the host's speed drifts within a lease, a pair shares it
 #   profile  `hetero profile --refresh`: the planner's device profiles, cached for what follows
 #   moe      llama-bench on the MoE files (hetero synth: Qwen3-30B-A3B Q4_K_M, gpt-oss-20b
 #            MXFP4): all on the GPU (decode 1 stream, prompt 512; llama-batched-bench at 32
@@ -98,6 +100,7 @@ if has setup; then
   # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
   has peer || has gpu || has split || has cpu || has gemv || has diag || has probe || has quick \
+    || has alt \
     && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m"
   has peer || has gpu || has gemv \
@@ -177,6 +180,23 @@ if has cpu; then
   stage cpu_1 300 "${BENCH[@]}" "$Q4" --device cpu --threads 16 -c 1 -n 2 --input-len 512 \
     --output-len 64
   rows "$OUT/cpu_1.log"
+fi
+
+if has alt; then  # hetero, then the peer, on the split and the CPU alone, ROUNDS times
+  peer_wait
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  LB="$BUILD/bin/llama-bench -r 3 -o json -fa 1 -m $Q4"
+  for r in $(seq "${ROUNDS:-2}"); do
+    stage "alt_split_$r" 240 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 \
+      --input-len 512 --output-len 128
+    rows "$OUT/alt_split_$r.log"
+    stage "alt_peer_split_$r" 200 $LB -ngl 24 -t 16 -p 512 -n 128
+    stage "alt_cpu_$r" 300 "${BENCH[@]}" "$Q4" --device cpu --threads 16 -c 1 -n 2 \
+      --input-len 512 --output-len 64
+    rows "$OUT/alt_cpu_$r.log"
+    stage "alt_peer_cpu_$r" 240 $LB -ngl 0 -t 16 -nopo 1 -p 512 -n 64
+    peer_rows "alt_peer_split_$r" "alt_peer_cpu_$r"
+  done
 fi
 
 moe_files() {  # the MoE files, written once a lease
