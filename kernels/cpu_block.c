@@ -6,6 +6,7 @@
  *   xs, h = add_rms_norm(x, pending, attn_norm)   (rms_norm(x) when there is no pending)
  *   qkv = h [Wq|Wk|Wv] (+ b)                         [T, QKV]    one qdot call per packed part
  *   qk = rope(qkv[:, :(H + KV) D])                   [T, H + KV, D]
+ *     (Qwen3: q = rope(rms_norm_per_head(q)), k = rope(rms_norm_per_head(k)), apart)
  *   kv_write(k = qk[:, H:], v = qkv[:, (H + KV) D:])
  *   o = paged_attention(qk[:, :H])                   [T, H D]
  *   x_out, h = add_rms_norm(xs, o Wo, ffn_norm)
@@ -58,6 +59,7 @@ typedef struct { /* a linear: its parts, output rows in order (cpu_block.py: _Li
 typedef struct { /* one block's weights and shapes (cpu_block.py: _Block) */
     qlinear qkv, o, gate_up, down;
     const float *attn_norm, *ffn_norm, *qkv_bias;
+    const float *q_norm, *k_norm; /* Qwen3's per-head norms [D] before the rotation, or NULL */
     int64_t C, H, KV, D, F, R;
     float eps, scale;
     int32_t neox, cache_dtype; /* cache_dtype: 0 float32, 1 float16 */
@@ -96,28 +98,25 @@ static int64_t max_part(const qlinear *L) {
     return m;
 }
 
-/* 0, or the first failing call's code: -1 a type or shape qdot does not take, -2 no memory,
- * 1 the KV write or the attention refused its arguments */
-int dense_block_forward(const dense_block *B, const block_call *a) {
-    const int64_t T = a->T, C = B->C, H = B->H, KV = B->KV, D = B->D, F = B->F;
-    const int64_t QKV = B->qkv.n, QK = (H + KV) * D;
-    const int nt = a->nthreads;
-    int64_t tmp_n = max_part(&B->qkv);
+#define KEEP_BYTES (256 << 20) /* scratch kept for the next call on this thread, at most */
+
+static int64_t tmp_rows(const dense_block *B) { /* the widest part of a linear of several */
+    int64_t m = max_part(&B->qkv);
     const qlinear *ls[3] = {&B->o, &B->gate_up, &B->down};
-    for (int i = 0; i < 3; i++) tmp_n = max_part(ls[i]) > tmp_n ? max_part(ls[i]) : tmp_n;
-    /* scratch, reused by calls on this thread: xs, h [T, C], qkv [T, QKV], qk [T, QK],
-     * o [T, H D], attn [T, C], gu [T, 2F], act [T, F], a part's rows [T, tmp_n] */
-    const size_t need = (size_t)T * (size_t)(3 * C + QKV + QK + H * D + 3 * F + tmp_n);
-    static __thread float *buf = 0;
-    static __thread size_t cap = 0;
-    if (need > cap) {
-        free(buf);
-        buf = malloc(need * sizeof(float));
-        cap = buf ? need : 0;
-        if (!buf) return -2;
-    }
-    float *xs = buf, *h = xs + T * C, *qkv = h + T * C, *qk = qkv + T * QKV, *o = qk + T * QK;
-    float *attn = o + T * H * D, *gu = attn + T * C, *act = gu + T * 2 * F, *tmp = act + T * F;
+    for (int i = 0; i < 3; i++) m = max_part(ls[i]) > m ? max_part(ls[i]) : m;
+    return m;
+}
+
+static int block(const dense_block *B, const block_call *a, float *buf) {
+    const int64_t T = a->T, C = B->C, H = B->H, KV = B->KV, D = B->D, F = B->F;
+    const int64_t QKV = B->qkv.n, QK = (H + KV) * D, tmp_n = tmp_rows(B);
+    const int nt = a->nthreads, qkn = B->q_norm != NULL;
+    /* [T, .] regions (dense_block_forward sizes them): xs, h, attn [C] each, a part's rows
+     * [tmp_n], then the attention's qkv [QKV], qk [QK], o [H D] (Qwen3: 2 QK more), where
+     * the feed-forward's gu [2F] and act [F] later lie (never live at once) */
+    float *xs = buf, *h = xs + T * C, *attn = h + T * C, *tmp = attn + T * C;
+    float *qkv = tmp + T * tmp_n, *qk = qkv + T * QKV, *o = qk + T * QK;
+    float *gu = qkv, *act = gu + T * 2 * F;
     int rc;
 
     const float *x = a->x; /* the residual stream: x, or x + pending */
@@ -131,11 +130,28 @@ int dense_block_forward(const dense_block *B, const block_call *a) {
     if (B->qkv_bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < QKV; j++) qkv[t * QKV + j] += B->qkv_bias[j];
-    native_rope(qkv, QKV, T, H + KV, D, a->cos, a->sin, B->R, B->neox, qk, nt);
-    if (native_kv_write(a->k_cache, a->v_cache, a->slots, qk + H * D, QK, qkv + QK, QKV, T,
-                        KV * D, B->cache_dtype))
+    /* q [T, H, D] rows q_stride apart, k [T, KV, D] rows k_stride apart */
+    const float *q = qk, *k = qk + H * D;
+    int64_t q_stride = QK, k_stride = QK;
+    if (qkn) { /* as model/llama.py: copies of q and k (reshape), normed, then each rotated */
+        float *qc = o + T * H * D, *kc = qc + T * H * D, *qn = kc + T * KV * D;
+        float *kn = qn + T * H * D, *kr = qk + T * H * D;
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(qc + t * H * D, qkv + t * QKV, (size_t)(H * D) * sizeof(float));
+            memcpy(kc + t * KV * D, qkv + t * QKV + H * D, (size_t)(KV * D) * sizeof(float));
+        }
+        native_rms_norm(qc, B->q_norm, qn, T * H, D, B->eps, nt);
+        native_rms_norm(kc, B->k_norm, kn, T * KV, D, B->eps, nt);
+        native_rope(qn, H * D, T, H, D, a->cos, a->sin, B->R, B->neox, qk, nt);
+        native_rope(kn, KV * D, T, KV, D, a->cos, a->sin, B->R, B->neox, kr, nt);
+        k = kr, q_stride = H * D, k_stride = KV * D;
+    } else {
+        native_rope(qkv, QKV, T, H + KV, D, a->cos, a->sin, B->R, B->neox, qk, nt);
+    }
+    if (native_kv_write(a->k_cache, a->v_cache, a->slots, k, k_stride, qkv + QK, QKV, T, KV * D,
+                        B->cache_dtype))
         return 1;
-    if (native_paged_attention(qk, QK, T, H, KV, D, a->k_cache, a->v_cache, NULL, NULL,
+    if (native_paged_attention(q, q_stride, T, H, KV, D, a->k_cache, a->v_cache, NULL, NULL,
                                B->cache_dtype, a->S, a->q_start, a->q_len, a->ctx_len,
                                a->slot_off, a->ctx, B->scale, o, nt))
         return 1;
@@ -144,4 +160,29 @@ int dense_block_forward(const dense_block *B, const block_call *a) {
     if ((rc = linear(&B->gate_up, h, T, C, gu, tmp, nt))) return rc;
     native_silu_mul(gu, gu + F, act, T, F, 2 * F, nt);
     return linear(&B->down, act, T, F, a->pending_out, tmp, nt);
+}
+
+/* 0, or the first failing call's code: -1 a type or shape qdot does not take, -2 no memory,
+ * 1 the KV write or the attention refused its arguments (nothing written but the KV rows) */
+int dense_block_forward(const dense_block *B, const block_call *a) {
+    const int64_t QK = (B->H + B->KV) * B->D;
+    const int64_t att = B->qkv.n + QK * (B->q_norm ? 3 : 1) + B->H * B->D, ffn = 3 * B->F;
+    const size_t need = (size_t)a->T * (size_t)(3 * B->C + tmp_rows(B) + (att > ffn ? att : ffn));
+    /* kept between calls (a decode step's is a few MB; rewriting a fresh one each call costs
+     * its page faults), freed after a call that needed more than KEEP_BYTES (a long prompt
+     * chunk) so the process does not hold it */
+    static __thread float *buf = 0;
+    static __thread size_t cap = 0;
+    if (need > cap) {
+        free(buf);
+        buf = malloc(need * sizeof(float));
+        cap = buf ? need : 0;
+        if (!buf) return -2;
+    }
+    const int rc = block(B, a, buf);
+    if (cap * sizeof(float) > KEEP_BYTES) {
+        free(buf);
+        buf = 0, cap = 0;
+    }
+    return rc;
 }

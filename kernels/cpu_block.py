@@ -8,8 +8,9 @@ took ~70 us instead of 2, and a CPU decode step of Llama-3-8B spent ~0.3 ms a la
 native calls. `DenseBlock` takes the block's weights once (pointers, shapes) and each call hands
 over the step's tensors in one ctypes call that runs the same C functions in the same order:
 the result equals the op-by-op path bit for bit (tests/kernels/test_cpu_block.py), which stays
-the reference and the path for everything this does not take (fp8 caches, biases in float16,
-packed schemes other than qdot, the GPU offload of a big step's matmuls).
+the reference and the path for everything this does not take (experts, fp8 caches, biases in
+float16, packed schemes other than qdot, the GPU offload of a big step's matmuls). Qwen3's
+per-head q/k norms run in it too.
 
 HETERO_NATIVE_BLOCK=0 turns it off (the op-by-op path, for comparisons).
 """
@@ -39,7 +40,7 @@ class _Linear(ctypes.Structure):
 class _Block(ctypes.Structure):
     _fields_ = [
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-        ("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P),
+        ("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
         ("C", _I64), ("H", _I64), ("KV", _I64), ("D", _I64), ("F", _I64), ("R", _I64),
         ("eps", _F32), ("scale", _F32), ("neox", _I32), ("cache_dtype", _I32),
     ]  # fmt: skip
@@ -78,14 +79,17 @@ class DenseBlock:
     def __init__(
         self, qkv, o, gate_up, down, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
         qkv_bias: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, neox: bool,
-        eps: float,
+        eps: float, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         linears = (qkv, o, gate_up, down)
         if any(not 1 <= len(parts) <= MAX_PARTS for parts in linears):
             raise ValueError(f"a linear of 1 .. {MAX_PARTS} parts only")
-        if not all(_f32(t) for t in (attn_norm, ffn_norm, qkv_bias)):
+        norms = [attn_norm, ffn_norm, qkv_bias, *(qk_norms or ())]
+        if not all(_f32(t) for t in norms):
             raise ValueError("norms and bias: contiguous float32 CPU tensors")
-        self._keep = [w for parts in linears for _, _, w in parts] + [attn_norm, ffn_norm, qkv_bias]
+        if qk_norms is not None and any(n.shape != (head_dim,) for n in qk_norms):
+            raise ValueError("q/k norms: one weight per head dim")
+        self._keep = [w for parts in linears for _, _, w in parts] + norms
         b = self._b = _Block()
         for name, parts in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
             setattr(b, name, _linear([(t, n, w.data_ptr()) for t, n, w in parts]))
@@ -95,6 +99,8 @@ class DenseBlock:
             raise ValueError("the linears' widths do not match the heads")
         b.attn_norm, b.ffn_norm = attn_norm.data_ptr(), ffn_norm.data_ptr()
         b.qkv_bias = None if qkv_bias is None else qkv_bias.data_ptr()
+        if qk_norms is not None:
+            b.q_norm, b.k_norm = (n.data_ptr() for n in qk_norms)
         b.C, b.H, b.KV, b.D, b.F = c, heads, kv_heads, head_dim, f
         b.eps, b.neox = eps, int(neox)
         self.width = c

@@ -33,9 +33,11 @@ def _rows(x: torch.Tensor) -> bool:
 
 @register("rms_norm", "native", priority=2, supports=native_cpu)
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm_ref for float32 x [..., C]."""
-    if not (_rows(x) and _rows(weight)):
+    """rms_norm_ref for float32 x [..., C] (a strided view, as Qwen3's q and k heads of the
+    fused q|k|v output are, is copied first: the same C loop for every shape)."""
+    if not (x.dtype == torch.float32 and _rows(weight)):
         return cpu_ops.rms_norm_cpu(x, weight, eps)
+    x = x.contiguous()
     out = torch.empty_like(x)
     c = x.shape[-1]
     native.load().native_rms_norm(

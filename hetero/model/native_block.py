@@ -1,7 +1,7 @@
 """Whether a Block of model/llama.py runs as one native call on the CPU (kernels/cpu_block.py),
-and that call's weights: a dense llama-family block (no q/k norms, no experts) whose linears are
-all qdot-packed GGUF blocks, on a CPU whose small ops are the native ones the call chains (so it
-equals the op-by-op path bit for bit)."""
+and that call's weights: a dense llama-family block (llama, qwen2, qwen3; no experts) whose
+linears are all qdot-packed GGUF blocks, on a CPU whose small ops are the native ones the call
+chains (so it equals the op-by-op path bit for bit)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,13 @@ def dense_block(block) -> cpu_block.DenseBlock | None:
     from hetero.model.llama import Attention, FeedForward
 
     attn, ffn = block.attn, block.ffn
-    if type(attn) is not Attention or type(ffn) is not FeedForward or attn.q_norm is not None:
+    if type(attn) is not Attention or type(ffn) is not FeedForward:
         return None
+    qk_norms = None
+    if attn.q_norm is not None:  # Qwen3: the norms, then the rotation, as the CPU runs them
+        if attn._qk_norm_rope is not None or attn.q_norm.eps != block.attn_norm.eps:
+            return None
+        qk_norms = (attn.q_norm.weight.data, attn.k_norm.weight.data)
     cpu = torch.device("cpu")
     if not cpu_block.enabled() or attn.wqkv.mode != "qdot":
         return None
@@ -44,5 +49,5 @@ def dense_block(block) -> cpu_block.DenseBlock | None:
     return cpu_block.DenseBlock(
         *linears, block.attn_norm.weight.data, block.ffn_norm.weight.data, bias,
         cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_style == "neox",
-        block.attn_norm.eps,
+        block.attn_norm.eps, qk_norms,
     )  # fmt: skip

@@ -1,7 +1,8 @@
 """The dense block as one native call (kernels/cpu_block.py) against the op-by-op path it
 replaces: the same logits to the bit, over prompts and decode steps of several sequences, on
 models from `hetero synth` with mixed K-quant linears (q|k beside a Q6_K v: two parts), q|k|v
-biases, float32 and float16 KV caches; and the op-by-op path where the call does not apply."""
+biases (qwen2), per-head q/k norms (qwen3), float32 and float16 KV caches; and the op-by-op path
+where the call does not apply."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _op_by_op(model) -> None:
 @pytest.mark.parametrize(
     "shape,quant,kv",
     [("tiny-llama", "q4_k_m", "fp16"), ("tiny-llama", "q4_k_m", "fp32"),
-     ("tiny-qwen2", "q4_k_m", "fp16")],
+     ("tiny-qwen2", "q4_k_m", "fp16"), ("tiny-qwen3", "q4_k_m", "fp16")],
 )  # fmt: skip
 def test_native_block_equals_op_by_op(tmp_path, shape, quant, kv):
     path = write_synthetic(tmp_path / "m.gguf", shape, quant, seed=3, progress=False)
@@ -78,11 +79,11 @@ def test_native_block_equals_op_by_op(tmp_path, shape, quant, kv):
 
 
 def test_blocks_it_does_not_take_run_op_by_op(tmp_path):
-    """q/k norms (qwen3), an fp8 cache, fp16-packed weights: the op-by-op path, same logits."""
-    path = write_synthetic(tmp_path / "q3.gguf", "tiny-qwen3", "q8_0", seed=1, progress=False)
-    _, q3 = load_model(path, RuntimeConfig(device="cpu", weights="qdot", threads=2))
-    _steps(q3, "fp16", [9], decodes=1)
-    assert not any(b._native for b in q3.blocks)
+    """Experts (qwen3moe), an fp8 cache, fp16-packed weights: the op-by-op path, same logits."""
+    path = write_synthetic(tmp_path / "moe.gguf", "tiny-qwen3moe", "q8_0", seed=1, progress=False)
+    _, moe = load_model(path, RuntimeConfig(device="cpu", weights="qdot", threads=2))
+    _steps(moe, "fp16", [9], decodes=1)
+    assert not any(b._native for b in moe.blocks)
 
     path = write_synthetic(tmp_path / "l.gguf", "tiny-llama", "q8_0", seed=1, progress=False)
     _, fp16 = load_model(path, RuntimeConfig(device="cpu", weights="fp16", threads=2))
