@@ -41,7 +41,8 @@
 #            the host's cores): the CPU's decode at 16 threads (cProfile), the GPU's dense and
 #            gpt-oss decode steps by kernel, the dense step's host phases, the --cpu-moe decode
 #   cpuhost  the host's CPU alone (no GPU work, no peer): its read bandwidth, the qdot kernel's
-#            GB/s at 1-16 threads (Q4_K, Q6_K), the unpack's ns a unit (cpu_qunpack_micro.c)
+#            GB/s at 1-16 threads (Q4_K, Q6_K), its T = 512 tile path per instruction set, the
+#            unpack's ns a unit (cpu_qunpack_micro.c)
 #   diag     where the time goes: the CPU's decode step at 16 threads (pool spin 10/1000
 #            us, cProfile), the split's prompt step, llama.cpp's split prompt and its CPU
 #            decode at 4, 8 and 16 threads
@@ -348,6 +349,12 @@ if has cpuhost; then  # the qdot kernel on this host's cores, without the model 
     stage "qdot_$t" 120 "$PY" benchmarks/cpu_qdot_types.py --types Q4_K,Q6_K --tokens 1 \
       --threads $t --variants avx512,avx2 --shape 14336x4096 --rounds 5
     grep -E "^(avx512|avx2) " "$OUT/qdot_$t.log"
+  done
+  for shape in 14336x4096 4096x14336; do  # the prompt's tile path: AVX-512 VNNI's vpdpbusd
+    # (+ vpmulld flushes) against AVX2's vpmaddubsw/vpmaddwd, which Intel issues on two ports
+    stage "qdot_t512_$shape" 150 "$PY" benchmarks/cpu_qdot_types.py --types Q4_K,Q6_K \
+      --tokens 512 --threads 16 --variants avx512,avx2 --shape $shape --rounds 3
+    grep -E "^(avx512|avx2) " "$OUT/qdot_t512_$shape.log"
   done
   SO=$("$PY" -c "from hetero.kernels import native; native.load(); print(native.build('avx512'))")
   gcc -O2 benchmarks/cpu_qunpack_micro.c "$SO" -o /tmp/qunpack -Wl,-rpath,"$(dirname "$SO")" \
