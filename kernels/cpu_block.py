@@ -117,6 +117,8 @@ class DenseBlock:
         t = x.shape[0]
         if code is None or x.dim() != 2 or x.shape[1] != self.width or t == 0:
             return None
+        if pending is not None and pending.shape != x.shape:
+            return None
         r = cos.shape[-1]
         if cos.shape != (t, r) or sin.shape != (t, r) or 2 * r > self._b.D or slots.shape != (t,):
             return None
