@@ -350,11 +350,13 @@ if has cpuhost; then  # the qdot kernel on this host's cores, without the model 
       --threads $t --variants avx512,avx2 --shape 14336x4096 --rounds 5
     grep -E "^(avx512|avx2) " "$OUT/qdot_$t.log"
   done
-  for shape in 14336x4096 4096x14336; do  # the prompt's tile path: AVX-512 VNNI's vpdpbusd
-    # (+ vpmulld flushes) against AVX2's vpmaddubsw/vpmaddwd, which Intel issues on two ports
-    stage "qdot_t512_$shape" 150 "$PY" benchmarks/cpu_qdot_types.py --types Q4_K,Q6_K \
-      --tokens 512 --threads 16 --variants avx512,avx2 --shape $shape --rounds 3
-    grep -E "^(avx512|avx2) " "$OUT/qdot_t512_$shape.log"
+  for shape in 14336x4096 4096x14336; do  # the prompt's tile path, per instruction set, on
+    # one core and on 16 (a core's rate falling with the count: the shared caches, not the dot)
+    for t in 1 16; do
+      stage "qdot_t512_${shape}_$t" 150 "$PY" benchmarks/cpu_qdot_types.py --types Q4_K,Q6_K \
+        --tokens 512 --threads $t --variants avx512,avx2 --shape $shape --rounds 3
+      grep -E "^(avx512|avx2) " "$OUT/qdot_t512_${shape}_$t.log"
+    done
   done
   SO=$("$PY" -c "from hetero.kernels import native; native.load(); print(native.build('avx512'))")
   gcc -O2 benchmarks/cpu_qunpack_micro.c "$SO" -o /tmp/qunpack -Wl,-rpath,"$(dirname "$SO")" \
