@@ -68,9 +68,11 @@ def seconds(v: str) -> float:
 
 
 def trace_lines(path: Path) -> list[dict]:
-    """Every trace line, oldest first, over the rotated files."""
+    """Every complete trace line, oldest first, over the rotated files (a line the writer's
+    thread is still writing, without its newline yet, is left for the next read)."""
     files = [Path(f"{path}.{i}") for i in range(BACKUPS, 0, -1)] + [path]
-    return [json.loads(x) for f in files if f.exists() for x in f.read_text().splitlines()]
+    texts = [f.read_text() for f in files if f.exists()]
+    return [json.loads(x) for t in texts for x in t[: t.rfind("\n") + 1].splitlines()]
 
 
 def trace_of(path: Path, rid: str, timeout: float = 10.0) -> dict:
