@@ -107,9 +107,9 @@ static int64_t tmp_rows(const dense_block *B) { /* the widest part of a linear o
     return m;
 }
 
-static int block(const dense_block *B, const block_call *a, float *buf) {
+static int block(const dense_block *B, const block_call *a, float *buf, int64_t tmp_n) {
     const int64_t T = a->T, C = B->C, H = B->H, KV = B->KV, D = B->D, F = B->F;
-    const int64_t QKV = B->qkv.n, QK = (H + KV) * D, tmp_n = tmp_rows(B);
+    const int64_t QKV = B->qkv.n, QK = (H + KV) * D;
     const int nt = a->nthreads, qkn = B->q_norm != NULL;
     /* [T, .] regions (dense_block_forward sizes them): xs, h, attn [C] each, a part's rows
      * [tmp_n], then the attention's qkv [QKV], qk [QK], o [H D] (Qwen3: 2 QK more), where
@@ -167,7 +167,8 @@ static int block(const dense_block *B, const block_call *a, float *buf) {
 int dense_block_forward(const dense_block *B, const block_call *a) {
     const int64_t QK = (B->H + B->KV) * B->D;
     const int64_t att = B->qkv.n + QK * (B->q_norm ? 3 : 1) + B->H * B->D, ffn = 3 * B->F;
-    const size_t need = (size_t)a->T * (size_t)(3 * B->C + tmp_rows(B) + (att > ffn ? att : ffn));
+    const int64_t tmp_n = tmp_rows(B);
+    const size_t need = (size_t)a->T * (size_t)(3 * B->C + tmp_n + (att > ffn ? att : ffn));
     /* kept between calls (a decode step's is a few MB; rewriting a fresh one each call costs
      * its page faults), freed after a call that needed more than KEEP_BYTES (a long prompt
      * chunk) so the process does not hold it */
@@ -179,7 +180,7 @@ int dense_block_forward(const dense_block *B, const block_call *a) {
         cap = buf ? need : 0;
         if (!buf) return -2;
     }
-    const int rc = block(B, a, buf);
+    const int rc = block(B, a, buf, tmp_n);
     if (cap * sizeof(float) > KEEP_BYTES) {
         free(buf);
         buf = 0, cap = 0;

@@ -23,10 +23,10 @@ import os
 import torch
 
 from hetero.kernels import cpu_threads, native
+from hetero.kernels.cpu_native import CACHE_DTYPES
 
 MAX_PARTS = 4  # cpu_block.c
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_CACHE = {torch.float32: 0, torch.float16: 1}
 
 
 class _Part(ctypes.Structure):
@@ -113,9 +113,9 @@ class DenseBlock:
         if kv is None or not (_f32(x) and _f32(pending) and _f32(cos) and _f32(sin)):
             return None
         k_cache, v_cache, slots, (q_start, q_len, ctx_len, slot_off, ctx), scale = kv
-        code = _CACHE.get(k_cache.dtype)
-        t = x.shape[0]
-        if code is None or x.dim() != 2 or x.shape[1] != self.width or t == 0:
+        code = CACHE_DTYPES.get(k_cache.dtype)  # the attention's codes; the KV write's
+        t = x.shape[0]  # half flag for float32 (0) and float16 (1), which are all it takes
+        if code not in (0, 1) or x.dim() != 2 or x.shape[1] != self.width or t == 0:
             return None
         if pending is not None and pending.shape != x.shape:
             return None

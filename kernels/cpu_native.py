@@ -138,7 +138,7 @@ def kv_write_native(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
     cpu_ops.kv_write_cpu(k_cache, v_cache, k_scale, v_scale, slots, k, v)
 
 
-_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, FP8: 2}
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, FP8: 2}
 
 
 def flat_meta(meta) -> tuple[torch.Tensor, ...]:
@@ -161,7 +161,7 @@ def flat_meta(meta) -> tuple[torch.Tensor, ...]:
 def paged_attention_native(q, k_cache, v_cache, k_scale, v_scale, meta, scale: float):
     """paged_attention_ref for float32 q [T, H, D] (rows of H * D values, any row stride) over
     float32, float16 or e4m3 caches; anything else takes kernels/cpu_ops.py's path."""
-    code = _CACHE_DTYPES.get(k_cache.dtype)
+    code = CACHE_DTYPES.get(k_cache.dtype)
     t, h, d = q.shape
     ok = (
         code is not None

@@ -33,9 +33,7 @@ def dense_block(block) -> cpu_block.DenseBlock | None:
             return None
         qk_norms = (attn.q_norm.weight.data, attn.k_norm.weight.data)
     cpu = torch.device("cpu")
-    if not cpu_block.enabled() or attn.wqkv.mode != "qdot":
-        return None
-    if any(select(op, cpu).name != "native" for op in _OPS):
+    if not cpu_block.enabled() or any(select(op, cpu).name != "native" for op in _OPS):
         return None
     linears = [_parts(lin) for lin in (attn.wqkv, attn.wo, ffn.gate_up, ffn.down)]
     if any(p is None or len(p) > cpu_block.MAX_PARTS for p in linears):
