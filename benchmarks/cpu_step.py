@@ -25,9 +25,9 @@ from hetero.cli_options import engine_options
 
 
 @contextlib.contextmanager
-def profiled(top: int, what: str):
+def profiled(top: int, what: str, sorts: tuple[str, ...] = ("tottime",)):
     """cProfile around the block when top > 0: the `top` functions of most own time (a native
-    call's time is its Python caller's own), printed after it."""
+    call's time is its Python caller's own; or by each of `sorts`), printed after it."""
     if not top:
         yield
         return
@@ -37,10 +37,11 @@ def profiled(top: int, what: str):
         yield
     finally:
         prof.disable()
-        click.echo(f"-- profile: {what}")
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-        click.echo("\n".join(line[:150] for line in out.getvalue().splitlines()[6:]))
+        for key in sorts:
+            click.echo(f"-- profile: {what}" + (f", by {key}" if len(sorts) > 1 else ""))
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+            click.echo("\n".join(line[:150] for line in out.getvalue().splitlines()[6:]))
 
 
 @click.command()
@@ -55,48 +56,35 @@ def profiled(top: int, what: str):
 def main(ctx, model, concurrency, input_len, steps, profile, **options) -> None:
     from hetero.bench import make_prompts
     from hetero.factory import LaunchConfig
-    from hetero.kernels import cpu_qdot, native
+    from hetero.kernels import cpu_block, cpu_qdot, native
     from hetero.launch import build_engine
     from hetero.models import resolve_model
     from hetero.sampling import SamplingParams
 
     spent: dict = collections.defaultdict(lambda: [0.0, 0])
-    qdot = cpu_qdot.linear_ptrs
 
-    def timed_linear(x, *args, **kw):  # the model calls it with keywords (layers.py)
-        t = time.perf_counter()
-        y = qdot(x, *args, **kw)
-        entry = spent[("linear", kw["n"], kw["k"], x.shape[0])]
-        entry[0] += time.perf_counter() - t
-        entry[1] += 1
-        return y
+    def timed(fn, key):
+        """fn, its seconds and calls added to spent[key(*args, **kw)]."""
 
-    cpu_qdot.linear_ptrs = timed_linear
-    lib = native.load()
-    attention = lib.native_paged_attention if lib is not None else None
-    if attention is not None:
-
-        def timed_attention(*args):
+        def call(*args, **kw):
             t = time.perf_counter()
-            r = attention(*args)
-            spent[("attention",)][0] += time.perf_counter() - t
-            spent[("attention",)][1] += 1
-            return r
+            out = fn(*args, **kw)
+            entry = spent[key(*args, **kw)]
+            entry[0] += time.perf_counter() - t
+            entry[1] += 1
+            return out
 
-        lib.native_paged_attention = timed_attention
-    from hetero.kernels import cpu_block
+        return call
 
-    block_call = cpu_block.DenseBlock.__call__
-
-    def timed_block(self, x, *args):  # a whole block in one native call (its linears inside)
-        t = time.perf_counter()
-        out = block_call(self, x, *args)
-        entry = spent[("block", x.shape[0])]
-        entry[0] += time.perf_counter() - t
-        entry[1] += 1
-        return out
-
-    cpu_block.DenseBlock.__call__ = timed_block
+    # the model calls the linear with keywords (layers.py)
+    linear_key = lambda x, *a, **kw: ("linear", kw["n"], kw["k"], x.shape[0])  # noqa: E731
+    cpu_qdot.linear_ptrs = timed(cpu_qdot.linear_ptrs, linear_key)
+    lib = native.load()
+    if lib is not None:
+        lib.native_paged_attention = timed(lib.native_paged_attention, lambda *a: ("attention",))
+    # a whole block in one native call (its linears and attention inside)
+    block_key = lambda self, x, *a: ("block", x.shape[0])  # noqa: E731
+    cpu_block.DenseBlock.__call__ = timed(cpu_block.DenseBlock.__call__, block_key)
     if ctx.get_parameter_source("speculative") != ParameterSource.COMMANDLINE:
         options["speculative"] = "off"  # a plain decode step (n-gram guesses change its rows)
     engine = build_engine(str(resolve_model(model)), LaunchConfig.from_options(**options))

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cpu_step import profiled  # noqa: E402
 from gpu_step_profile import to_decode  # noqa: E402
 
 from hetero.config import RuntimeConfig  # noqa: E402
@@ -118,35 +119,26 @@ def measure(
         med[name + "_gpu"] = statistics.median(timer.device(name))
     gpu = med.get("replay_gpu", med.get("eager_forward_gpu", 0.0)) + med.get("sampler_gpu", 0.0)
     med["exposed"] = med["wall"] - gpu
-    for r in list(engine.scheduler.running):
-        engine.abort(r.request_id)
-    while engine.has_unfinished():
-        engine.step()
+    drain(engine)
     return med
 
 
-def profiled(engine: Engine, batch: int, context: int, steps: int, top: int) -> None:
-    """Decode steps under cProfile (host time inflates; the shares are what it tells)."""
-    import cProfile
-    import io
-    import pstats
-
-    to_decode(engine, batch, context)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    prof.disable()
-    for key in ("tottime", "cumulative"):
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
-        print(f"-- profile B={batch}, {steps} steps, by {key}")
-        print("\n".join(line[:160] for line in out.getvalue().splitlines()[6:]))
+def drain(engine: Engine) -> None:
+    """Abort the running requests and step until the engine holds none."""
     for r in list(engine.scheduler.running):
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
+
+
+def profiled_steps(engine: Engine, batch: int, context: int, steps: int, top: int) -> None:
+    """Decode steps under cProfile (host time inflates; the shares are what it tells)."""
+    to_decode(engine, batch, context)
+    with profiled(top, f"B={batch}, {steps} steps", ("tottime", "cumulative")):
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    drain(engine)
 
 
 def main() -> None:
@@ -178,7 +170,7 @@ def main() -> None:
         results[b] = med
         print(f"B={b}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()), flush=True)
         if args.profile:
-            profiled(engine, b, args.context, args.steps, args.profile)
+            profiled_steps(engine, b, args.context, args.steps, args.profile)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
