@@ -21,6 +21,12 @@
 #include "cpu_pool.h"
 #include "cpu_qdot_simd.h"
 #include "cpu_qtypes.h"
+#if QDOT_ISA == 3 && (defined(__AMX_INT8__) || defined(HETERO_AMX_EMULATE))
+#define QDOT_AMX 1
+#include "cpu_qdot_amx.h"
+#else
+#define QDOT_AMX 0
+#endif
 
 #define TILE_BUDGET (24 * 1024) /* bytes of tiles a thread unpacks before multiplying them */
 
@@ -204,10 +210,75 @@ ROW_KERNEL(gemm_q6k_row, q6k_head, kdot1_q6k)
 #define Q6_K_TYPE 14
 #endif
 
+#if QDOT_AMX
+#define AMX_MIN_T 32 /* activation rows from which a K-quant product takes the tiles (at 16 the
+                      * host's VNNI was faster: the planes are made for too few rows) */
+#define AMX_F_BUDGET (256 * 1024) /* bytes of float sums of the groups done together */
+
+static int amx_takes(const qtype *qt, int64_t tokens) {
+    return qt->kind == QK_KQUANT && !qt->is_signed && amx_mshift(qt->ggml_type) >= 0 &&
+           tokens >= AMX_MIN_T && amx_ready();
+}
+
+static size_t amx_scratch(int64_t tokens) { /* tile, planes, C, the float sums (>= 1 group) */
+    const int64_t f = tokens * QR * 4;
+    return (size_t)(KTILE_BYTES + 3 * AMX_PLANE + 6144 + (f > AMX_F_BUDGET ? f : AMX_F_BUDGET));
+}
+
+/* gemm_range on AMX (cpu_qdot_amx.h): units along K outermost, so that a unit's activations
+ * (tokens x 256 bytes) serve every group of the range from the cache; per group and unit the
+ * tile and its two planes are made once, then every pair of token tiles multiplies them; the
+ * rows past the last whole token tile take kdot on the same tile. */
+static int gemm_range_amx(const gemm_job *j, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
+    const qtype *qt = j->qt;
+    const int64_t nt = t1 - t0, nbq = j->K / 256;
+    int64_t gsub = AMX_F_BUDGET / (nt * QR * 4);
+    gsub = gsub < 1 ? 1 : gsub > g1 - g0 ? g1 - g0 : gsub;
+    uint8_t *buf = scratch(amx_scratch(nt));
+    if (!buf) return -2;
+    uint8_t *tile = buf;
+    int8_t *lo = (int8_t *)(buf + KTILE_BYTES), *hi = lo + AMX_PLANE, *m = hi + AMX_PLANE;
+    int32_t *c = (int32_t *)(m + AMX_PLANE);
+    float *f = (float *)(c + 1536);
+    const int mshift = amx_mshift(qt->ggml_type);
+    amx_config();
+    for (int64_t gb = g0; gb < g1; gb += gsub) {
+        const int64_t ng = g1 - gb < gsub ? g1 - gb : gsub;
+        memset(f, 0, sizeof(float) * (size_t)(ng * nt * QR));
+        for (int64_t u = 0; u < j->nunits; u++)
+            for (int64_t gi = 0; gi < ng; gi++) {
+                qt->unpack(j->w + ((gb + gi) * j->nunits + u) * qt->unit_bytes, tile);
+                amx_planes(tile, qt->nsub, mshift, lo, hi, m);
+                float *fg = f + gi * nt * QR;
+                int64_t t = t0;
+                while (t + 16 <= t1) {
+                    const int n = t + 32 <= t1 ? 2 : 1;
+                    amx_unit(j->xq + t * j->K + 256 * u, j->K, lo, hi, m, n, c);
+                    amx_epilogue(tile, c, 16 * n, mshift, (int)u, j->xd + t * nbq, nbq,
+                                 fg + (t - t0) * QR);
+                    t += 16 * n;
+                }
+                for (; t < t1; t += TT)
+                    multiply(j, tile, u, 1, t, (int)(t1 - t < TT ? t1 - t : TT), fg + (t - t0) * QR);
+            }
+        for (int64_t gi = 0; gi < ng; gi++) {
+            const int64_t g = gb + gi;
+            const int rows = (int)(j->N - QR * g < QR ? j->N - QR * g : QR);
+            for (int64_t t = t0; t < t1; t++)
+                memcpy(j->y + t * j->N + QR * g, f + (gi * nt + t - t0) * QR, sizeof(float) * (size_t)rows);
+        }
+    }
+    return 0;
+}
+#endif
+
 /* Row groups g0 .. g1 of W times activation rows t0 .. t1 into y; -2 where this thread's
  * scratch cannot be allocated. */
 static int gemm_range(const gemm_job *j, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
     const qtype *qt = j->qt;
+#if QDOT_AMX
+    if (amx_takes(qt, t1 - t0)) return gemm_range_amx(j, g0, g1, t0, t1);
+#endif
 #if QDOT_ISA
     if ((qt->ggml_type == Q4_K_TYPE || qt->ggml_type == Q6_K_TYPE) && t1 - t0 == 1) {
         uint8_t *head = scratch(KTILE_BYTES); /* a decode row: the codes read in place */
@@ -274,6 +345,19 @@ int qdot_gemm(int ggml_type, const uint8_t *w, int64_t N, int64_t K, int64_t T, 
         const int64_t parts = (4 * nthreads + j.groups - 1) / j.groups;
         j.tper = ((T + parts - 1) / parts + TT - 1) / TT * TT;
     }
+#if QDOT_AMX
+    if (amx_takes(qt, T)) {
+        /* items of up to 4 groups x 512 rows (a unit's activations, 128 KB, serve 4 groups from
+         * the cache; a group's planes, made once an item, serve 512 rows), made smaller, the
+         * groups first, until there are about 4 a thread */
+        j.gper = 4, j.tper = T < 512 ? T : 512;
+#define AMX_ITEMS ((j.groups + j.gper - 1) / j.gper * ((T + j.tper - 1) / j.tper))
+        while (AMX_ITEMS < 4 * nthreads && j.gper > 1) j.gper /= 2;
+        while (AMX_ITEMS < 4 * nthreads && j.tper > 64) j.tper = (j.tper / 2 + 31) / 32 * 32;
+#undef AMX_ITEMS
+        if (!scratch(amx_scratch(j.tper))) return -2;
+    }
+#endif
     j.gitems = (j.groups + j.gper - 1) / j.gper;
     const int64_t uc = TILE_BUDGET / (qt->kind == QK_KQUANT ? KTILE_BYTES : LTILE_BYTES);
     if (!scratch((size_t)((uc > 0 ? uc : 1) * KTILE_BYTES + j.tper * QR * 4))) return -2;
@@ -288,20 +372,29 @@ int qdot_linear(int ggml_type, const uint8_t *w, int64_t N, int64_t K, int64_t T
     if (!qt || K % qt->qb) return -1;
     static __thread void *buf = 0;
     static __thread size_t cap = 0;
-    const size_t need = (size_t)(T * K) + sizeof(float) * (size_t)(T * K / qt->qb) + (size_t)(T * K / 8) + 64;
+    const size_t xq_bytes = ((size_t)(T * K) + 63) / 64 * 64; /* AMX loads rows of 64 bytes */
+    const size_t need = xq_bytes + sizeof(float) * (size_t)(T * K / qt->qb) + (size_t)(T * K / 8) + 64;
     if (need > cap) {
         free(buf);
-        buf = malloc(need);
+        buf = aligned_alloc(64, (need + 63) / 64 * 64);
         cap = buf ? need : 0;
         if (!buf) return -2;
     }
-    float *xd = buf;
+    int8_t *xq = buf;
+    float *xd = (float *)(xq + xq_bytes);
     int16_t *bs = (int16_t *)(xd + T * K / qt->qb);
-    int8_t *xq = (int8_t *)(bs + T * K / 16);
     qdot_quantize(x, T, K, qt->qb, xq, xd, bs, nthreads);
     return qdot_gemm(ggml_type, w, N, K, T, xq, xd, bs, y, nthreads);
 }
 
-/* The instruction set this library was built for: 3 AVX-512 VNNI, 2 AVX2, 1 NEON dotprod,
- * 0 generic C. */
-int qdot_isa(void) { return QDOT_ISA; }
+/* The instruction set this library was built for: 5 AVX-512 VNNI with AMX emulated (tests), 4
+ * AVX-512 VNNI with AMX, 3 AVX-512 VNNI, 2 AVX2, 1 NEON dotprod, 0 generic C. */
+int qdot_isa(void) {
+#if QDOT_AMX && defined(HETERO_AMX_EMULATE)
+    return 5;
+#elif QDOT_AMX
+    return 4;
+#else
+    return QDOT_ISA;
+#endif
+}

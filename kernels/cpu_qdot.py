@@ -66,7 +66,14 @@ Q6K_ORDER = [
     for v in [x for q in range(8) for x in (16 * h + q, 32 + 8 * h + q)]
     + [16 * h + 8 + q for q in range(8)]
 ]
-ISA_NAMES = {3: "avx512-vnni", 2: "avx2", 1: "neon-dotprod", 0: "generic C"}
+ISA_NAMES = {
+    5: "avx512-vnni + amx (emulated in C)",
+    4: "avx512-vnni + amx",
+    3: "avx512-vnni",
+    2: "avx2",
+    1: "neon-dotprod",
+    0: "generic C",
+}
 
 
 def cpu_scheme(ggml_type) -> str:

@@ -5,6 +5,7 @@ set with the system C compiler, in a per-user cache (~/.cache/hetero/native) key
 the sources, the compiler's version and the flags:
 
     variant  flags                                        runs on
+    amx      avx512's + AMX-TILE, AMX-INT8                Sapphire Rapids and later Xeons
     avx512   AVX-512 F/BW/VL/DQ + VNNI, AVX2, FMA, F16C   Ice Lake, Sapphire Rapids, Zen 4 and later
     avx2     AVX2, FMA, F16C                              Haswell, Zen 1 and later
     neon     armv8.2-a + dotprod (+ fp16)                 Neoverse, Graviton 2+, Apple M
@@ -12,9 +13,11 @@ the sources, the compiler's version and the flags:
 
 Which one runs is asked of the CPU at run time (kernels/cpu_features.c, built in the generic
 library), never assumed from the build machine; HETERO_CPU_ISA names one instead (tests force
-each variant the CPU can run). Threads come from the library's own pool (kernels/cpu_pool.c),
-not OpenMP. `load()` returns None, and logs one line, when no compiler works: callers keep their
-torch paths then.
+each variant the CPU can run). `amx` differs from `avx512` only where a K-quant product has 32
+or more activation rows (kernels/cpu_qdot_amx.h); `amxemu`, never chosen by itself, builds that
+code with the tile operations done in C, so that tests check it on any AVX-512 CPU. Threads
+come from the library's own pool (kernels/cpu_pool.c), not OpenMP. `load()` returns None, and
+logs one line, when no compiler works: callers keep their torch paths then.
 """
 
 from __future__ import annotations
@@ -37,22 +40,25 @@ _NAMES = (
 SOURCES = tuple(Path(__file__).with_name(n) for n in _NAMES)
 _HEADER_NAMES = (
     "cpu_simd.h", "cpu_pool.h", "cpu_qtypes.h", "cpu_qdot_simd.h", "cpu_qunpack.h",
-    "cpu_qdot_moe.h",
+    "cpu_qdot_moe.h", "cpu_qdot_amx.h",
 )  # fmt: skip
 HEADERS = tuple(Path(__file__).with_name(n) for n in _HEADER_NAMES)  # in the cache key
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-Wno-psabi")
+_AVX512 = (
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+    "-mf16c", "-mbmi2",
+)  # fmt: skip
 VARIANT_FLAGS = {
-    "avx512": (
-        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
-        "-mf16c", "-mbmi2",
-    ),
+    "amx": (*_AVX512, "-mamx-tile", "-mamx-int8"),
+    "amxemu": (*_AVX512, "-DHETERO_AMX_EMULATE"),
+    "avx512": _AVX512,
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi2"),
     "neon": ("-march=armv8.2-a+dotprod+fp16",),
     "generic": (),
 }  # fmt: skip
 # native_cpu_features() bits -> the variants they allow, best first
-_FEATURE_BITS = {"avx512": 2, "avx2": 1, "neon": 16}
-ISA_CODES = {"avx512": 3, "avx2": 2, "neon": 1, "generic": 0}  # qdot_isa() of each build
+_FEATURE_BITS = {"amx": 2 | 32, "avx512": 2, "avx2": 1, "neon": 16}
+ISA_CODES = {"amxemu": 5, "amx": 4, "avx512": 3, "avx2": 2, "neon": 1, "generic": 0}  # qdot_isa()
 log = logging.getLogger(__name__)
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -97,7 +103,7 @@ def _arch_variants() -> tuple[str, ...]:
     """The variants this machine's architecture can build."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i686", "i386"):
-        return ("avx512", "avx2", "generic")
+        return ("amx", "avx512", "avx2", "generic")
     if machine in ("aarch64", "arm64"):
         return ("neon", "generic")
     return ("generic",)
@@ -154,7 +160,15 @@ def supported_variants() -> tuple[str, ...]:
     if base is None:
         return ()
     features = base.native_cpu_features()
-    return tuple(v for v in arch if v == "generic" or features & _FEATURE_BITS[v])
+    runs = [v for v in arch if v == "generic" or features & _FEATURE_BITS[v] == _FEATURE_BITS[v]]
+    if "amx" in runs and build("amx") is None:  # a compiler without AMX intrinsics (GCC < 11)
+        runs.remove("amx")
+    return tuple(runs)
+
+
+def emulations() -> tuple[str, ...]:
+    """Builds that run another CPU's code path in C here (tests name them; never chosen)."""
+    return ("amxemu",) if "avx512" in supported_variants() else ()
 
 
 def variant() -> str | None:
@@ -162,7 +176,7 @@ def variant() -> str | None:
     supported = supported_variants()
     forced = os.environ.get("HETERO_CPU_ISA")
     if forced:
-        if forced not in supported:
+        if forced not in supported + emulations():
             raise ValueError(
                 f"HETERO_CPU_ISA={forced}: this CPU runs {', '.join(supported) or 'none'}"
             )

@@ -32,8 +32,9 @@ from hetero.profiler.measure import copy_gbs, cpu_matmul_rates, cpu_stream_bytes
 # 4: a sequence's overhead once a step apart from its per-layer one; 5: CPU rates streamed past the
 # last-level cache, qdot on Q8 blocks apart; 6: the pipeline hop; 7: qdot reads K-quants as they
 # are (rates per type: Q4_1, Q8_0, Q4_K, Q6_K); 8: qdot on the codebook types too (IQ4_NL, IQ4_XS,
-# MXFP4), which an older profile priced at Q4_1's rate
-CACHE_VERSION = 8
+# MXFP4), which an older profile priced at Q4_1's rate; 9: K-quant prompts on AMX tiles where the
+# CPU has them (kernels/cpu_qdot_amx.h), several times the rate an older profile measured
+CACHE_VERSION = 9
 
 
 def cpu_name() -> str:

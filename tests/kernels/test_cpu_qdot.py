@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TYPES += ("IQ4_NL", "IQ4_XS", "MXFP4")  # the codebook types
 SIGNED = ("Q8_0", "IQ4_NL", "IQ4_XS")  # int8 codes
-VARIANTS = native.supported_variants()
+VARIANTS = native.supported_variants() + native.emulations()  # amxemu: AMX's code, in C
+AVX512_FAMILY = ("amx", "amxemu", "avx512")  # the builds whose VNNI reads codes unsigned
 
 
 def weight(ggml_type: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -35,7 +36,7 @@ def check_against_reference(x, raw, ggml_type, n, k, y) -> None:
 
 
 def test_this_machine_runs_a_simd_build():
-    assert VARIANTS and VARIANTS[-1] == "generic"
+    assert native.supported_variants()[-1] == "generic" and len(native.supported_variants()) > 1
     for v in VARIANTS:
         assert cpu_qdot.isa(v) == cpu_qdot.ISA_NAMES[native.ISA_CODES[v]]
 
@@ -124,7 +125,7 @@ def code_bias(ggml_type: str, variant: str) -> int:
     takes Q8_0 and IQ4 values + 128; MXFP4's -12 .. 12 is + 12 on every build (cpu_qcodebook.c)."""
     if ggml_type == "MXFP4":
         return 12
-    return 128 if variant == "avx512" and ggml_type in SIGNED else 0
+    return 128 if variant in AVX512_FAMILY and ggml_type in SIGNED else 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -176,8 +177,31 @@ def test_back_to_back_jobs_never_mix():
 
 
 def test_a_forced_instruction_set_must_be_one_the_cpu_runs(monkeypatch):
-    monkeypatch.setenv("HETERO_CPU_ISA", VARIANTS[-1])
-    assert native.variant() == VARIANTS[-1]
+    for v in (native.supported_variants()[-1], *native.emulations()):
+        monkeypatch.setenv("HETERO_CPU_ISA", v)
+        assert native.variant() == v
     monkeypatch.setenv("HETERO_CPU_ISA", "sve2")
     with pytest.raises(ValueError, match="this CPU runs"):
         native.variant()
+
+
+KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v in ("amx", "amxemu")])
+@pytest.mark.parametrize("ggml_type", KQUANTS)
+def test_amx_tiles_equal_the_vnni_kernel_bit_for_bit(ggml_type: str, variant: str):
+    """From 16 activation rows a K-quant product runs on AMX tiles (kernels/cpu_qdot_amx.h: the
+    sub-block scales multiplied into two int8 planes of the weights, C_lo + 128 C_hi = kdot's
+    int32, then kdot's float steps): pairs of token tiles, a single one, the rows past the last
+    tile on VNNI, groups done together and items split along the rows all give the AVX-512
+    build's floats exactly. Extreme scales (Q6_K's -128, the largest codes) included: the
+    random blocks draw every scale byte."""
+    qt = get_quant(ggml_type)
+    shapes = ((70, 1024, 37, 1), (45, 512, 100, 3), (16, 256, 50, 2), (300, 512, 600, 2))
+    for n, k, t, threads in shapes:
+        raw = weight(ggml_type, n, k, seed=t)
+        w = pack(raw, qt, n, k)
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(n))
+        want = qdot_linear(x, w, threads, "avx512")
+        assert torch.equal(qdot_linear(x, w, threads, variant), want)

@@ -1,0 +1,195 @@
+/* The K-quant tile product on AMX (Intel Sapphire Rapids and later: TMUL, 16 x 16 x 64 int8 a
+ * tile op, about ten times a core's AVX-512 VNNI rate): the prompt's and the batch's path.
+ *
+ * A unit's tile (cpu_qunpack.c: codes [64 chunks][16 rows][4], scales sc [nsub][16]) is already
+ * AMX's B layout: chunk c is row c of a B tile, the 16 weight rows its columns, 4 weights each.
+ * Per unit the codes are multiplied by their sub-block scales into W = code * sc (|W| <= 8127 for
+ * every K-quant: Q6_K's 63 * 128 the largest) and W split into two int8 planes,
+ * W = lo + 128 hi (lo, hi in [-64, 63]). Two TDPBSSDs a 64-weight slice then give, for 16
+ * tokens (the activations' int8 rows, AMX's A layout as they lie) and 16 weight rows,
+ *     C_lo + 128 C_hi = sum_k x_k code_k sc_s(k)
+ * which is the int32 `acc` of kdot (cpu_qdot_simd.h) exactly: the sub-block flushes happen in
+ * the weights, not in the accumulators. The offsets (mn, from the unit's 16-sums) and the float
+ * scales follow as kdot applies them, in the same order: the result equals the AVX-512 build's
+ * to the bit (tests/kernels/test_cpu_qdot.py).
+ *
+ * Tiles: tmm0..3 the C of two token tiles (lo, hi), tmm4, tmm5 their activations, tmm6, tmm7 a
+ * slice's two weight planes: each B load serves two tile ops, each A load two.
+ *
+ * HETERO_AMX_EMULATE builds the same code with the tile operations done in C (tests on CPUs
+ * without AMX run the layouts, the scale split and the epilogue through it).
+ */
+#ifndef HETERO_CPU_QDOT_AMX_H
+#define HETERO_CPU_QDOT_AMX_H
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_qtypes.h"
+
+#define AMX_PLANE 4096 /* bytes of one weight plane of a unit: 64 chunks x 64 */
+#include "cpu_qunpack.h" /* IQ4_BIAS */
+
+#if defined(HETERO_AMX_EMULATE)
+static __thread int8_t emu_tile[8][16][64] __attribute__((aligned(64)));
+static void emu_load(int t, const void *p, int64_t stride) {
+    for (int r = 0; r < 16; r++) memcpy(emu_tile[t][r], (const int8_t *)p + r * stride, 64);
+}
+static void emu_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < 16; r++) memcpy((int8_t *)p + r * stride, emu_tile[t][r], 64);
+}
+static void emu_dpbssd(int c, int a, int b) { /* C[m][n] += sum_k A[m][4k+i] B[k][4n+i] */
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++) {
+            int32_t s;
+            memcpy(&s, emu_tile[c][m] + 4 * n, 4);
+            for (int k = 0; k < 16; k++)
+                for (int i = 0; i < 4; i++) s += emu_tile[a][m][4 * k + i] * emu_tile[b][k][4 * n + i];
+            memcpy(emu_tile[c][m] + 4 * n, &s, 4);
+        }
+}
+#define TILE_LOAD(t, p, stride) emu_load(t, p, stride)
+#define TILE_STORE(t, p, stride) emu_store(t, p, stride)
+#define TILE_ZERO(t) memset(emu_tile[t], 0, sizeof emu_tile[t])
+#define TILE_DP(c, a, b) emu_dpbssd(c, a, b)
+static void amx_config(void) {}
+static int amx_ready(void) { return 1; }
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DP(c, a, b) _tile_dpbssd(c, a, b)
+
+static void amx_config(void) { /* palette 1, eight tiles of 16 rows x 64 bytes */
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg); /* each call: other code on this thread (a BLAS) may set its own */
+}
+
+static int amx_ok = 0;
+static void amx_permit(void) { /* Linux hands out the tile state per process, on request */
+    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+static int amx_ready(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, amx_permit);
+    return amx_ok;
+}
+#endif
+
+/* The offsets' multiplier per K-quant: the tile's mn of 16-block j is -2^mshift M_j with M_j
+ * an int8 (Q4_K, Q5_K, Q2_K: the mins; Q3_K, Q6_K, IQ4_XS: the scales of their code offsets
+ * 4, 32 and the codebook bias) */
+static int amx_mshift(int ggml_type) {
+    return ggml_type == 11 ? 2 : ggml_type == 14 ? 5 : ggml_type == 23 ? (IQ4_BIAS == 128 ? 7 : -1) : 0;
+}
+
+/* The unit's tile -> its three weight planes (AMX_PLANE bytes each, chunk c at 64 c): lo, hi
+ * with W = code * sc of the chunk's sub-block = lo + 128 hi, and m = M of the chunk's 16-block
+ * (so that sum_k x_k m_k = sum_j M_j bsum_j: the offsets' int32 from the same product). */
+static void amx_planes(const uint8_t *tile, int nsub, int mshift, int8_t *lo, int8_t *hi,
+                       int8_t *m) {
+    const int cps = 64 / nsub;
+    __m512i idx[2];
+    {
+        int16_t ix[2][32];
+        for (int l = 0; l < 32; l++) ix[0][l] = (int16_t)(l / 4), ix[1][l] = (int16_t)(8 + l / 4);
+        idx[0] = _mm512_loadu_si512(ix[0]), idx[1] = _mm512_loadu_si512(ix[1]);
+    }
+    const __m512i bias = _mm512_set1_epi16(64);
+    for (int s = 0; s < nsub; s++) {
+        const __m512i sc16 = _mm512_castsi256_si512(
+            _mm512_cvtepi32_epi16(_mm512_loadu_si512(tile + KTILE_SC + 64 * s)));
+        const __m512i sch[2] = {_mm512_permutexvar_epi16(idx[0], sc16),
+                                _mm512_permutexvar_epi16(idx[1], sc16)};
+        for (int c = s * cps; c < (s + 1) * cps; c++) {
+            const __m512i v = _mm512_loadu_si512(tile + 64 * c);
+            for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7: bytes 32h .. 32h + 31 */
+                const __m256i half = h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+                const __m512i w = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(half), sch[h]);
+                const __m512i up = _mm512_srai_epi16(_mm512_add_epi16(w, bias), 7);
+                const __m512i down = _mm512_sub_epi16(w, _mm512_slli_epi16(up, 7));
+                _mm256_storeu_si256((__m256i *)(lo + 64 * c + 32 * h), _mm512_cvtepi16_epi8(down));
+                _mm256_storeu_si256((__m256i *)(hi + 64 * c + 32 * h), _mm512_cvtepi16_epi8(up));
+            }
+        }
+    }
+    for (int j = 0; j < 16; j++) { /* mn pair j / 2, half j % 2: int16 -2^mshift M_j a row */
+        const __m512i pair = _mm512_loadu_si512(tile + KTILE_MN + 64 * (j / 2));
+        const __m512i mn = _mm512_srai_epi32(j % 2 ? pair : _mm512_slli_epi32(pair, 16), 16);
+        const __m512i mj = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_srai_epi32(mn, mshift));
+        const __m512i b4 = _mm512_mullo_epi32(_mm512_and_si512(mj, _mm512_set1_epi32(0xFF)),
+                                              _mm512_set1_epi32(0x01010101));
+        for (int c = 4 * j; c < 4 * j + 4; c++) _mm512_storeu_si512(m + 64 * c, b4);
+    }
+}
+
+/* Tokens t .. t + 16 n (n = 1 or 2 token tiles) times a unit's planes: the int32 C of token
+ * tile i and plane p (lo, hi, m) lands at c + 768 i + 256 p (16 tokens x 16 rows). x: the
+ * first token's activations of this unit, ys bytes a token. Tiles: tmm0..2 token tile 0's C,
+ * tmm3..5 token tile 1's, tmm6 the activations, tmm7 a plane. */
+static void amx_unit(const int8_t *x, int64_t ys, const int8_t *lo, const int8_t *hi,
+                     const int8_t *m, int n, int32_t *c) {
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    if (n == 2) {
+        TILE_ZERO(3);
+        TILE_ZERO(4);
+        TILE_ZERO(5);
+    }
+    for (int sl = 0; sl < 4; sl++) {
+        TILE_LOAD(6, x + 64 * sl, ys);
+        TILE_LOAD(7, lo + 1024 * sl, 64);
+        TILE_DP(0, 6, 7);
+        TILE_LOAD(7, hi + 1024 * sl, 64);
+        TILE_DP(1, 6, 7);
+        TILE_LOAD(7, m + 1024 * sl, 64);
+        TILE_DP(2, 6, 7);
+        if (n == 2) {
+            TILE_LOAD(6, x + 16 * ys + 64 * sl, ys);
+            TILE_DP(5, 6, 7);
+            TILE_LOAD(7, hi + 1024 * sl, 64);
+            TILE_DP(4, 6, 7);
+            TILE_LOAD(7, lo + 1024 * sl, 64);
+            TILE_DP(3, 6, 7);
+        }
+    }
+    TILE_STORE(0, c, 64);
+    TILE_STORE(1, c + 256, 64);
+    TILE_STORE(2, c + 512, 64);
+    if (n == 2) {
+        TILE_STORE(3, c + 768, 64);
+        TILE_STORE(4, c + 1024, 64);
+        TILE_STORE(5, c + 1280, 64);
+    }
+}
+
+/* kdot's float step for tokens t < n of a unit (u its index along K): acc = lo + 128 hi, the
+ * offsets' am = -2^mshift C_m, then f[t] += dy (dk acc) and dy (dm am), as kdot does. */
+static void amx_epilogue(const uint8_t *tile, const int32_t *c, int n, int mshift, int u,
+                         const float *dy, int64_t ds, float *f) {
+    const __m512 dk = _mm512_loadu_ps(tile + KTILE_DK), dm = _mm512_loadu_ps(tile + KTILE_DM);
+    for (int t = 0; t < n; t++) {
+        const int32_t *ct = c + 768 * (t / 16) + 16 * (t % 16);
+        const __m512i acc = _mm512_add_epi32(_mm512_loadu_si512(ct),
+                                             _mm512_slli_epi32(_mm512_loadu_si512(ct + 256), 7));
+        const __m512i am = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                            _mm512_slli_epi32(_mm512_loadu_si512(ct + 512), mshift));
+        const __m512 d = _mm512_set1_ps(dy[t * ds + u]);
+        __m512 v = _mm512_loadu_ps(f + t * QR);
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dk, d), v);
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am), _mm512_mul_ps(dm, d), v);
+        _mm512_storeu_ps(f + t * QR, v);
+    }
+}
+#endif
