@@ -113,6 +113,7 @@ typedef struct {
     const float *xd;
     const int16_t *bs;
     float *y;
+    const int8_t *xa; /* AMX: xq packed [K / 64][T][64] (qdot_gemm), or 0: read in place */
 } gemm_job;
 
 /* Rows t .. t + tt of the item against nu unpacked units starting at unit u0. */
@@ -215,14 +216,25 @@ ROW_KERNEL(gemm_q6k_row, q6k_head, kdot1_q6k)
                       * host's VNNI was faster: the planes are made for too few rows) */
 #define AMX_F_BUDGET (256 * 1024) /* bytes of float sums of the groups done together */
 
+typedef struct {
+    const int8_t *xq;
+    int8_t *xa;
+    int64_t T, K;
+} amx_pack_job;
+
+static void amx_pack_slice(void *ctx, int64_t s, int worker) { /* xq [T, K] -> xa [K/64][T][64] */
+    const amx_pack_job *p = ctx;
+    (void)worker;
+    for (int64_t t = 0; t < p->T; t++) memcpy(p->xa + (s * p->T + t) * 64, p->xq + t * p->K + 64 * s, 64);
+}
+
 static int amx_takes(const qtype *qt, int64_t tokens) {
-    return qt->kind == QK_KQUANT && !qt->is_signed && amx_mshift(qt->ggml_type) >= 0 &&
-           tokens >= AMX_MIN_T && amx_ready();
+    return qt->kind == QK_KQUANT && !qt->is_signed && tokens >= AMX_MIN_T && amx_ready();
 }
 
 static size_t amx_scratch(int64_t tokens) { /* tile, planes, C, the float sums (>= 1 group) */
     const int64_t f = tokens * QR * 4;
-    return (size_t)(KTILE_BYTES + 3 * AMX_PLANE + 6144 + (f > AMX_F_BUDGET ? f : AMX_F_BUDGET));
+    return (size_t)(KTILE_BYTES + 2 * AMX_PLANE + 4096 + (f > AMX_F_BUDGET ? f : AMX_F_BUDGET));
 }
 
 /* gemm_range on AMX (cpu_qdot_amx.h): units along K outermost, so that a unit's activations
@@ -231,16 +243,16 @@ static size_t amx_scratch(int64_t tokens) { /* tile, planes, C, the float sums (
  * rows past the last whole token tile take kdot on the same tile. */
 static int gemm_range_amx(const gemm_job *j, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
     const qtype *qt = j->qt;
-    const int64_t nt = t1 - t0, nbq = j->K / 256;
+    const int64_t nt = t1 - t0, nbq = j->K / 256, bss = j->K / 16;
+    const int64_t ys = j->xa ? 64 : j->K, xs = j->xa ? 64 * j->T : 64; /* amx_unit's strides */
     int64_t gsub = AMX_F_BUDGET / (nt * QR * 4);
     gsub = gsub < 1 ? 1 : gsub > g1 - g0 ? g1 - g0 : gsub;
     uint8_t *buf = scratch(amx_scratch(nt));
     if (!buf) return -2;
     uint8_t *tile = buf;
-    int8_t *lo = (int8_t *)(buf + KTILE_BYTES), *hi = lo + AMX_PLANE, *m = hi + AMX_PLANE;
-    int32_t *c = (int32_t *)(m + AMX_PLANE);
-    float *f = (float *)(c + 1536);
-    const int mshift = amx_mshift(qt->ggml_type);
+    int8_t *lo = (int8_t *)(buf + KTILE_BYTES), *hi = lo + AMX_PLANE;
+    int32_t *c = (int32_t *)(hi + AMX_PLANE);
+    float *f = (float *)(c + 1024);
     amx_config();
     for (int64_t gb = g0; gb < g1; gb += gsub) {
         const int64_t ng = g1 - gb < gsub ? g1 - gb : gsub;
@@ -248,14 +260,15 @@ static int gemm_range_amx(const gemm_job *j, int64_t g0, int64_t g1, int64_t t0,
         for (int64_t u = 0; u < j->nunits; u++)
             for (int64_t gi = 0; gi < ng; gi++) {
                 qt->unpack(j->w + ((gb + gi) * j->nunits + u) * qt->unit_bytes, tile);
-                amx_planes(tile, qt->nsub, mshift, lo, hi, m);
+                amx_planes(tile, qt->nsub, lo, hi);
                 float *fg = f + gi * nt * QR;
                 int64_t t = t0;
                 while (t + 16 <= t1) {
                     const int n = t + 32 <= t1 ? 2 : 1;
-                    amx_unit(j->xq + t * j->K + 256 * u, j->K, lo, hi, m, n, c);
-                    amx_epilogue(tile, c, 16 * n, mshift, (int)u, j->xd + t * nbq, nbq,
-                                 fg + (t - t0) * QR);
+                    const int8_t *x = j->xa ? j->xa + (4 * u * j->T + t) * 64 : j->xq + t * j->K + 256 * u;
+                    amx_unit(x, ys, xs, lo, hi, n, c);
+                    amx_epilogue(tile, c, 16 * n, (int)u, j->xd + t * nbq, nbq, j->bs + t * bss,
+                                 bss, fg + (t - t0) * QR);
                     t += 16 * n;
                 }
                 for (; t < t1; t += TT)
@@ -326,7 +339,7 @@ int qdot_gemm_range(int ggml_type, const uint8_t *w, int64_t N, int64_t K, const
                     int64_t t0, int64_t t1) {
     const qtype *qt = qtype_of(ggml_type);
     if (!qt || K % qt->qb) return -1;
-    gemm_job j = {qt, w, N, K, t1, K / qt->qb, (N + QR - 1) / QR, 1, t1, 0, xq, xd, bs, y};
+    gemm_job j = {qt, w, N, K, t1, K / qt->qb, (N + QR - 1) / QR, 1, t1, 0, xq, xd, bs, y, 0};
     return gemm_range(&j, g0, g1, t0, t1);
 }
 
@@ -337,7 +350,7 @@ int qdot_gemm(int ggml_type, const uint8_t *w, int64_t N, int64_t K, int64_t T, 
     const qtype *qt = qtype_of(ggml_type);
     if (!qt || K % qt->qb) return -1;
     if (nthreads < 1) nthreads = 1;
-    gemm_job j = {qt, w, N, K, T, K / qt->qb, (N + QR - 1) / QR, 1, T, 0, xq, xd, bs, y};
+    gemm_job j = {qt, w, N, K, T, K / qt->qb, (N + QR - 1) / QR, 1, T, 0, xq, xd, bs, y, 0};
     /* about 16 items a thread (busy cores lose one item, not a share); a step with few row
      * groups and many activation rows also splits the rows, in whole register tiles */
     j.gper = j.groups / (16 * nthreads) > 1 ? j.groups / (16 * nthreads) : 1;
@@ -356,6 +369,17 @@ int qdot_gemm(int ggml_type, const uint8_t *w, int64_t N, int64_t K, int64_t T, 
         while (AMX_ITEMS < 4 * nthreads && j.tper > 64) j.tper = (j.tper / 2 + 31) / 32 * 32;
 #undef AMX_ITEMS
         if (!scratch(amx_scratch(j.tper))) return -2;
+        static __thread int8_t *xa = 0; /* the activations packed: a token tile's slice is 1 KB */
+        static __thread size_t xa_cap = 0;
+        if ((size_t)(T * K) > xa_cap) {
+            free(xa);
+            xa = aligned_alloc(64, (size_t)(T * K + 63) / 64 * 64);
+            xa_cap = xa ? (size_t)(T * K) : 0;
+            if (!xa) return -2;
+        }
+        amx_pack_job pj = {xq, xa, T, K};
+        pool_run(amx_pack_slice, &pj, K / 64, T * K >= 65536 ? nthreads : 1);
+        j.xa = xa;
     }
 #endif
     j.gitems = (j.groups + j.gper - 1) / j.gper;

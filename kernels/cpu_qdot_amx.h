@@ -14,7 +14,9 @@
  * to the bit (tests/kernels/test_cpu_qdot.py).
  *
  * Tiles: tmm0..3 the C of two token tiles (lo, hi), tmm4, tmm5 their activations, tmm6, tmm7 a
- * slice's two weight planes: each B load serves two tile ops, each A load two.
+ * slice's two weight planes: each B load serves two tile ops, each A load two. (A third plane
+ * for the offsets, with six C tiles and one A and one B, measured 25% slower on the host: each
+ * load then waited for the product before it.)
  *
  * HETERO_AMX_EMULATE builds the same code with the tile operations done in C (tests on CPUs
  * without AMX run the layouts, the scale split and the epilogue through it).
@@ -29,7 +31,6 @@
 #include "cpu_qtypes.h"
 
 #define AMX_PLANE 4096 /* bytes of one weight plane of a unit: 64 chunks x 64 */
-#include "cpu_qunpack.h" /* IQ4_BIAS */
 
 #if defined(HETERO_AMX_EMULATE)
 static __thread int8_t emu_tile[8][16][64] __attribute__((aligned(64)));
@@ -86,18 +87,9 @@ static int amx_ready(void) {
 }
 #endif
 
-/* The offsets' multiplier per K-quant: the tile's mn of 16-block j is -2^mshift M_j with M_j
- * an int8 (Q4_K, Q5_K, Q2_K: the mins; Q3_K, Q6_K, IQ4_XS: the scales of their code offsets
- * 4, 32 and the codebook bias) */
-static int amx_mshift(int ggml_type) {
-    return ggml_type == 11 ? 2 : ggml_type == 14 ? 5 : ggml_type == 23 ? (IQ4_BIAS == 128 ? 7 : -1) : 0;
-}
-
-/* The unit's tile -> its three weight planes (AMX_PLANE bytes each, chunk c at 64 c): lo, hi
- * with W = code * sc of the chunk's sub-block = lo + 128 hi, and m = M of the chunk's 16-block
- * (so that sum_k x_k m_k = sum_j M_j bsum_j: the offsets' int32 from the same product). */
-static void amx_planes(const uint8_t *tile, int nsub, int mshift, int8_t *lo, int8_t *hi,
-                       int8_t *m) {
+/* The unit's tile -> its two weight planes lo, hi (AMX_PLANE bytes each, chunk c at 64 c):
+ * W = code * sc of the chunk's sub-block = lo + 128 hi. */
+static void amx_planes(const uint8_t *tile, int nsub, int8_t *lo, int8_t *hi) {
     const int cps = 64 / nsub;
     __m512i idx[2];
     {
@@ -123,68 +115,60 @@ static void amx_planes(const uint8_t *tile, int nsub, int mshift, int8_t *lo, in
             }
         }
     }
-    for (int j = 0; j < 16; j++) { /* mn pair j / 2, half j % 2: int16 -2^mshift M_j a row */
-        const __m512i pair = _mm512_loadu_si512(tile + KTILE_MN + 64 * (j / 2));
-        const __m512i mn = _mm512_srai_epi32(j % 2 ? pair : _mm512_slli_epi32(pair, 16), 16);
-        const __m512i mj = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_srai_epi32(mn, mshift));
-        const __m512i b4 = _mm512_mullo_epi32(_mm512_and_si512(mj, _mm512_set1_epi32(0xFF)),
-                                              _mm512_set1_epi32(0x01010101));
-        for (int c = 4 * j; c < 4 * j + 4; c++) _mm512_storeu_si512(m + 64 * c, b4);
-    }
 }
 
-/* Tokens t .. t + 16 n (n = 1 or 2 token tiles) times a unit's planes: the int32 C of token
- * tile i and plane p (lo, hi, m) lands at c + 768 i + 256 p (16 tokens x 16 rows). x: the
- * first token's activations of this unit, ys bytes a token. Tiles: tmm0..2 token tile 0's C,
- * tmm3..5 token tile 1's, tmm6 the activations, tmm7 a plane. */
-static void amx_unit(const int8_t *x, int64_t ys, const int8_t *lo, const int8_t *hi,
-                     const int8_t *m, int n, int32_t *c) {
+/* Tokens t .. t + 16 n (n = 1 or 2 token tiles) times a unit's planes: the int32 C of token tile
+ * i lands at c + 512 i (lo: 16 tokens x 16 rows), its hi at c + 512 i + 256. x: slice 0 of the
+ * first token's activations of this unit; a token's rows lie ys bytes apart, a slice's xs (the
+ * packed layout: 64 and 64 T, so a tile is 1 KB in a row; activations as they lie in x [T, K]:
+ * K and 64, whose 16 rows a power-of-two K puts in one L1 set). All four sources are loaded
+ * before the four tile products that read them. */
+static void amx_unit(const int8_t *x, int64_t ys, int64_t xs, const int8_t *lo, const int8_t *hi,
+                     int n, int32_t *c) {
     TILE_ZERO(0);
     TILE_ZERO(1);
-    TILE_ZERO(2);
     if (n == 2) {
+        TILE_ZERO(2);
         TILE_ZERO(3);
-        TILE_ZERO(4);
-        TILE_ZERO(5);
     }
     for (int sl = 0; sl < 4; sl++) {
-        TILE_LOAD(6, x + 64 * sl, ys);
-        TILE_LOAD(7, lo + 1024 * sl, 64);
-        TILE_DP(0, 6, 7);
+        TILE_LOAD(4, x + xs * sl, ys);
+        TILE_LOAD(6, lo + 1024 * sl, 64);
         TILE_LOAD(7, hi + 1024 * sl, 64);
-        TILE_DP(1, 6, 7);
-        TILE_LOAD(7, m + 1024 * sl, 64);
-        TILE_DP(2, 6, 7);
+        if (n == 2) TILE_LOAD(5, x + 16 * ys + xs * sl, ys);
+        TILE_DP(0, 4, 6);
+        TILE_DP(1, 4, 7);
         if (n == 2) {
-            TILE_LOAD(6, x + 16 * ys + 64 * sl, ys);
-            TILE_DP(5, 6, 7);
-            TILE_LOAD(7, hi + 1024 * sl, 64);
-            TILE_DP(4, 6, 7);
-            TILE_LOAD(7, lo + 1024 * sl, 64);
-            TILE_DP(3, 6, 7);
+            TILE_DP(2, 5, 6);
+            TILE_DP(3, 5, 7);
         }
     }
     TILE_STORE(0, c, 64);
     TILE_STORE(1, c + 256, 64);
-    TILE_STORE(2, c + 512, 64);
     if (n == 2) {
+        TILE_STORE(2, c + 512, 64);
         TILE_STORE(3, c + 768, 64);
-        TILE_STORE(4, c + 1024, 64);
-        TILE_STORE(5, c + 1280, 64);
     }
 }
 
 /* kdot's float step for tokens t < n of a unit (u its index along K): acc = lo + 128 hi, the
- * offsets' am = -2^mshift C_m, then f[t] += dy (dk acc) and dy (dm am), as kdot does. */
-static void amx_epilogue(const uint8_t *tile, const int32_t *c, int n, int mshift, int u,
-                         const float *dy, int64_t ds, float *f) {
+ * offsets' int32 from the 16-sums bs, then f[t] += dy (dk acc) and dy (dm am), as kdot does. */
+static void amx_epilogue(const uint8_t *tile, const int32_t *c, int n, int u, const float *dy,
+                         int64_t ds, const int16_t *bs, int64_t bss, float *f) {
     const __m512 dk = _mm512_loadu_ps(tile + KTILE_DK), dm = _mm512_loadu_ps(tile + KTILE_DM);
+    __m512i mn[8];
+    for (int j = 0; j < 8; j++) mn[j] = _mm512_loadu_si512(tile + KTILE_MN + 64 * j);
     for (int t = 0; t < n; t++) {
-        const int32_t *ct = c + 768 * (t / 16) + 16 * (t % 16);
+        const int32_t *ct = c + 512 * (t / 16) + 16 * (t % 16);
         const __m512i acc = _mm512_add_epi32(_mm512_loadu_si512(ct),
                                              _mm512_slli_epi32(_mm512_loadu_si512(ct + 256), 7));
-        const __m512i am = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                            _mm512_slli_epi32(_mm512_loadu_si512(ct + 512), mshift));
+        const int16_t *b = bs + t * bss + 16 * u;
+        __m512i am = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            int32_t pair;
+            memcpy(&pair, b + 2 * j, 4);
+            am = _mm512_dpwssd_epi32(am, mn[j], _mm512_set1_epi32(pair));
+        }
         const __m512 d = _mm512_set1_ps(dy[t * ds + u]);
         __m512 v = _mm512_loadu_ps(f + t * QR);
         v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dk, d), v);

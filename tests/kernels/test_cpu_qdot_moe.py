@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetero.kernels import cpu_qdot
+from hetero.kernels import cpu_qdot, native
 from hetero.kernels.cpu_qdot_moe import grouped_matmul, pack_experts, route, runs_natively
 from hetero.kernels.cpu_qdot_ref import quantize_x_reference
 from hetero.quant import dequantize, get_quant, random_blocks
@@ -116,3 +116,22 @@ def test_weights_of_a_grouped_call_must_agree():
     b = pack_experts(experts("Q6_K", 4, 16, 256, 0), "Q6_K", (4, 16, 256))
     with pytest.raises(ValueError, match="share"):
         grouped_matmul(torch.randn(1, 256), [a, b], route(torch.tensor([[0, 1]]), 4), True)
+
+
+@pytest.mark.skipif("amxemu" not in native.emulations(), reason="no AVX-512 here")
+@pytest.mark.parametrize("ggml_type", ("Q4_K", "Q6_K"))
+def test_an_expert_with_many_slots_takes_the_amx_tiles_bit_for_bit(ggml_type, monkeypatch):
+    """An expert given 32 or more slots (a prompt) multiplies them on AMX tiles, reading the
+    activations where they lie (the grouped call packs none): AMX's code, run in C here, equals
+    the AVX-512 build's floats exactly, the experts with few slots beside it included."""
+    e, n, k = 4, 48, 512
+    raw = experts(ggml_type, e, n, k, seed=11)
+    w = pack_experts(raw, ggml_type, (e, n, k))
+    ids = torch.zeros(70, 2, dtype=torch.long)
+    ids[:, 1] = torch.arange(70) % 3 + 1  # expert 0: 70 slots; 1-3: 23-24 each
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for isa in ("avx512", "amxemu"):
+        monkeypatch.setenv("HETERO_CPU_ISA", isa)
+        out[isa] = grouped_matmul(x, [w], route(ids, e), gather=True, threads=2)[0]
+    assert torch.equal(out["amxemu"], out["avx512"])
