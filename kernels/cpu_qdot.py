@@ -3,7 +3,8 @@
 llama.cpp's CPU scheme: the weights stay in their blocks and each block of x is rounded to int8
 with a float32 scale (per 32 for the legacy types, per 256 with sums per 16 for the K-quants, as
 llama.cpp's q8_0 / q8_K), then blocks multiply as integers in native code (kernels/cpu_qdot.c:
-AVX-512 VNNI, AVX2 or NEON dotprod, picked at run time by kernels/native.py; plain C elsewhere).
+AVX-512 VNNI, AVX2 or NEON dotprod, picked at run time by kernels/native.py; plain C elsewhere;
+K-quant products of 32 rows and more on AMX tiles where the CPU has them, cpu_qdot_amx.h).
 Every type reads its own GGUF bytes, so a token reads the file's bytes per weight:
 
     type   bytes/w   type   bytes/w   type   bytes/w   type     bytes/w
