@@ -304,7 +304,10 @@ static void attention_item(void *ctx, int64_t item, int worker) {
         const int64_t *slots = task_of(j, task, &t, &g, &n);
         const int64_t lo = n * p / j->parts, hi = n * (p + 1) / j->parts;
         float *part = j->partial + item * G * (D + 2);
-        if (hi <= lo) { /* a context shorter than the parts: nothing here */
+        if (hi <= lo) { /* a context shorter than the parts: nothing here (its output zeroed:
+                         * the combine weighs it 0, and 0 times the malloc'd bytes, if they read
+                         * as NaN, is NaN: a CI run once saw it) */
+            memset(part, 0, sizeof(float) * (size_t)(G * D));
             for (int64_t i = 0; i < G; i++) part[G * D + i] = -INFINITY, part[G * D + G + i] = 0;
             return;
         }
