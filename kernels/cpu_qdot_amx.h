@@ -6,7 +6,8 @@
  * Per unit the codes are multiplied by their sub-block scales into W = code * sc (|W| <= 8127 for
  * every K-quant: Q6_K's 63 * 128 the largest) and W split into two int8 planes,
  * W = lo + 128 hi (lo, hi in [-64, 63]). Two TDPBSSDs a 64-weight slice then give, for 16
- * tokens (the activations' int8 rows, AMX's A layout as they lie) and 16 weight rows,
+ * tokens (the activations' int8 rows: AMX's A layout; qdot_gemm packs them per call so that a
+ * tile's 16 rows are one 1 KB run) and 16 weight rows,
  *     C_lo + 128 C_hi = sum_k x_k code_k sc_s(k)
  * which is the int32 `acc` of kdot (cpu_qdot_simd.h) exactly: the sub-block flushes happen in
  * the weights, not in the accumulators. The offsets (mn, from the unit's 16-sums) and the float
