@@ -58,8 +58,6 @@ static void emu_dpbssd(int c, int a, int b) { /* C[m][n] += sum_k A[m][4k+i] B[k
 static void amx_config(void) {}
 static int amx_ready(void) { return 1; }
 #else
-#include <sys/syscall.h>
-#include <unistd.h>
 #define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
 #define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
 #define TILE_ZERO(t) _tile_zero(t)
@@ -77,10 +75,9 @@ static void amx_config(void) { /* palette 1, eight tiles of 16 rows x 64 bytes *
     _tile_loadconfig(&cfg); /* each call: other code on this thread (a BLAS) may set its own */
 }
 
+int native_cpu_features(void); /* cpu_features.c: bit 32 asks Linux for the tile state */
 static int amx_ok = 0;
-static void amx_permit(void) { /* Linux hands out the tile state per process, on request */
-    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
+static void amx_permit(void) { amx_ok = (native_cpu_features() & 32) != 0; }
 static int amx_ready(void) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, amx_permit);
