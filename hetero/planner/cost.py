@@ -37,6 +37,11 @@ from hetero.planner.device import DeviceProfile
 from hetero.planner.model_desc import ModelDesc, TensorInfo, rate_key, weight_bytes
 
 ACT_BYTES_WIRE = 2  # activations cross stages in bf16/fp16
+# Matrices of a block that the loader joins into one linear where they share a GGUF type
+# (model/llama.py: one QuantLinear of several tensors): q|k|v, gate|up
+FUSED = {
+    "attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gateup", "ffn_up": "gateup",
+}  # fmt: skip
 
 
 def kv_token_bytes(desc: ModelDesc, kv_dtype: str) -> int:
@@ -155,11 +160,41 @@ class DeviceCost:
             return float(e.nbytes)
         return (4.0 if self.dev.is_cpu else 2.0) * e.params
 
-    def linear_seconds(self, t: TensorInfo, tokens: int) -> float:
+    def linear_seconds(self, t: TensorInfo, tokens: int, layer: int = -1) -> float:
         if t.is_expert:
             return self.expert_seconds(t, tokens)
         rate = self.dev.matmul_rate(*rate_key(self.weights, t.ggml_type))
-        return rate.seconds(self._bytes(t), t.params, tokens)
+        run = self._fused_bytes(layer).get(t.name, 0.0) if layer >= 0 else 0.0
+        return rate.seconds(self._bytes(t), t.params, tokens, run)
+
+    def _joined(self, i: int) -> list[list[TensorInfo]]:
+        """Layer i's matrices held here, as the linears the loader makes of them: q|k|v and
+        gate|up joined where they share a GGUF type (FUSED), the others alone."""
+        groups: dict[object, list[TensorInfo]] = {}
+        for t in self.desc.layers[i]:
+            if t.is_matrix and self._here(i, t):
+                joint = FUSED.get(t.name.split(".")[-2])
+                groups.setdefault((joint, t.ggml_type) if joint else t.name, []).append(t)
+        return list(groups.values())
+
+    def joined_parts(self, i: int) -> list[tuple[float, int, int]]:
+        """(bytes, params, rows) of each linear layer i runs."""
+        return [
+            (sum(self._bytes(t) for t in ts), sum(t.params for t in ts),
+             sum(t.shape[0] for t in ts))
+            for ts in self._joined(i)
+        ]  # fmt: skip
+
+    def _fused_bytes(self, i: int) -> dict[str, float]:
+        """Layer i's matrices that run joined with others -> the joined matrix's bytes, whose
+        size sets the rate (cached)."""
+        cache = self.__dict__.setdefault("_fused", {})
+        if i not in cache:
+            cache[i] = {
+                t.name: sum(self._bytes(u) for u in ts)
+                for ts in self._joined(i) if len(ts) > 1 for t in ts
+            }  # fmt: skip
+        return cache[i]
 
     def expert_seconds(self, t: TensorInfo, tokens: int) -> float:
         """The grouped matmul of an expert tensor [E, N, K] over `tokens` tokens, k experts
@@ -187,7 +222,7 @@ class DeviceCost:
         here, crossing = 0.0, 0.0  # the streamed experts: multiplied here, bytes over PCIe
         for t in self.desc.layers[i]:
             if self._here(i, t):
-                total += self.linear_seconds(t, tokens) if t.is_matrix or t.is_expert else 0.0
+                total += self.linear_seconds(t, tokens, i) if t.is_matrix or t.is_expert else 0.0
             elif streamed:
                 here += self.expert_seconds(t, tokens)
                 crossing += host._bytes(t)  # type: ignore[union-attr]

@@ -10,6 +10,7 @@ Units: bytes, seconds, GB/s (1e9 bytes/s), TFLOP/s (1e12 flop/s).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,30 +35,57 @@ class MatmulRate:
     # bandwidth. Empty (datasheet profiles): the roofline above at every T.
     curve: tuple[tuple[int, float], ...] = ()
     prefill_t: int = 0  # the T prefill_tflops was measured at
+    # T = 1 on a second, smaller matrix (a CPU's profile): (its bytes, its GB/s, the bytes of the
+    # matrix decode_gbs and the curve were measured on). A matrix between the two sizes streams at
+    # the GB/s interpolated over log(bytes), beyond them at the nearer one's (on a 16-core host a
+    # 4 MB matrix read half the GB/s of a 30 MB one: the pool's hand-out and join, per-row work).
+    # Empty: decode_gbs at every size.
+    sizes: tuple[float, float, float] | tuple[()] = ()
 
     def __post_init__(self) -> None:  # JSON gives lists back
         object.__setattr__(self, "curve", tuple((int(t), float(g)) for t, g in self.curve))
+        object.__setattr__(self, "sizes", tuple(float(v) for v in self.sizes))
 
-    def seconds(self, weight_bytes: float, params: float, tokens: int) -> float:
-        memory = weight_bytes / (self.decode_gbs * 1e9)
+    def seconds(
+        self, weight_bytes: float, params: float, tokens: int, run_bytes: float = 0.0
+    ) -> float:
+        """run_bytes: the matrix the kernel runs, where weight_bytes are a part of it (q of a
+        fused q|k|v): its size sets the rate (`sizes`)."""
+        slow = self.size_factor(run_bytes or weight_bytes)
+        memory = slow * weight_bytes / (self.decode_gbs * 1e9)
         compute = 2.0 * tokens * params / (self.prefill_tflops * 1e12)
         if not self.curve or tokens <= 1:
             return max(memory, compute)
-        return self._measured(weight_bytes, params, tokens, compute)
+        return self._measured(weight_bytes, params, tokens, compute, slow)
+
+    def size_factor(self, weight_bytes: float) -> float:
+        """How much longer than decode_gbs says a matrix of weight_bytes takes (`sizes`)."""
+        if not self.sizes:
+            return 1.0
+        small, small_gbs, large = self.sizes
+        if weight_bytes >= large or small_gbs <= 0 or large <= small:
+            return 1.0
+        at = max(0.0, math.log(max(weight_bytes, 1.0) / small) / math.log(large / small))
+        gbs = small_gbs * (self.decode_gbs / small_gbs) ** at  # log-linear in bytes
+        return self.decode_gbs / gbs
 
     def scaled(self, memory: float, compute: float) -> MatmulRate:
         """This rate on a share of the device: GB/s times `memory`, TFLOP/s times `compute`."""
         curve = tuple((t, g * memory) for t, g in self.curve)
+        sizes = (self.sizes[0], self.sizes[1] * memory, self.sizes[2]) if self.sizes else ()
         return MatmulRate(
             self.kernel, self.decode_gbs * memory, self.prefill_tflops * compute, curve,
-            self.prefill_t,
+            self.prefill_t, sizes,
         )  # fmt: skip
 
-    def _measured(self, weight_bytes: float, params: float, tokens: int, compute: float) -> float:
+    def _measured(
+        self, weight_bytes: float, params: float, tokens: int, compute: float, slow: float = 1.0
+    ) -> float:
         """Linear in T between measured points: (1, decode), the curve, (prefill_t, prefill);
-        past the last point compute-bound (time grows with T)."""
-        points = [(1, weight_bytes / (self.decode_gbs * 1e9))]
-        points += [(t, weight_bytes / (g * 1e9)) for t, g in self.curve if t > 1]
+        past the last point compute-bound (time grows with T). slow: size_factor, on the
+        memory-bound points."""
+        points = [(1, slow * weight_bytes / (self.decode_gbs * 1e9))]
+        points += [(t, slow * weight_bytes / (g * 1e9)) for t, g in self.curve if t > 1]
         if self.prefill_t > points[-1][0]:
             points.append(
                 (self.prefill_t, 2.0 * self.prefill_t * params / (self.prefill_tflops * 1e12))

@@ -34,7 +34,8 @@ from hetero.profiler.measure import copy_gbs, cpu_matmul_rates, cpu_stream_bytes
 # are (rates per type: Q4_1, Q8_0, Q4_K, Q6_K); 8: qdot on the codebook types too (IQ4_NL, IQ4_XS,
 # MXFP4), which an older profile priced at Q4_1's rate; 9: K-quant prompts on AMX tiles where the
 # CPU has them (kernels/cpu_qdot_amx.h), several times the rate an older profile measured
-CACHE_VERSION = 9
+# 10: CPU rates on a 28672 x 4096 matrix and at T = 1 on a 4096 x 1024 one too (MatmulRate.sizes)
+CACHE_VERSION = 10
 
 
 def cpu_name() -> str:

@@ -2,7 +2,7 @@
 
 Timings are medians of repeated calls after a warm-up; weights rotate over copies larger than
 the caches (as a model's layers stream), so a decode rate is a DRAM/HBM rate, not an L2 one.
-On a CPU the shapes are small so that the whole profile takes seconds.
+On a CPU the shapes are moderate so that the whole profile takes seconds.
 """
 
 from __future__ import annotations
@@ -99,20 +99,26 @@ def linear_rate(
     dtype: torch.dtype,
     prefill_t: int,
     curve_t: tuple[int, ...] = (),
+    small: tuple[list, int, int] | None = None,
 ) -> MatmulRate:
     """Decode GB/s at T = 1 and at each T of curve_t (over the rotated copies: the weights come
-    from DRAM/HBM, as a batched decode step's do) and prefill TFLOP/s at T = prefill_t."""
+    from DRAM/HBM, as a batched decode step's do) and prefill TFLOP/s at T = prefill_t.
+    small: (weights, K, bytes) of a smaller matrix, timed at T = 1 too (MatmulRate.sizes)."""
     n, k = shape
 
-    def gbs(t: int) -> float:
-        x = torch.randn(t, k, device=device, dtype=dtype)
-        calls = replayed(lambda: [call(x, w) for w in weights], device)
-        return weight_bytes / (time_call(calls, device) / len(weights)) / 1e9
+    def gbs(t: int, ws: list = weights, kk: int = k, nbytes: int = weight_bytes) -> float:
+        x = torch.randn(t, kk, device=device, dtype=dtype)
+        calls = replayed(lambda: [call(x, w) for w in ws], device)
+        return nbytes / (time_call(calls, device) / len(ws)) / 1e9
 
     xp = torch.randn(prefill_t, k, device=device, dtype=dtype)
     tp = time_call(lambda: call(xp, weights[0]), device)
     curve = tuple((t, gbs(t)) for t in curve_t)
-    return MatmulRate(kernel, gbs(1), 2 * prefill_t * n * k / tp / 1e12, curve, prefill_t)
+    sizes = ()
+    if small is not None:
+        ws, ks, nbytes = small
+        sizes = (float(nbytes), gbs(1, ws, ks, nbytes), float(weight_bytes))
+    return MatmulRate(kernel, gbs(1), 2 * prefill_t * n * k / tp / 1e12, curve, prefill_t, sizes)
 
 
 CPU_CURVE_T = (4, 16)  # few points: the CPU profile stays quick
@@ -146,45 +152,53 @@ def cpu_stream_bytes(least: int) -> int:
     return max(least, 4 * cpu_cache_bytes())
 
 
-def cpu_matmul_rates(shape=(4096, 1024), rotate_bytes=96 << 20, prefill_t=64) -> dict:
+def cpu_matmul_rates(
+    shape=(28672, 4096), small=(4096, 1024), rotate_bytes=256 << 20, prefill_t=64
+) -> dict:
     """qdot (where it builds), fp16 (fbgemm repack) and dense fp32: the modes a CPU stage runs.
     qdot reads each GGUF type's own blocks, whose unpacking costs differ: it is timed on Q4_1
     (the default model's) as "qdot", and as "qdot:<type>" on each of QDOT_TYPES the kernel
     table has; the cost model asks for a tensor's own type first (model_desc.rate_key,
     DeviceProfile.matmul_rate). Weights rotate through copies larger than the last-level
-    cache."""
+    cache. Each mode is timed on `shape` (its rates) and at T = 1 on `small` too
+    (MatmulRate.sizes). `shape` is an 8B's joined gate|up: on the 16-core host of the GPU
+    machine the qdot kernel read Q4_K at 43, 61 and 83 GB/s at T = 1 on 4096 x 1024, 8192 x
+    4096 and 28672 x 4096 (Q6_K 66, 86, 106), and a plan priced from the first alone put a
+    split's CPU layers at 2x their measured time."""
     from gguf import GGMLQuantizationType
 
     cpu, f32 = torch.device("cpu"), int(GGMLQuantizationType.F32)
     rotate_bytes = cpu_stream_bytes(rotate_bytes)
-    w = torch.randn(shape) * 0.02
 
-    def blocks(name: str) -> tuple[torch.Tensor, int]:
-        size = get_quant(name).block_size
-        raw = random_blocks(name, w.numel() // size, np.random.default_rng(0))
-        return torch.from_numpy(raw).reshape(shape[0], -1), int(GGMLQuantizationType[name])
+    def sources(shp: tuple[int, int]) -> dict[str, tuple[torch.Tensor, int]]:
+        w = torch.randn(shp) * 0.02
 
+        def blocks(name: str) -> tuple[torch.Tensor, int]:
+            size = get_quant(name).block_size
+            raw = random_blocks(name, w.numel() // size, np.random.default_rng(0))
+            return torch.from_numpy(raw).reshape(shp[0], -1), int(GGMLQuantizationType[name])
+
+        out = {"qdot": blocks("Q4_1")}
+        out |= {f"qdot:{t}": blocks(t) for t in QDOT_TYPES if cpu_scheme(t) == "qdot"}
+        return out | {"fp16": (w, f32), "dense": (w, f32)}
+
+    large, little = sources(shape), sources(small)
+    schemes = {"qdot": ("qdot", "cpu-qdot"), "fp16": ("fp16", "fbgemm-fp16"),
+               "dense": ("fp32", "torch")}  # fmt: skip
     rates = {}
-    modes = (
-        ("qdot", "qdot", "cpu-qdot", blocks("Q4_1")),
-        *(
-            (f"qdot:{t}", "qdot", "cpu-qdot", blocks(t))
-            for t in QDOT_TYPES
-            if cpu_scheme(t) == "qdot"
-        ),
-        ("fp16", "fp16", "fbgemm-fp16", (w, f32)),
-        ("dense", "fp32", "torch", (w, f32)),
-    )
-    for mode, scheme, kernel, (src, qtype) in modes:
+    for mode in large:
+        scheme, kernel = schemes[mode.split(":")[0]]
         if scheme not in available_schemes():
             continue
-        packs = _rotation(
-            lambda s=scheme, a=src, q=qtype: pack_linear(a, q, shape, s), lambda p: p.nbytes,
-            rotate_bytes,
-        )  # fmt: skip
+
+        def packs(shp: tuple[int, int], src: tuple[torch.Tensor, int], s: str = scheme) -> list:
+            make = lambda: pack_linear(src[0], src[1], shp, s)  # noqa: E731
+            return _rotation(make, lambda p: p.nbytes, rotate_bytes)
+
+        few, many = packs(small, little[mode]), packs(shape, large[mode])
         rates[mode] = linear_rate(
-            kernel, packs, packed_linear, shape, packs[0].nbytes, cpu, torch.float32, prefill_t,
-            CPU_CURVE_T,
+            kernel, many, packed_linear, shape, many[0].nbytes, cpu, torch.float32, prefill_t,
+            CPU_CURVE_T, small=(few, small[1], few[0].nbytes),
         )  # fmt: skip
     return rates
 

@@ -33,6 +33,22 @@ def test_matmul_time_follows_the_measured_curve():
     assert flat.seconds(nbytes, params, 4) == pytest.approx(max(1e-5, 8 * params / 1e12))
 
 
+def test_a_matrix_streams_at_the_rate_measured_nearest_its_size():
+    # 100 GB/s measured on a 32 MB matrix, 50 at T = 1 on a 4 MB one (a CPU's profile)
+    r = MatmulRate("k", 100.0, 1.0, ((4, 50.0),), 64, (4e6, 50.0, 32e6))
+    assert r.seconds(64e6, 1e6, 1) == pytest.approx(64e6 / 100e9)  # larger: the main rate
+    assert r.seconds(2e6, 1e6, 1) == pytest.approx(2e6 / 50e9)  # smaller: the small one's
+    mid = 4e6 * 8**0.5  # halfway in log(bytes): the geometric mean of the two rates
+    assert r.seconds(mid, 1e6, 1) == pytest.approx(mid / (50e9 * 2**0.5))
+    # the curve's batched points slow down by the same factor; the prefill point does not
+    assert r.seconds(2e6, 1e6, 4) == pytest.approx(2 * 2e6 / 50e9)
+    assert r.seconds(2e6, 1e6, 128) == pytest.approx(2 * 128 * 1e6 / 1e12)
+    # a share of the device scales the small matrix's rate too, and JSON brings it back
+    assert r.scaled(0.5, 1.0).seconds(2e6, 1e6, 1) == pytest.approx(2 * 2e6 / 50e9)
+    cpu = gpu(id="cpu", kind="cpu", matmul={"qdot": r}, compute_capability="")
+    assert DeviceProfile.from_dict(cpu.to_dict()).matmul["qdot"] == r
+
+
 def gpu(**over) -> DeviceProfile:
     """A made-up H200-like card: prefill of 128 tokens of an 8B model is ~5 ms of matmuls."""
     fast = MatmulRate("k", 2000.0, 400.0, ((4, 1000.0),), 2048)
@@ -163,3 +179,18 @@ def test_gpus_and_their_shares_take_the_hosts_hop_from_the_cpu_profile():
     gpus = [gpu(id="cuda:0").replace(pipeline_hop_s=0.0)]
     assert host_hop_s(gpus + [cpu]) == 1.7e-3
     assert host_hop_s(gpus) == 0.0  # no CPU profiled: nothing measured the hand-off
+
+
+def test_a_part_of_a_joined_matrix_streams_at_the_joined_matrix_rate(llama8b):
+    # a rate that is 2x slower below 100 MB: the 8B's gate and up (33 MB each) run joined (66 MB)
+    cpu = gpu(
+        id="cpu", kind="cpu", compute_capability="",
+        matmul={"qdot": MatmulRate("k", 100.0, 1.0, (), 0, (10e6, 50.0, 100e6))},
+    )  # fmt: skip
+    c = DeviceCost(llama8b, cpu, "qdot", "fp16")
+    gate = next(t for t in llama8b.layers[0] if t.name.endswith("ffn_gate.weight"))
+    nbytes = c._bytes(gate)
+    alone = cpu.matmul["qdot"].seconds(nbytes, gate.params, 1)
+    joined = c.linear_seconds(gate, 1, 0)
+    assert joined < alone
+    assert joined == pytest.approx(cpu.matmul["qdot"].seconds(nbytes, gate.params, 1, 2 * nbytes))
