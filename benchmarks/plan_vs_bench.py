@@ -14,12 +14,14 @@ the plan's weights mode, KV dtype and KV blocks on C requests arriving together 
     TTFT                      plan: ttft_burst_s (C prompts at once); bench: mean TTFT
 
 A one-stage plan runs in this process (a GPU share `cuda:0@70%:32GB` in a child process started
-with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and the memory cap; an MPS daemon must be running). A plan
-of several stages runs through the pipeline engine (`hetero bench --plan` does the same): each
-stage process gets its layers, KV blocks, weights mode and MPS percentage from the plan. So an
-MPS pair is `--devices cuda:0@70%:32GB,cuda:0@30%:24GB --use-all-devices`, and a VRAM-capped
-GPU + CPU split is `--devices cuda:0@100%:4GB,cpu` (the cap is planned for; the stages keep to
-the plan's layers and KV blocks).
+with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and the memory cap; an MPS daemon must be running). One GPU
+and the CPU are planned, as hetero-serve plans them by itself, to run in one process: the GPU's
+first layers (-ngl), its KV blocks and memory cap the plan's, its prompt steps streaming the CPU
+layers' weights to the GPU. So a VRAM-capped GPU + CPU split is `--devices
+cuda:0@100%:5GB,cpu`. Other plans of several stages run through the pipeline engine (`hetero
+bench --plan` does the same): each stage process gets its layers, KV blocks, weights mode and
+MPS percentage from the plan, e.g. an MPS pair `--devices cuda:0@70%:32GB,cuda:0@30%:24GB
+--use-all-devices`.
 
 Warm-up runs the measured shapes once (graph buckets, kernel compilation, allocator); then
 --rounds x C requests are measured, C at a time.
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 
-from hetero.cli_plan import plan_config
+from hetero.cli_plan import in_one_process, plan_config
 from hetero.planner.model_desc import describe
 from hetero.planner.plan import Plan, plan
 from hetero.planner.resolve import resolve_devices
@@ -69,16 +71,32 @@ def _one_stage_engine(model: str, p: Plan, eager: bool, threads: int = 0):
 
 
 def _pipeline_engine(model: str, plan_file: str, p: Plan, threads: int = 0):
-    """The pipeline engine over the plan's stages (each stage's KV dtype, blocks and weights
-    come from the plan file)."""
+    """The engine the plan file gives `hetero-serve --plan`: pipeline stages (each stage's KV
+    dtype, blocks and weights from the file), or for a plan made to run in one process (a GPU
+    and the CPU, as hetero-serve plans by itself) one process with the GPU's first layers
+    (-ngl), its KV blocks and memory cap those of the plan's GPU stage."""
+    import torch
+
     from hetero.config import PipelineConfig, RuntimeConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
     from hetero.factory import LaunchConfig
     from hetero.launch import build_engine
 
+    blocks = None
+    gpus = [s for s in p.stages if not s.base_device.startswith("cpu")]
+    if p.in_process and gpus:
+        gpu = gpus[0]
+        blocks = gpu.num_kv_blocks
+        if is_share(gpu.device) and parse_share(gpu.device).memory_cap:
+            dev = torch.device(gpu.base_device)
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                parse_share(gpu.device).memory_cap / total, dev
+            )
     cfg = EngineConfig(
         enable_prefix_caching=False,
         speculative="off",  # the cost model prices plain decode steps
+        num_kv_blocks=blocks,
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
     )
     rt = RuntimeConfig(device=p.stages[0].base_device or "cpu", threads=threads)
@@ -192,6 +210,7 @@ def main() -> None:
             weights=args.weights,
             max_num_seqs=c,  # the engine's graph buckets end at C, as the bench's scheduler's
             enforce_eager=args.enforce_eager,
+            in_process=in_one_process(devices),  # as hetero-serve plans: one GPU + the CPU
         )
         p = plan(desc, devices, cfg)
         one_share = len(p.stages) == 1 and is_share(p.stages[0].device)

@@ -35,9 +35,12 @@ def test_a_one_process_plan_becomes_the_runtime_split():
     rt = _running(LaunchConfig(), p, "test").runtime
     assert rt.device == "cuda:0" and rt.n_gpu_layers == p.stages[0].n_layers
     assert rt.weights_for("cuda:0") == "quant" and rt.weights_for("cpu") == "qdot"
-    # one process: no hand-off priced, prompt steps' CPU matmuls on the GPU (faster TTFT)
+    # one process: no hand-off priced, prompt steps' CPU matmuls on the GPU (faster TTFT), for
+    # which the GPU keeps room (their staging and bf16 scratch: a layer or two fewer there)
     piped = plan(describe("synth:llama3.1-70b:q4_k_m"), [gpu, cpu], PlanConfig())
-    assert p.ttft_s < piped.ttft_s and p.single_stream_tok_s >= piped.single_stream_tok_s
+    assert p.ttft_s < piped.ttft_s
+    assert p.stages[0].activation_bytes > piped.stages[0].activation_bytes
+    assert p.stages[0].n_layers <= piped.stages[0].n_layers
 
 
 def test_a_saved_cpu_plan_runs_in_this_process(tiny, tmp_path):

@@ -276,6 +276,7 @@ def _stage(setup: Setup, i: int, a: int, b: int, m: int) -> StagePlan:
             c.activation_bytes(
                 cfg.engine.scheduler.max_num_batched_tokens, cfg.engine.scheduler.max_num_seqs, last
             )
+            + setup.offload_scratch(i, b)
         ),
         memory_budget=int(setup.budgets[i]),
         kv_room_blocks=room,

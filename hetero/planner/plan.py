@@ -102,7 +102,7 @@ class StagePlan:
     has_head: bool = False
     weight_bytes: int = 0
     kv_bytes: int = 0
-    activation_bytes: int = 0
+    activation_bytes: int = 0  # activations, and in one process the CPU prompt matmuls' scratch
     memory_budget: int = 0  # usable bytes after the safety margin
     kv_room_blocks: int = 0  # blocks this device alone could hold (the pool is the stages' min)
     weights_reason: str = ""  # why this weights mode: asked, fastest that fits, or most compact

@@ -59,7 +59,32 @@ class Setup:
             self.config.engine.scheduler.max_num_seqs,
             last,
         )
-        return c.weights_bytes(a, b, a == 0, last) + act
+        return c.weights_bytes(a, b, a == 0, last) + act + self.offload_scratch(i, b)
+
+    def offload_scratch(self, i: int, b: int) -> float:
+        """GPU bytes device i needs, in one process, for prompt steps that run the CPU's layers
+        [b, n) there (execution/offload.py): two staging buffers of the largest streamed part
+        (a run of one GGUF type of a joined matrix, in the CPU's packing), its GGUF blocks and
+        the GPU kernel's repack of them, the part dequantized to bf16 (a prompt-sized T runs
+        dequantize + cuBLAS) and its [T, N] output. 0 where nothing streams to it."""
+        cfg, n = self.config, self.desc.n_layers
+        if not (cfg.in_process and cfg.offload_min_tokens) or b >= n:
+            return 0.0
+        if self.costs[i].dev.is_cpu:
+            return 0.0
+        cpu = next((c for c in self.costs if c.dev.is_cpu), None)
+        if cpu is None or cpu.weights != "qdot":
+            return 0.0
+        parts = [
+            (nbytes, params, rows)
+            for layer in range(b, n)
+            for nbytes, params, rows in cpu.joined_parts(layer)
+        ]
+        if not parts:
+            return 0.0
+        most = max(p[0] for p in parts)
+        tokens = cfg.engine.scheduler.max_num_batched_tokens
+        return 4 * most + 2 * max(p[1] for p in parts) + 2 * tokens * max(p[2] for p in parts)
 
     def fits(self, i: int, a: int, b: int) -> bool:
         return self.base_bytes(i, a, b) + self.kv_need(i, a, b) <= self.budgets[i]

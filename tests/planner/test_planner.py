@@ -299,3 +299,22 @@ def test_equal_cards_fill_in_order_and_cpu_only_plans_say_nothing_of_gpus(llama8
     assert len(p.stages) == 2 and not any("GPUs" in n for n in p.notes)
     spill = plan(llama8b, [gpu("cuda:0", 1000, 4), cpu()], PlanConfig())
     assert spill.stages[-1].device == "cpu" and any("GPUs cannot hold" in n for n in spill.notes)
+
+
+def test_in_one_process_the_gpu_keeps_room_for_the_streamed_prompt_matmuls(llama8b):
+    """A CPU layer's prompt matmuls run on the GPU in one process (execution/offload.py): the
+    GPU holds two staging buffers of the largest streamed part (the 8B's gate|up, 66 MB in qdot
+    blocks), its blocks, their repack and the part in bf16 (117M weights) beside its layers."""
+    host = dataclasses.replace(cpu(), matmul={**cpu().matmul, "qdot": MatmulRate("q", 50.0, 1.0)})
+    card = gpu("cuda:0", 1000, 4)
+    apart = plan(llama8b, [card, host], PlanConfig(context=2048))
+    one = plan(llama8b, [card, host], PlanConfig(context=2048, in_process=True))
+    off = plan(llama8b, [card, host], PlanConfig(context=2048, in_process=True,
+                                                 offload_min_tokens=0))  # fmt: skip
+    assert [s.device for s in one.stages] == ["cuda:0", "cpu"] and one.stages[1].weights == "qdot"
+    gate_up = 2 * 14336 * 4096
+    scratch = one.stages[0].activation_bytes - off.stages[0].activation_bytes
+    assert scratch >= 4 * gate_up * 144 / 256 + 2 * gate_up
+    assert apart.stages[0].activation_bytes == off.stages[0].activation_bytes
+    assert one.stages[0].layer_end < off.stages[0].layer_end  # the room comes from its layers
+    assert one.stages[1].activation_bytes == off.stages[1].activation_bytes  # the CPU's own
