@@ -255,7 +255,7 @@ class DeviceCost:
         tokens (a prefill step is eager: its host overheads are step_seconds')."""
         cfg, d = self.desc.config, self.dev
         flops = 4.0 * n * (cached + n / 2) * cfg.n_heads * cfg.head_dim / max(seqs, 1)
-        attn = flops / (d.bf16_tflops * 1e12)
+        attn = flops / ((d.attn_tflops or d.bf16_tflops) * 1e12)
         return [attn + self._layer_matmuls(i, n) for i in range(self.desc.n_layers)]
 
     def head_seconds(self, tokens: int) -> float:

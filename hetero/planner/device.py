@@ -127,6 +127,9 @@ class DeviceProfile:
     bf16_tflops: float  # dense matmul rate at the device's activation dtype
     matmul: dict[str, MatmulRate]
     attn_gbs: float
+    # The prompt's attention, TFLOP/s (4 n (c + n / 2) H D a layer over its time; CPU profiles
+    # time the paged attention op): 0 prices it at bf16_tflops (GPUs, datasheets)
+    attn_tflops: float = 0.0
     h2d_gbs: float = 0.0
     d2h_gbs: float = 0.0
     link_latency_s: float = 0.0

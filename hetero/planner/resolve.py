@@ -168,6 +168,7 @@ def shared_by(p: DeviceProfile, k: int) -> DeviceProfile:
         memory_cap=p.memory_cap // k,
         mem_bw_gbs=p.mem_bw_gbs * f,
         bf16_tflops=p.bf16_tflops * f,
+        attn_tflops=p.attn_tflops * f,
         attn_gbs=p.attn_gbs * f,
         matmul=matmul,
     )

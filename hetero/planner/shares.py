@@ -84,6 +84,7 @@ def derive_share(base: DeviceProfile, share: Share) -> DeviceProfile:
         name=f"{base.name} ({share.fraction:.0%} of SMs)",
         mem_bw_gbs=base.mem_bw_gbs * bw,
         bf16_tflops=base.bf16_tflops * fl,
+        attn_tflops=base.attn_tflops * fl,
         matmul=matmul,
         attn_gbs=base.attn_gbs * bw,
         sm_share=share.fraction,

@@ -26,7 +26,13 @@ from hetero.kernels import ops, select
 from hetero.planner.device import DeviceProfile, LiveDevice
 from hetero.profiler.calibrate import calibrate
 from hetero.profiler.gpu import measure_gpu, nvml_gpus
-from hetero.profiler.measure import copy_gbs, cpu_matmul_rates, cpu_stream_bytes, matmul_tflops
+from hetero.profiler.measure import (
+    copy_gbs,
+    cpu_matmul_rates,
+    cpu_prefill_attention_tflops,
+    cpu_stream_bytes,
+    matmul_tflops,
+)
 
 # 2: matmul curves over T, eager overheads; 3: CPU qdot rates, GPU decode rates from graph replays;
 # 4: a sequence's overhead once a step apart from its per-layer one; 5: CPU rates streamed past the
@@ -35,6 +41,7 @@ from hetero.profiler.measure import copy_gbs, cpu_matmul_rates, cpu_stream_bytes
 # MXFP4), which an older profile priced at Q4_1's rate; 9: K-quant prompts on AMX tiles where the
 # CPU has them (kernels/cpu_qdot_amx.h), several times the rate an older profile measured
 # 10: CPU rates on a 28672 x 4096 matrix and at T = 1 on a 4096 x 1024 one too (MatmulRate.sizes)
+# and the CPU's prompt attention timed on its own (DeviceProfile.attn_tflops)
 CACHE_VERSION = 10
 
 
@@ -96,7 +103,7 @@ def measure_cpu(live: LiveDevice, bar: tqdm) -> DeviceProfile:
         matmul=rates,
         fp8_kv=False,  # no e4m3 hardware: "auto" KV is fp16 here, as the engine picks
         kernels={op: select(op, cpu).name for op in ops()},
-    )
+    ).replace(attn_tflops=cpu_prefill_attention_tflops())
     return _calibrated(prof, "cpu", "fp16", bar)
 
 

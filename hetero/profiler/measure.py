@@ -203,6 +203,27 @@ def cpu_matmul_rates(
     return rates
 
 
+def cpu_prefill_attention_tflops(n: int = 512, heads: tuple[int, int] = (32, 8), d: int = 128):
+    """TFLOP/s of the CPU's paged attention (the op the registry picks) over a prompt of n
+    tokens, causal, in an fp16 cache (the CPU's KV): an 8B's heads. The cost model's prefill
+    attention flops, 4 n (n / 2) H D a layer, over its time. The matmul rate stood in before:
+    on the 2-core development machine this attention ran at 73 GFLOP/s where an fp32 matmul
+    runs at ~160, and a split's CPU layers, whose prompt matmuls stream to the GPU, are mostly
+    this attention."""
+    from hetero.execution.runner import PagedMeta
+
+    h, kv = heads
+    cpu = torch.device("cpu")
+    attend = select("paged_attention", cpu).fn
+    g = torch.Generator().manual_seed(0)
+    k = (torch.randn(n, kv, d, generator=g)).to(torch.float16)
+    v = (torch.randn(n, kv, d, generator=g)).to(torch.float16)
+    q = torch.randn(n, h, d, generator=g)
+    meta = PagedMeta([0], [n], [torch.arange(n)])
+    sec = time_call(lambda: attend(q, k, v, None, None, meta, d**-0.5), cpu)
+    return 4.0 * n * (n / 2) * h * d / sec / 1e12
+
+
 def gpu_matmul_rates(
     device: torch.device,
     types: list[str],

@@ -194,3 +194,12 @@ def test_a_part_of_a_joined_matrix_streams_at_the_joined_matrix_rate(llama8b):
     joined = c.linear_seconds(gate, 1, 0)
     assert joined < alone
     assert joined == pytest.approx(cpu.matmul["qdot"].seconds(nbytes, gate.params, 1, 2 * nbytes))
+
+
+def test_prompt_attention_runs_at_its_own_rate_where_measured(llama8b):
+    n, h, dd = 512, llama8b.config.n_heads, llama8b.config.head_dim
+    flops = 4.0 * n * (n / 2) * h * dd
+    plain, timed = gpu(), gpu(attn_tflops=50.0)  # bf16_tflops 500
+    layer = DeviceCost(llama8b, plain, "quant", "fp8").prefill_layer_seconds(n, 0)[0]
+    slower = DeviceCost(llama8b, timed, "quant", "fp8").prefill_layer_seconds(n, 0)[0]
+    assert slower - layer == pytest.approx(flops / 50e12 - flops / 500e12)

@@ -175,6 +175,7 @@ def test_cpu_profile_measures_for_real_and_is_cached(cache_home, monkeypatch):
     cpu = first[-1]
     assert cpu.id == "cpu" and cpu.source == "measured"
     assert cpu.mem_bw_gbs > 0 and cpu.bf16_tflops > 0 and cpu.attn_gbs > 0
+    assert cpu.attn_tflops > 0  # the prompt's attention, timed on its own
     assert {"fp16", "dense"} <= set(cpu.matmul) and cpu.matmul["fp16"].decode_gbs > 0
     assert cpu.step_overhead_s >= 0 and cpu.layer_overhead_s >= 0
     # a prefill step's host time: a 16-token prompt's first token on a tiny model is not free
