@@ -72,19 +72,29 @@ class Setup:
             return 0.0
         if self.costs[i].dev.is_cpu:
             return 0.0
+        largest = self._streamed_parts[b]
+        if largest is None:
+            return 0.0
+        nbytes, params, rows = largest
+        return 4 * nbytes + 2 * params + 2 * cfg.engine.scheduler.max_num_batched_tokens * rows
+
+    @cached_property
+    def _streamed_parts(self) -> list[tuple[float, int, int] | None]:
+        """For each first CPU layer b: the largest (bytes, params, rows) of the linears of the
+        layers [b, n) in the CPU's qdot packing (None: no CPU in qdot mode, or no layer)."""
         cpu = next((c for c in self.costs if c.dev.is_cpu), None)
+        n = self.desc.n_layers
+        out: list[tuple[float, int, int] | None] = [None] * (n + 1)
         if cpu is None or cpu.weights != "qdot":
-            return 0.0
-        parts = [
-            (nbytes, params, rows)
-            for layer in range(b, n)
-            for nbytes, params, rows in cpu.joined_parts(layer)
-        ]
-        if not parts:
-            return 0.0
-        most = max(p[0] for p in parts)
-        tokens = cfg.engine.scheduler.max_num_batched_tokens
-        return 4 * most + 2 * max(p[1] for p in parts) + 2 * tokens * max(p[2] for p in parts)
+            return out
+        for b in range(n - 1, -1, -1):
+            parts = cpu.joined_parts(b)
+            after = out[b + 1]
+            if after is not None:
+                parts.append(after)
+            if parts:
+                out[b] = tuple(max(p[k] for p in parts) for k in range(3))  # type: ignore[assignment]
+        return out
 
     def fits(self, i: int, a: int, b: int) -> bool:
         return self.base_bytes(i, a, b) + self.kv_need(i, a, b) <= self.budgets[i]
