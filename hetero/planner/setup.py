@@ -27,6 +27,25 @@ from hetero.planner.plan import PlanConfig
 from hetero.planner.shares import bandwidth_fraction, is_share, parse_share
 
 
+def crossing(layer) -> tuple[int, int]:
+    """(values a token sends to the GPU, values it brings back) when a CPU layer's matmuls run on
+    the GPU (execution/offload.py): q|k|v is one linear (its input once, its outputs), o its own,
+    and a feed-forward runs whole there (its input and output only); other matrices each."""
+    sent = back = 0
+    mats = [t for t in layer if t.is_matrix]
+    roles = {t.name.split(".")[-2]: t for t in mats}
+    qkv = [t for t in mats if t.name.split(".")[-2] in ("attn_q", "attn_k", "attn_v")]
+    if qkv:
+        sent, back = qkv[0].shape[1], sum(t.shape[0] for t in qkv)
+    ffn = [roles.get(r) for r in ("ffn_gate", "ffn_up", "ffn_down")]
+    if all(ffn):
+        sent, back = sent + ffn[0].shape[1], back + ffn[2].shape[0]  # type: ignore[union-attr]
+    for t in mats:
+        if t not in qkv and (t not in ffn or not all(ffn)):
+            sent, back = sent + t.shape[1], back + t.shape[0]
+    return sent, back
+
+
 @dataclass
 class Setup:
     """One attempt: the devices taking part and their costs."""
@@ -166,8 +185,15 @@ class Setup:
         attn = cpu.prefill_layer_seconds(n, cached, rows)[layer] - cpu._layer_matmuls(layer, n)
         h2d = gpu.dev.h2d_gbs or gpu.dev.link_gbs(cpu.dev)
         stream = cpu.weights_bytes(layer, layer + 1, False, False) / (h2d * 1e9)
-        matmuls = [t for t in self.desc.layers[layer] if t.is_matrix]
-        acts = sum(n * (t.shape[0] + t.shape[1]) for t in matmuls) * 4 / (h2d * 1e9)
+        sent, back = crossing(self.desc.layers[layer])
+        acts = (
+            4
+            * n
+            * (  # float32 rows from and to ordinary (pageable) host memory
+                sent / ((gpu.dev.h2d_paged_gbs or h2d) * 1e9)
+                + back / ((gpu.dev.d2h_paged_gbs or gpu.dev.d2h_gbs or h2d) * 1e9)
+            )
+        )
         return attn + max(stream, gpu._layer_matmuls(layer, n)) + acts
 
     def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
