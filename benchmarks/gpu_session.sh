@@ -22,6 +22,8 @@
 #   alt      the split's and the CPU's single-stream rows, hetero and the peer alternated,
 #            ROUNDS times (2): the host's speed drifts within a lease, a pair shares it
 #   profile  `hetero profile --refresh`: the planner's device profiles, cached for what follows
+#   planrow  issue 20's planner row: plan_vs_bench on a 5 GB-capped GPU + the CPU in one process
+#            (prompts of 512 and 128), then the split's 512-token prompt step under cProfile
 #   moe      llama-bench on the MoE files (hetero synth: Qwen3-30B-A3B Q4_K_M, gpt-oss-20b
 #            MXFP4): all on the GPU (decode 1 stream, prompt 512; llama-batched-bench at 32
 #            streams), experts in RAM (-ncmoe 99, 16 threads), gpt-oss decode
@@ -101,7 +103,7 @@ if has setup; then
   # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
   has peer || has gpu || has split || has cpu || has gemv || has diag || has probe || has quick \
-    || has alt \
+    || has alt || has planrow \
     && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m"
   has peer || has gpu || has gemv \
@@ -323,6 +325,21 @@ fi
 if has profile; then  # the planner's device profiles (cached for the calls that follow)
   stage profile 200 "$PY" -m hetero.cli profile --refresh
   tail -12 "$OUT/profile.log"
+fi
+
+if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in one process, as
+  # hetero-serve plans it, predicted against measured (a fresh profile first: `profile` stage);
+  # then where an offloaded CPU layer's prompt time goes
+  for len in 512 128; do
+    stage planrow_$len 300 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
+      --devices cuda:0@100%:5GB,cpu -c 1 --input-len $len --output-len 32 --rounds 2 \
+      --json "$OUT/planrow_$len.json"
+    grep -E "^c=" "$OUT/planrow_$len.log" || tail -5 "$OUT/planrow_$len.log"
+  done
+  ngl=$("$PY" -c "import json; print(json.load(open('$OUT/planrow_512.json'))[0]['plan']['stages'][0]['layer_end'])" 2>/dev/null || echo 21)
+  stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
+    --threads 16 -c 1 --steps 2 --input-len 512 --profile 30
+  grep -vE "^\s*$" "$OUT/planrow_prompt.log" | head -45
 fi
 
 if has probe; then  # where a step's time goes: the CPU's decode at 16 threads, the GPU's dense
