@@ -44,6 +44,26 @@ def profiled(top: int, what: str, sorts: tuple[str, ...] = ("tottime",)):
             click.echo("\n".join(line[:150] for line in out.getvalue().splitlines()[6:]))
 
 
+@contextlib.contextmanager
+def torch_ops(top: int):
+    """torch.profiler around the block when top > 0: the `top` ops by total CPU time (and their
+    CUDA time where a GPU ran), printed after it."""
+    if not top:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        yield
+    averages = prof.key_averages()
+    sorts = ["cpu_time_total"] + (["cuda_time_total"] if torch.cuda.is_available() else [])
+    for key in sorts:
+        click.echo(f"-- torch ops: prefill, by {key}")
+        click.echo(averages.table(sort_by=key, row_limit=top, max_name_column_width=50))
+
+
 @click.command()
 @click.pass_context
 @click.argument("model", required=False)
@@ -52,8 +72,19 @@ def profiled(top: int, what: str, sorts: tuple[str, ...] = ("tottime",)):
 @click.option("--steps", type=click.IntRange(1), default=20, show_default=True)
 @click.option("--profile", type=click.IntRange(0), default=0, help="print the N functions of "
               "most own time (cProfile) of the prefill and of the decode steps")  # fmt: skip
+@click.option("--warm-prefill/--no-warm-prefill", default=False, help="run (and drop) two "
+              "prefills of the same shape first, so the timed one finds kernels compiled and "
+              "buffers made")  # fmt: skip
+@click.option(
+    "--ops",
+    type=click.IntRange(0),
+    default=0,
+    help="print the N torch ops of most "
+    "time in the prefill (torch.profiler: CPU time, and CUDA time where a GPU runs)",
+)
 @engine_options
-def main(ctx, model, concurrency, input_len, steps, profile, **options) -> None:
+def main(ctx, model, concurrency, input_len, steps, profile, warm_prefill, ops,
+         **options) -> None:  # fmt: skip
     from hetero.bench import make_prompts
     from hetero.factory import LaunchConfig
     from hetero.kernels import cpu_block, cpu_qdot, native
@@ -88,12 +119,22 @@ def main(ctx, model, concurrency, input_len, steps, profile, **options) -> None:
     if ctx.get_parameter_source("speculative") != ParameterSource.COMMANDLINE:
         options["speculative"] = "off"  # a plain decode step (n-gram guesses change its rows)
     engine = build_engine(str(resolve_model(model)), LaunchConfig.from_options(**options))
-    prompts = make_prompts(engine, "random", concurrency, input_len, 0)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for seed in (1, 2) if warm_prefill else ():
+        warm = make_prompts(engine, "random", concurrency, input_len, seed)
+        for i, p in enumerate(warm):
+            engine.add_request(f"w{seed}.{i}", p, params)
+        t0 = time.perf_counter()
+        engine.step()
+        click.echo(f"warm-up prefill {seed} (not profiled): {time.perf_counter() - t0:.3f} s")
+        for i in range(len(warm)):
+            engine.abort(f"w{seed}.{i}")
+        spent.clear()
+    prompts = make_prompts(engine, "random", concurrency, input_len, 0)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     t0 = time.perf_counter()
-    with profiled(profile, "prefill"):
+    with profiled(profile, "prefill"), torch_ops(ops):
         engine.step()
     click.echo(f"prefill of {concurrency} x {input_len} tokens: {time.perf_counter() - t0:.3f} s")
     report(spent, 1, "prefill")

@@ -338,7 +338,7 @@ if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in o
   done
   ngl=$("$PY" -c "import json; print(json.load(open('$OUT/planrow_512.json'))[0]['plan']['stages'][0]['layer_end'])" 2>/dev/null || echo 21)
   stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
-    --threads 16 -c 1 --steps 2 --input-len 512 --profile 30
+    --threads 16 -c 1 --steps 2 --input-len 512 --profile 30 --warm-prefill --ops 40
   grep -vE "^\s*$" "$OUT/planrow_prompt.log" | head -45
 fi
 
