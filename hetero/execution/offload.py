@@ -8,8 +8,13 @@ in a step of at least `min_tokens` tokens each matmul of the CPU segment's layer
 GPU (attention, norms and the KV stay on the CPU):
 
     W (pinned RAM, the CPU kernels' own bytes) --H2D, copy stream--> staging[i % 2]
-        --> GGUF blocks (the packing undone) --> the GPU kernel's layout (prepare_weight)
-        --> qlinear(x on the GPU) --> y back to the CPU
+        --> W's rows in bf16, a slab at a time (kernels/triton_qdot_dequant: one launch
+            reads the staged packing as it is) --> cuBLAS (x on the GPU) --> y back to the CPU
+
+Types that kernel does not decode (Q2_K, Q3_K, the codebook types) go the general way: the
+staged bytes turned back into GGUF blocks, repacked into the GPU kernels' layout
+(prepare_weight) and multiplied by qlinear, some twenty passes over the weight and three copies
+of it in GPU memory (`scratch_bytes` prices both for the planner).
 
 A feed-forward runs whole there (gate|up, SiLU-and-mul, down: `feed_forward`), so only its
 input and output cross PCIe.
@@ -30,8 +35,31 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from hetero.kernels import cpu_qdot, select
+from hetero.kernels import triton_qdot_dequant as tqd
 from hetero.kernels.registry import prepare_weight
+from hetero.kernels.triton_qmatmul import triton_supported
 from hetero.model.layers import QuantLinear
+
+# weights a dequantized slab holds at most (64 MB in bf16): a prompt-sized product runs slab by
+# slab through cuBLAS, each slab's GEMM still [T, K] x [K, >= 2048 rows] for K <= 16384
+SLAB_ELEMENTS = 1 << 25
+
+
+def rows_kernel_reads(ggml_type) -> bool:
+    """Whether a streamed part of this type is dequantized straight from the staged packing."""
+    return tqd.supports(ggml_type)
+
+
+def scratch_bytes(ggml_type, nbytes: float, params: int, rows: int, tokens: int) -> float:
+    """GPU bytes a streamed part (its packed bytes, weights and output rows) needs at a step of
+    `tokens` tokens: the two staging buffers, then either a bf16 slab and the [T, N] output
+    with a slab's [T, rows] product beside it, or (the general way) the GGUF blocks, their
+    repack, the part in bf16 and the output."""
+    out = 2 * tokens * rows
+    if rows_kernel_reads(ggml_type):
+        slab = min(params, SLAB_ELEMENTS)
+        return 2 * nbytes + 2 * slab + out + 2 * tokens * min(rows, slab * rows // max(params, 1))
+    return 4 * nbytes + 2 * params + out
 
 
 class Staging:
@@ -109,6 +137,9 @@ class StreamedMatmuls:
         self.pinned_bytes = sum(self._pin(lin) for lin in streamed)  # pinned on a GPU's host
         most = max(lin.packed_parts[i].weight.packed.nbytes for lin, i in self.order)
         self.staging = Staging(most, self.device)
+        # the staged packing dequantized by one Triton launch a slab (a GPU with Triton), else
+        # the general way; a test may turn it on for the interpreter on the CPU
+        self.rows_kernel = triton_supported(self.device)
         self._on = False
         self.calls = 0  # matmuls run here (tests, benchmarks)
         self.feed_forwards = 0  # of them, feed-forwards run whole here
@@ -209,8 +240,27 @@ class StreamedMatmuls:
         self.staging.stage(self._key(lin, i), [lin.packed_parts[i].weight.packed])
 
     def _matmul(self, xg: torch.Tensor, w: cpu_qdot.QdotWeight, packed, b: int) -> torch.Tensor:
+        if self.rows_kernel and rows_kernel_reads(w.ggml_type):
+            y = self._by_slabs(xg, w, packed)
+            self.staging.release(b)  # the slabs' launches that read it are queued
+            return y
         blocks = cpu_qdot.gguf_bytes(w, packed)  # [N, K / block, type size], on the GPU
         shape = (w.n, w.k)
         qweight = prepare_weight(self.impl, blocks.reshape(w.n, -1), int(w.ggml_type), shape)
         self.staging.release(b)  # the staged bytes are read
         return self.impl.fn(xg, qweight, int(w.ggml_type), shape)
+
+    @staticmethod
+    def _by_slabs(xg: torch.Tensor, w: cpu_qdot.QdotWeight, packed) -> torch.Tensor:
+        """xg @ W^T, W's rows dequantized from the staged packing a slab at a time."""
+        n, k = w.n, w.k
+        step = max(16, SLAB_ELEMENTS // k // 16 * 16)
+        if step >= n:
+            return xg @ tqd.dequant_rows(packed, w.ggml_type, n, k, 0, n, xg.dtype).t()
+        y = torch.empty(xg.shape[0], n, dtype=xg.dtype, device=xg.device)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            y[:, start:stop] = (
+                xg @ tqd.dequant_rows(packed, w.ggml_type, n, k, start, stop, xg.dtype).t()
+            )
+        return y

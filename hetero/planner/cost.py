@@ -177,11 +177,11 @@ class DeviceCost:
                 groups.setdefault((joint, t.ggml_type) if joint else t.name, []).append(t)
         return list(groups.values())
 
-    def joined_parts(self, i: int) -> list[tuple[float, int, int]]:
-        """(bytes, params, rows) of each linear layer i runs."""
+    def joined_parts(self, i: int) -> list[tuple[float, int, int, str]]:
+        """(bytes, params, rows, GGUF type) of each linear layer i runs (one type a part)."""
         return [
             (sum(self._bytes(t) for t in ts), sum(t.params for t in ts),
-             sum(t.shape[0] for t in ts))
+             sum(t.shape[0] for t in ts), ts[0].ggml_type)
             for ts in self._joined(i)
         ]  # fmt: skip
 

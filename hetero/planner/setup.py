@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hetero.execution.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
+from hetero.execution.offload import scratch_bytes
 from hetero.execution.offload_experts import streams_experts
 from hetero.execution.paged_meta import ROW_TILE
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
@@ -82,37 +83,30 @@ class Setup:
 
     def offload_scratch(self, i: int, b: int) -> float:
         """GPU bytes device i needs, in one process, for prompt steps that run the CPU's layers
-        [b, n) there (execution/offload.py): two staging buffers of the largest streamed part
-        (a run of one GGUF type of a joined matrix, in the CPU's packing), its GGUF blocks and
-        the GPU kernel's repack of them, the part dequantized to bf16 (a prompt-sized T runs
-        dequantize + cuBLAS) and its [T, N] output. 0 where nothing streams to it."""
+        [b, n) there (execution/offload.py): the most any streamed part (a run of one GGUF type
+        of a joined matrix, in the CPU's packing) needs at a step of the token budget, its two
+        staging buffers, dequantized rows and output (offload.scratch_bytes). 0 where nothing
+        streams to it."""
         cfg, n = self.config, self.desc.n_layers
         if not (cfg.in_process and cfg.offload_min_tokens) or b >= n:
             return 0.0
         if self.costs[i].dev.is_cpu:
             return 0.0
-        largest = self._streamed_parts[b]
-        if largest is None:
-            return 0.0
-        nbytes, params, rows = largest
-        return 4 * nbytes + 2 * params + 2 * cfg.engine.scheduler.max_num_batched_tokens * rows
+        return self._streamed_scratch[b]
 
     @cached_property
-    def _streamed_parts(self) -> list[tuple[float, int, int] | None]:
-        """For each first CPU layer b: the largest (bytes, params, rows) of the linears of the
-        layers [b, n) in the CPU's qdot packing (None: no CPU in qdot mode, or no layer)."""
+    def _streamed_scratch(self) -> list[float]:
+        """For each first CPU layer b: the most GPU scratch a streamed part of the layers
+        [b, n) needs (0: no CPU in qdot mode, or no layer), a suffix maximum."""
         cpu = next((c for c in self.costs if c.dev.is_cpu), None)
         n = self.desc.n_layers
-        out: list[tuple[float, int, int] | None] = [None] * (n + 1)
+        out = [0.0] * (n + 1)
         if cpu is None or cpu.weights != "qdot":
             return out
+        tokens = self.config.engine.scheduler.max_num_batched_tokens
         for b in range(n - 1, -1, -1):
-            parts = cpu.joined_parts(b)
-            after = out[b + 1]
-            if after is not None:
-                parts.append(after)
-            if parts:
-                out[b] = tuple(max(p[k] for p in parts) for k in range(3))  # type: ignore[assignment]
+            here = [scratch_bytes(t, nb, p, r, tokens) for nb, p, r, t in cpu.joined_parts(b)]
+            out[b] = max([out[b + 1], *here])
         return out
 
     def fits(self, i: int, a: int, b: int) -> bool:

@@ -92,7 +92,26 @@ def launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
         ("tokens_bn16", lambda: tv.run(x(4), pw, tv.Variant("tokens", bn=16))),
         ("mm_pipe", lambda: tv.run(x(4), pw, tv.Variant("mm_pipe", bt=16, step=128, stages=3))),
         *streamk_launches(ggml_type),
+        *qdot_dequant_launches(ggml_type),
     ]
+
+
+def qdot_dequant_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
+    """The CPU packing's GPU decode (a streamed prompt matmul's rows), where it reads the type."""
+    from hetero.kernels import cpu_qdot
+    from hetero.kernels import triton_qdot_dequant as tqd
+    from hetero.quant import get_quant, random_blocks
+
+    qt = get_quant(ggml_type)
+    if not tqd.supports(qt.ggml_type):
+        return []
+    n, k = 40, 512
+    blocks = random_blocks(ggml_type, n * k // qt.block_size, np.random.default_rng(0))
+    w = cpu_qdot.pack(torch.from_numpy(blocks).reshape(n, -1), qt, n, k)
+    return [
+        ("qdot_dequant", lambda: tqd.dequant_rows(w.packed, qt.ggml_type, n, k, 16, n,
+                                                  torch.bfloat16)),
+    ]  # fmt: skip
 
 
 def streamk_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
