@@ -17,7 +17,8 @@ staged bytes turned back into GGUF blocks, repacked into the GPU kernels' layout
 of it in GPU memory (`scratch_bytes` prices both for the planner).
 
 A feed-forward runs whole there (gate|up, SiLU-and-mul, down: `feed_forward`), so only its
-input and output cross PCIe.
+input and output cross PCIe. Activations cross in bf16 through pinned buffers (the CPU's threads
+round and widen them), at the link's pinned rate.
 
 The weights are the CPU kernels' own buffers, pinned once at start: no second copy in RAM. Two
 staging buffers alternate, so the copy of the next matmul's weights overlaps this matmul and the
@@ -140,6 +141,9 @@ class StreamedMatmuls:
         # the staged packing dequantized by one Triton launch a slab (a GPU with Triton), else
         # the general way; a test may turn it on for the interpreter on the CPU
         self.rows_kernel = triton_supported(self.device)
+        # pinned activation buffers on a GPU's host (to the device, back), made at first use
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._sent = torch.cuda.Event() if self.device.type == "cuda" else None
         self._on = False
         self.calls = 0  # matmuls run here (tests, benchmarks)
         self.feed_forwards = 0  # of them, feed-forwards run whole here
@@ -204,7 +208,7 @@ class StreamedMatmuls:
 
     def __call__(self, lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] on the CPU -> x @ W^T [T, N] on the CPU, computed on the GPU."""
-        return self._on_device(lin, x.to(self.device, self.dtype)).to("cpu", torch.float32)
+        return self._to_host(self._on_device(lin, self._to_device(x)))
 
     def feed_forward(self, gate_up: QuantLinear, down: QuantLinear, h: torch.Tensor):
         """h [T, C] on the CPU -> down(silu(gate) * up) [T, C] on the CPU, all three steps on
@@ -215,9 +219,40 @@ class StreamedMatmuls:
         if any(lin.bias is not None or lin.offload is not self for lin in (gate_up, down)):
             return None
         self.feed_forwards += 1
-        gate, up = gate_up.split(self._on_device(gate_up, h.to(self.device, self.dtype)))
+        gate, up = gate_up.split(self._on_device(gate_up, self._to_device(h)))
         a = self.silu_mul(gate, up)
-        return self._on_device(down, a).to("cpu", torch.float32)
+        return self._to_host(self._on_device(down, a))
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] float32 on the CPU -> on the device in its dtype. On a GPU: rounded to bf16
+        into a pinned buffer by the CPU's threads, then one asynchronous copy at the link's
+        pinned rate (from ordinary memory the driver copies it once more, chunk by chunk)."""
+        if self.device.type != "cuda":
+            return x.to(self.device, self.dtype)
+        self._sent.synchronize()  # the buffer's last copy out is done
+        host = self._pinned(0, x.numel()).view(x.shape)
+        host.copy_(x)
+        xg = host.to(self.device, non_blocking=True)
+        self._sent.record(torch.cuda.current_stream(self.device))
+        return xg
+
+    def _to_host(self, yg: torch.Tensor) -> torch.Tensor:
+        """yg [T, N] on the device -> float32 on the CPU (on a GPU through a pinned buffer: the
+        copy waits for the work that makes yg; the widening to float32 is the CPU's)."""
+        if self.device.type != "cuda":
+            return yg.to("cpu", torch.float32)
+        host = self._pinned(1, yg.numel()).view(yg.shape)
+        host.copy_(yg, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host.float()
+
+    def _pinned(self, i: int, numel: int) -> torch.Tensor:
+        """Pinned host buffer i (0: to the device, 1: back) of at least numel activations,
+        grown as prompts grow."""
+        buf = self._host[i]
+        if buf is None or buf.numel() < numel:
+            buf = self._host[i] = torch.empty(numel, dtype=self.dtype, pin_memory=True)
+        return buf[:numel]
 
     def _on_device(self, lin: QuantLinear, xg: torch.Tensor) -> torch.Tensor:
         """xg [T, K] on the GPU -> xg @ W^T [T, N] there, W's parts streamed in turn."""

@@ -132,10 +132,6 @@ class DeviceProfile:
     attn_tflops: float = 0.0
     h2d_gbs: float = 0.0
     d2h_gbs: float = 0.0
-    # The same copies from and to pageable host memory (a one-process split's prompt
-    # activations, execution/offload.py); 0: not measured, the pinned rates stand in
-    h2d_paged_gbs: float = 0.0
-    d2h_paged_gbs: float = 0.0
     link_latency_s: float = 0.0
     # A pipeline's hand-off between stage processes beyond the copy: pickled step plans, pipe
     # and gloo wake-ups, the engine's round to the stages and back (calibrate.py; the host's)

@@ -102,8 +102,6 @@ def measure_gpu(live: LiveDevice, gpus: list[LiveDevice], bar) -> DeviceProfile:
         if g.id != live.id and torch.cuda.can_device_access_peer(dev, torch.device(g.id))
     }
     h2d, d2h, lat = link_gbs(cpu, dev), link_gbs(dev, cpu), link_latency_s(dev)
-    act = 512 * 4096 * 4  # a 512-token prompt's float32 activations of an 8B
-    paged = link_gbs(cpu, dev, act, pinned=False), link_gbs(dev, cpu, act, pinned=False)
     bar.update(1)
     torch.cuda.empty_cache()
     cc = tuple(int(x) for x in live.compute_capability.split("."))
@@ -113,8 +111,6 @@ def measure_gpu(live: LiveDevice, gpus: list[LiveDevice], bar) -> DeviceProfile:
         matmul=rates,
         h2d_gbs=h2d,
         d2h_gbs=d2h,
-        h2d_paged_gbs=paged[0],
-        d2h_paged_gbs=paged[1],
         link_latency_s=lat,
         p2p_gbs=p2p,
         fp8_kv=cc >= (8, 9),

@@ -42,7 +42,7 @@ from hetero.profiler.measure import (
 # CPU has them (kernels/cpu_qdot_amx.h), several times the rate an older profile measured
 # 10: CPU rates on a 28672 x 4096 matrix and at T = 1 on a 4096 x 1024 one too (MatmulRate.sizes)
 # and the CPU's prompt attention timed on its own (DeviceProfile.attn_tflops)
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 
 
 def cpu_name() -> str:

@@ -263,12 +263,9 @@ def gpu_matmul_rates(
     return rates
 
 
-def link_gbs(
-    src: torch.device, dst: torch.device, nbytes: int = 256 << 20, pinned: bool = True
-) -> float:
-    """GB/s of one copy from src to dst (pinned host memory on the CPU side, unless `pinned` is
-    False: an ordinary tensor's pages, as a one-process split's prompt activations cross)."""
-    pin = pinned and torch.cuda.is_available()
+def link_gbs(src: torch.device, dst: torch.device, nbytes: int = 256 << 20) -> float:
+    """GB/s of one copy from src to dst (pinned host memory on the CPU side)."""
+    pin = torch.cuda.is_available()
     a = torch.empty(nbytes, dtype=torch.uint8, device=src, pin_memory=pin and src.type == "cpu")
     b = torch.empty(nbytes, dtype=torch.uint8, device=dst, pin_memory=pin and dst.type == "cpu")
     gpu = src if src.type == "cuda" else dst

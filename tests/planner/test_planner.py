@@ -324,20 +324,22 @@ def test_in_one_process_the_gpu_keeps_room_for_the_streamed_prompt_matmuls(llama
     assert one.stages[1].activation_bytes == off.stages[1].activation_bytes  # the CPU's own
 
 
-def test_a_streamed_cpu_layer_sends_each_linear_input_once_over_pageable_memory(llama8b):
+def test_a_streamed_cpu_layer_sends_each_linear_input_once_in_bf16(llama8b):
     """An offloaded CPU layer's prompt: q|k|v's input goes over once, o's, and the feed-forward's
-    input and output only (it runs whole on the GPU); float32 rows from ordinary host memory,
-    priced at the profile's pageable rates where measured."""
+    input and output only (it runs whole on the GPU); bf16 rows through pinned buffers, back at
+    the profile's device-to-host rate."""
+    from hetero.planner.cost import ACT_BYTES_WIRE
     from hetero.planner.setup import crossing
 
     c = llama8b.config
     assert crossing(llama8b.layers[0]) == (3 * c.d_model, c.q_size + 2 * c.kv_size + 2 * c.d_model)
     host = dataclasses.replace(cpu(), matmul={**cpu().matmul, "qdot": MatmulRate("q", 50.0, 1.0)})
-    fast = gpu("cuda:0", 1000, 4)
-    slow = dataclasses.replace(fast, h2d_paged_gbs=2.5, d2h_paged_gbs=2.5)  # 10x slower
+    fast = dataclasses.replace(gpu("cuda:0", 1000, 4), h2d_gbs=25.0, d2h_gbs=25.0)
+    slow = dataclasses.replace(fast, d2h_gbs=2.5)  # 10x slower back
     cfg = PlanConfig(context=2048, in_process=True, prompt_len=512)
     a, b = (plan(llama8b, [g, host], cfg) for g in (fast, slow))
     assert [s.layer_end for s in a.stages] == [s.layer_end for s in b.stages]
-    sent, back = crossing(llama8b.layers[0])
-    extra = 4 * 512 * (sent + back) * (1 / 2.5e9 - 1 / 25e9) * (32 - a.stages[0].layer_end)
+    _, back = crossing(llama8b.layers[0])
+    extra = 2 * 512 * back * (1 / 2.5e9 - 1 / 25e9) * (32 - a.stages[0].layer_end)
+    extra += 512 * c.d_model * ACT_BYTES_WIRE * (1 / 2.5e9 - 1 / 25e9)  # the GPU stage's hand-off
     assert b.ttft_s - a.ttft_s == pytest.approx(extra, rel=1e-3)
