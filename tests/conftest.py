@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def _installed_kernels_first() -> None:
+    """The tree's kernels/ (installed as hetero.kernels) is also a top-level package named
+    `kernels` wherever the tree's root is on sys.path, as it is under pytest; transformers
+    (>= 5.25) imports the Hugging Face `kernels` package it depends on by that name, and found
+    ours. Where that package is installed, it is imported first, from sys.path without the
+    tree's root, so that the name means it for the rest of the run."""
+    if "kernels" in sys.modules:
+        return
+    root = Path(__file__).resolve().parent.parent
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass  # not installed: transformers does not look for it either
+    finally:
+        sys.path[:] = saved
+
+
+_installed_kernels_first()
 
 
 def smollm2_file() -> Path | None:
