@@ -221,6 +221,7 @@ class StreamedMatmuls:
         self.feed_forwards += 1
         gate, up = gate_up.split(self._on_device(gate_up, self._to_device(h)))
         a = self.silu_mul(gate, up)
+        del gate, up  # [T, 2F] freed before down's slab is made (scratch_bytes' peak)
         return self._to_host(self._on_device(down, a))
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
