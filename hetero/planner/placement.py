@@ -317,7 +317,7 @@ def _build(setup: Setup, split: Split, devices: list[DeviceProfile]) -> Plan:
         unused_devices=tuple(
             d.id for d in devices if d.id not in used_ids and d.id != _host_id(setup)
         ),
-        notes=_notes(stages, devices, cfg, _host_id(setup)),
+        notes=_notes(stages, devices, cfg, _host_id(setup)) + _offload_note(setup, used),
         in_process=cfg.in_process,
         experts_in_ram=setup.costs[0].ram_experts,
         expert_device=_host_id(setup),
@@ -345,6 +345,21 @@ def _max_context(desc: ModelDesc, blocks: int, cfg: PlanConfig) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if seq_blocks(desc, mid * bs, cfg.engine) <= blocks else (lo, mid - 1)
     return min(longest, lo * bs)
+
+
+def _offload_note(setup: Setup, used: list[tuple[int, int, int]]) -> tuple:
+    """Where a CPU stage's prompt-sized layer goes when its matmuls stream to a GPU (in one
+    process): the first such layer at the prompt length, part by part."""
+    n = setup.config.prompt_len
+    for i, a, b in used:
+        j = setup.offload_to(i, n)
+        if j is not None and b > a:
+            parts = setup.offloaded_parts(i, j, a, n, 0, 1)
+            ms = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items())
+            dev = setup.costs[j].dev.id
+            return (f"a {n}-token prompt's CPU layer with its matmuls on {dev}: "
+                    f"{sum(parts.values()) * 1e3:.2f} ms ({ms} ms)",)  # fmt: skip
+    return ()
 
 
 def _notes(

@@ -172,19 +172,28 @@ class Setup:
         return next((j for j, c in enumerate(self.costs) if not c.dev.is_cpu), None)
 
     def offloaded_layer_s(self, i: int, j: int, layer: int, n: int, cached: int, rows: int):
-        """CPU layer `layer`'s prompt step with its matmuls on GPU j: attention on the CPU; the
-        weights cross PCIe while the GPU multiplies the previous ones (the slower of the two);
-        each linear's input goes over and its output back in bf16 through pinned buffers, the
-        CPU rounding them from float32 and widening them back (6 bytes a value moved)."""
+        """CPU layer `layer`'s prompt step with its matmuls on GPU j (offloaded_parts' sum)."""
+        return sum(self.offloaded_parts(i, j, layer, n, cached, rows).values())
+
+    def offloaded_parts(
+        self, i: int, j: int, layer: int, n: int, cached: int, rows: int
+    ) -> dict[str, float]:
+        """Seconds of CPU layer `layer`'s prompt step with its matmuls on GPU j: attention on
+        the CPU; the weights cross PCIe while the GPU multiplies the previous ones (the slower
+        of the two); each linear's input goes over and its output back in bf16 through pinned
+        buffers, the CPU rounding them from float32 and widening them back (6 bytes a value)."""
         cpu, gpu = self.costs[i], self.costs[j]
         attn = cpu.prefill_layer_seconds(n, cached, rows)[layer] - cpu._layer_matmuls(layer, n)
         h2d = gpu.dev.h2d_gbs or gpu.dev.link_gbs(cpu.dev)
         d2h = gpu.dev.d2h_gbs or h2d
         stream = cpu.weights_bytes(layer, layer + 1, False, False) / (h2d * 1e9)
         sent, back = crossing(self.desc.layers[layer])
-        acts = 2 * n * (sent / (h2d * 1e9) + back / (d2h * 1e9))
-        acts += 6 * n * (sent + back) / (cpu.dev.mem_bw_gbs * 1e9)
-        return attn + max(stream, gpu._layer_matmuls(layer, n)) + acts
+        return {
+            "attention": attn,
+            "weights": max(stream, gpu._layer_matmuls(layer, n)),
+            "activations": 2 * n * (sent / (h2d * 1e9) + back / (d2h * 1e9)),
+            "conversions": 6 * n * (sent + back) / (cpu.dev.mem_bw_gbs * 1e9),
+        }
 
     def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
         """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)

@@ -343,3 +343,9 @@ def test_a_streamed_cpu_layer_sends_each_linear_input_once_in_bf16(llama8b):
     extra = 2 * 512 * back * (1 / 2.5e9 - 1 / 25e9) * (32 - a.stages[0].layer_end)
     extra += 512 * c.d_model * ACT_BYTES_WIRE * (1 / 2.5e9 - 1 / 25e9)  # the GPU stage's hand-off
     assert b.ttft_s - a.ttft_s == pytest.approx(extra, rel=1e-3)
+    # the plan says where such a layer's time goes (its note, in ms), the crossing back there
+    (note_a,), (note_b,) = ([n for n in p.notes if "matmuls on cuda:0" in n] for p in (a, b))
+    acts = [float(re.search(r"activations ([0-9.]+)", n).group(1)) for n in (note_a, note_b)]
+    assert acts[1] - acts[0] == pytest.approx(
+        2 * 512 * back * (1 / 2.5e9 - 1 / 25e9) * 1e3, abs=0.02
+    )
