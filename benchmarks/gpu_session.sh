@@ -114,6 +114,11 @@ if has setup; then
     stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
       tests/execution/test_segments.py tests/execution/test_cuda_graph.py
     tail -3 "$OUT/gpu_tests.log"
+    # the streamed prompt matmuls' decode of the CPU packing, compiled (its tests run wherever
+    # CUDA is, unmarked)
+    stage gpu_tests_qdot 120 "$PY" -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_triton_qdot_dequant.py
+    tail -3 "$OUT/gpu_tests_qdot.log"
   fi
 fi
 
