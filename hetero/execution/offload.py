@@ -7,26 +7,27 @@ the bytes cross PCIe faster than the CPU multiplies them. So, as llama.cpp's op 
 in a step of at least `min_tokens` tokens each matmul of the CPU segment's layers runs on the
 GPU (attention, norms and the KV stay on the CPU):
 
-    W (pinned RAM, the CPU kernels' own bytes) --H2D, copy stream--> staging[i % 2]
+    W (pinned RAM, the CPU kernels' own bytes) --H2D, copy stream--> a staging ring
         --> W's rows in bf16, a slab at a time (kernels/triton_qdot_dequant: one launch
             reads the staged packing as it is) --> cuBLAS (x on the GPU) --> y back to the CPU
 
 Types that kernel does not decode (Q2_K, Q3_K, the codebook types) go the general way: the
 staged bytes turned back into GGUF blocks, repacked into the GPU kernels' layout
 (prepare_weight) and multiplied by qlinear, some twenty passes over the weight and three copies
-of it in GPU memory (`scratch_bytes` prices both for the planner).
+of it in GPU memory (`item_bytes`, `ring_slots` and `work_bytes` price both for the planner).
 
 A feed-forward runs whole there (gate|up, SiLU-and-mul, down: `feed_forward`), so only its
 input and output cross PCIe. Activations cross in bf16 through pinned buffers (the CPU's threads
 round and widen them), at the link's pinned rate.
 
-The weights are the CPU kernels' own buffers, pinned once at start: no second copy in RAM. Two
-staging buffers alternate, so the copy of the next matmul's weights overlaps this matmul and the
-CPU's work between the two (attention between o-proj's input and the qkv before it). Linears
-are prefetched in the order the forward meets them (qkv, o, gate|up, down, layer by layer); a
-call out of that order is fetched on the spot, so the order is a speed matter, never a
-correctness one. Parts the CPU runs in another scheme than qdot (fp16 for the IQ and float
-types) stay on the CPU.
+The weights are the CPU kernels' own buffers, pinned once at start: no second copy in RAM. They
+are copied in items (a slab's rows of a part, or the whole part the general way) into a ring of
+staging buffers (RING_BYTES' worth, at least two), each item as soon as a buffer is free, so
+the link keeps copying the next matmuls' weights through this one and through the CPU's work
+between them (the attention between q|k|v and o). Items are prefetched in the order the forward
+meets them (qkv, o, gate|up, down, layer by layer); a call out of that order is fetched on the
+spot, so the order is a speed matter, never a correctness one. Parts the CPU runs in another
+scheme than qdot (fp16 for the IQ and float types) stay on the CPU.
 """
 
 from __future__ import annotations
@@ -46,53 +47,84 @@ from hetero.model.layers import QuantLinear
 SLAB_ELEMENTS = 1 << 25
 
 
+# bytes of staging buffers a streamed segment keeps on the GPU at least: items (row slabs of a
+# part, or whole parts) are copied this far ahead, so the link works through the CPU's attention
+# between two products instead of waiting for the product before
+RING_BYTES = 160 << 20
+
+
 def rows_kernel_reads(ggml_type) -> bool:
     """Whether a streamed part of this type is dequantized straight from the staged packing."""
     return tqd.supports(ggml_type)
 
 
-def scratch_bytes(ggml_type, nbytes: float, params: int, rows: int, tokens: int) -> float:
-    """GPU bytes a streamed part (its packed bytes, weights and output rows) needs at a step of
-    `tokens` tokens: the two staging buffers, then either a bf16 slab and the [T, N] output
-    with a slab's [T, rows] product beside it, or (the general way) the GGUF blocks, their
-    repack, the part in bf16 and the output."""
+def slab_rows(n: int, k: int) -> int:
+    """Rows of one slab of a [n, k] part: at most SLAB_ELEMENTS weights, whole 16-row groups."""
+    return min(n, max(16, SLAB_ELEMENTS // k // 16 * 16))
+
+
+def item_bytes(ggml_type, nbytes: float, params: int, rows: int) -> float:
+    """Packed bytes of one staged item of a part: a slab's, or (the general way) the part's."""
+    if not rows_kernel_reads(ggml_type):
+        return nbytes
+    k = params // max(rows, 1)
+    return nbytes * slab_rows(rows, k) / max(rows, 1)
+
+
+def ring_slots(slot_bytes: float) -> int:
+    """Staging buffers of `slot_bytes` in the ring: RING_BYTES' worth, at least two."""
+    return max(2, -(-int(RING_BYTES) // max(int(slot_bytes), 1)))
+
+
+def work_bytes(ggml_type, nbytes: float, params: int, rows: int, tokens: int) -> float:
+    """GPU bytes a streamed part needs beside the ring at a step of `tokens` tokens: a bf16 slab
+    and the [T, N] output with a slab's [T, rows] product beside it, or (the general way) the
+    GGUF blocks and their repack, the part in bf16 and the output."""
     out = 2 * tokens * rows
     if rows_kernel_reads(ggml_type):
-        slab = min(params, SLAB_ELEMENTS)
-        return 2 * nbytes + 2 * slab + out + 2 * tokens * min(rows, slab * rows // max(params, 1))
-    return 4 * nbytes + 2 * params + out
+        slab = slab_rows(rows, params // max(rows, 1))
+        return 2 * slab * (params // max(rows, 1)) + out + 2 * tokens * slab
+    return 2 * nbytes + 2 * params + out
 
 
 class Staging:
-    """Two device buffers that host tensors are copied into in turn, on a copy stream of their
-    own on a GPU (elsewhere, the CPU tests of these paths, plain copies; the events None), so
-    the copy of the next weights overlaps the work on the last ones.
+    """A ring of device buffers (two by default) that host tensors are copied into in turn, on
+    a copy stream of their own on a GPU (elsewhere, the CPU tests of these paths, plain copies;
+    the events None), so the copy of the next weights overlaps the work on the last ones.
 
-    stage(key, tensors) starts the copy into the next buffer; take(key, tensors) gives the
-    device views (staged ahead, or copied now) and the buffer, which release(buffer) hands back
-    once the work that reads the views is queued. A buffer staged over drops what it held."""
+    stage(key, tensors) starts the copy into the next buffer not in use; take(key, tensors)
+    gives the device views (staged ahead, or copied now) and the buffer, in use until
+    release(buffer) hands it back once the work that reads the views is queued. A buffer staged
+    over drops what it held."""
 
     ALIGN = 256
 
-    def __init__(self, nbytes: int, device: torch.device):
+    def __init__(self, nbytes: int, device: torch.device, slots: int = 2):
         self.device = device
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
-        self._free = [torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None]
-        self._staged: dict[int, tuple[int, object, list[torch.Tensor]]] = {}
+        self._free = [torch.cuda.Event() if cuda else None for _ in range(slots)]
+        self._staged: dict[object, tuple[int, object, list[torch.Tensor]]] = {}
+        self._in_use: set[int] = set()
         self._turn = 0
+
+    @property
+    def slots(self) -> int:
+        return len(self.buffers)
 
     @classmethod
     def room(cls, tensors: list[torch.Tensor]) -> int:
         """The bytes one buffer needs to hold these tensors."""
         return sum(-(-t.nbytes // cls.ALIGN) * cls.ALIGN for t in tensors)
 
-    def stage(self, key: int, tensors: list[torch.Tensor]) -> None:
+    def stage(self, key, tensors: list[torch.Tensor]) -> None:
         if key in self._staged:
             return
         b = self._turn
-        self._turn ^= 1
+        while b in self._in_use:  # (at most one is: take, then release)
+            b = (b + 1) % self.slots
+        self._turn = (b + 1) % self.slots
         self._staged = {k: v for k, v in self._staged.items() if v[0] != b}
         stream, ready, views, at = self.stream, None, [], 0
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -108,16 +140,18 @@ class Staging:
                 ready.record(stream)
         self._staged[key] = (b, ready, views)
 
-    def take(self, key: int, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    def take(self, key, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         if key not in self._staged:
             self.stage(key, tensors)
         b, ready, views = self._staged.pop(key)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
+        self._in_use.add(b)
         return views, b
 
     def release(self, b: int) -> None:
         """Buffer b's views are read by the work queued so far on the current stream."""
+        self._in_use.discard(b)
         if self._free[b] is not None:
             self._free[b].record(torch.cuda.current_stream(self.device))
 
@@ -126,21 +160,28 @@ class Staging:
 
 
 class StreamedMatmuls:
-    def __init__(self, linears: list[QuantLinear], device: torch.device, min_tokens: int):
+    def __init__(
+        self, linears: list[QuantLinear], device: torch.device, min_tokens: int,
+        rows_kernel: bool | None = None,
+    ):  # fmt: skip
         self.device, self.min_tokens = device, min_tokens
         self.impl = select("qlinear", device)
         self.silu_mul = select("silu_mul", device).fn
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        # the staged packing dequantized by one Triton launch a slab (a GPU with Triton), else
+        # the general way; a test turns it on for the interpreter on the CPU
+        self.rows_kernel = triton_supported(device) if rows_kernel is None else rows_kernel
         streamed = [lin for lin in linears if self._streams(lin)]
         # every part of every streamed linear, in the order the forward meets them
         self.order = [(lin, i) for lin in streamed for i in range(len(lin.packed_parts))]
-        self.next_of = {self._key(*a): b for a, b in zip(self.order, self.order[1:])}
         self.pinned_bytes = sum(self._pin(lin) for lin in streamed)  # pinned on a GPU's host
-        most = max(lin.packed_parts[i].weight.packed.nbytes for lin, i in self.order)
-        self.staging = Staging(most, self.device)
-        # the staged packing dequantized by one Triton launch a slab (a GPU with Triton), else
-        # the general way; a test may turn it on for the interpreter on the CPU
-        self.rows_kernel = triton_supported(self.device)
+        # what is copied: each part's row slabs (the whole part the general way), in that order
+        self._slabs = {self._key(lin, i): self._slab_rows(lin, i) for lin, i in self.order}
+        self.items = [(lin, i, j) for lin, i in self.order
+                      for j in range(len(self._slabs[self._key(lin, i)]))]  # fmt: skip
+        self.position = {self._item_key(*it): n for n, it in enumerate(self.items)}
+        most = max(self._item(*it).nbytes for it in self.items)
+        self.staging = Staging(most, self.device, ring_slots(most))
         # pinned activation buffers on a GPU's host (to the device, back), made at first use
         self._host: list[torch.Tensor | None] = [None, None]
         self._sent = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -183,9 +224,11 @@ class StreamedMatmuls:
         return moved
 
     def describe(self) -> str:
+        slots, size = self.staging.slots, self.staging.buffers[0].nbytes
         return (
             f"prompt steps of >= {self.min_tokens} tokens run {len(self.order)} CPU matmuls on "
-            f"{self.device}, streaming {self.pinned_bytes / 2**30:.2f} GiB of pinned weights"
+            f"{self.device}, streaming {self.pinned_bytes / 2**30:.2f} GiB of pinned weights "
+            f"through {slots} staging buffers of {size / 2**20:.0f} MiB"
         )
 
     def wants(self, tokens: int) -> bool:
@@ -195,7 +238,8 @@ class StreamedMatmuls:
     def active(self):
         """Within: the CPU segment's linears run on the GPU (the step is big enough)."""
         self._on = True
-        self._stage(*self.order[0])
+        for item in self.items[: self.staging.slots - 1]:
+            self._stage(*item)
         try:
             yield
         finally:
@@ -221,7 +265,7 @@ class StreamedMatmuls:
         self.feed_forwards += 1
         gate, up = gate_up.split(self._on_device(gate_up, self._to_device(h)))
         a = self.silu_mul(gate, up)
-        del gate, up  # [T, 2F] freed before down's slab is made (scratch_bytes' peak)
+        del gate, up  # [T, 2F] freed before down's slab is made (work_bytes' peak)
         return self._to_host(self._on_device(down, a))
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,45 +302,61 @@ class StreamedMatmuls:
     def _on_device(self, lin: QuantLinear, xg: torch.Tensor) -> torch.Tensor:
         """xg [T, K] on the GPU -> xg @ W^T [T, N] there, W's parts streamed in turn."""
         self.calls += 1
-        ys = []
-        for i, part in enumerate(lin.packed_parts):
-            (buf,), b = self.staging.take(self._key(lin, i), [part.weight.packed])
-            nxt = self.next_of.get(self._key(lin, i))
-            if nxt is not None:
-                self._stage(*nxt)  # into the other buffer, while this part is multiplied
-            ys.append(self._matmul(xg, part.weight, buf, b))
+        ys = [self._part(lin, i, xg) for i in range(len(lin.packed_parts))]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
     @staticmethod
     def _key(lin: QuantLinear, i: int) -> int:
         return id(lin.packed_parts[i].weight)
 
-    def _stage(self, lin: QuantLinear, i: int) -> None:
-        """Start copying part i of lin's weights into the next staging buffer."""
-        self.staging.stage(self._key(lin, i), [lin.packed_parts[i].weight.packed])
+    def _item_key(self, lin: QuantLinear, i: int, j: int) -> tuple[int, int]:
+        return self._key(lin, i), j
 
-    def _matmul(self, xg: torch.Tensor, w: cpu_qdot.QdotWeight, packed, b: int) -> torch.Tensor:
-        if self.rows_kernel and rows_kernel_reads(w.ggml_type):
-            y = self._by_slabs(xg, w, packed)
-            self.staging.release(b)  # the slabs' launches that read it are queued
-            return y
-        blocks = cpu_qdot.gguf_bytes(w, packed)  # [N, K / block, type size], on the GPU
-        shape = (w.n, w.k)
-        qweight = prepare_weight(self.impl, blocks.reshape(w.n, -1), int(w.ggml_type), shape)
-        self.staging.release(b)  # the staged bytes are read
-        return self.impl.fn(xg, qweight, int(w.ggml_type), shape)
+    def _slab_rows(self, lin: QuantLinear, i: int) -> list[tuple[int, int]]:
+        """The row ranges part i of lin is copied and multiplied in."""
+        w = lin.packed_parts[i].weight
+        if not (self.rows_kernel and rows_kernel_reads(w.ggml_type)):
+            return [(0, w.n)]
+        step = slab_rows(w.n, w.k)
+        return [(a, min(w.n, a + step)) for a in range(0, w.n, step)]
 
-    @staticmethod
-    def _by_slabs(xg: torch.Tensor, w: cpu_qdot.QdotWeight, packed) -> torch.Tensor:
-        """xg @ W^T, W's rows dequantized from the staged packing a slab at a time."""
-        n, k = w.n, w.k
-        step = max(16, SLAB_ELEMENTS // k // 16 * 16)
-        if step >= n:
-            return xg @ tqd.dequant_rows(packed, w.ggml_type, n, k, 0, n, xg.dtype).t()
-        y = torch.empty(xg.shape[0], n, dtype=xg.dtype, device=xg.device)
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            y[:, start:stop] = (
-                xg @ tqd.dequant_rows(packed, w.ggml_type, n, k, start, stop, xg.dtype).t()
-            )
+    def _item(self, lin: QuantLinear, i: int, j: int) -> torch.Tensor:
+        """The packed bytes of item j of part i: its slab's 16-row groups (contiguous)."""
+        a, b = self._slabs[self._key(lin, i)][j]
+        return lin.packed_parts[i].weight.packed[a // cpu_qdot.GROUP : -(-b // cpu_qdot.GROUP)]
+
+    def _stage(self, lin: QuantLinear, i: int, j: int) -> None:
+        """Start copying item j of part i of lin into the next staging buffer."""
+        self.staging.stage(self._item_key(lin, i, j), [self._item(lin, i, j)])
+
+    def _take(self, lin: QuantLinear, i: int, j: int) -> tuple[torch.Tensor, int]:
+        """Item j of part i on the device (copied ahead, or now) and its buffer; the items that
+        follow it in the forward's order are staged into the ring's other buffers."""
+        key = self._item_key(lin, i, j)
+        (buf,), b = self.staging.take(key, [self._item(lin, i, j)])
+        at = self.position[key]
+        for item in self.items[at + 1 : at + self.staging.slots]:
+            self._stage(*item)
+        return buf, b
+
+    def _part(self, lin: QuantLinear, i: int, xg: torch.Tensor) -> torch.Tensor:
+        """xg @ W_i^T for part i of lin: slab by slab from the staged packing, or the general
+        way (GGUF blocks, the GPU kernels' repack, qlinear)."""
+        w = lin.packed_parts[i].weight
+        slabs = self._slabs[self._key(lin, i)]
+        if not (self.rows_kernel and rows_kernel_reads(w.ggml_type)):
+            packed, b = self._take(lin, i, 0)
+            blocks = cpu_qdot.gguf_bytes(w, packed)  # [N, K / block, type size], on the GPU
+            shape = (w.n, w.k)
+            qweight = prepare_weight(self.impl, blocks.reshape(w.n, -1), int(w.ggml_type), shape)
+            self.staging.release(b)  # the staged bytes are read
+            return self.impl.fn(xg, qweight, int(w.ggml_type), shape)
+        y = None if len(slabs) == 1 else xg.new_empty(xg.shape[0], w.n)
+        for j, (a, c) in enumerate(slabs):
+            packed, b = self._take(lin, i, j)
+            rows = tqd.dequant_rows(packed, w.ggml_type, c - a, w.k, 0, c - a, xg.dtype)
+            self.staging.release(b)  # the launch that reads it is queued
+            if y is None:
+                return xg @ rows.t()
+            y[:, a:c] = xg @ rows.t()
         return y

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hetero.execution.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
-from hetero.execution.offload import scratch_bytes
+from hetero.execution.offload import item_bytes, ring_slots, work_bytes
 from hetero.execution.offload_experts import streams_experts
 from hetero.execution.paged_meta import ROW_TILE
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
@@ -83,30 +83,34 @@ class Setup:
 
     def offload_scratch(self, i: int, b: int) -> float:
         """GPU bytes device i needs, in one process, for prompt steps that run the CPU's layers
-        [b, n) there (execution/offload.py): the most any streamed part (a run of one GGUF type
-        of a joined matrix, in the CPU's packing) needs at a step of the token budget, its two
-        staging buffers, dequantized rows and output (offload.scratch_bytes). 0 where nothing
-        streams to it."""
+        [b, n) there (execution/offload.py): the ring of staging buffers their streamed items
+        need (row slabs of a part, or whole parts, of a joined matrix's run of one GGUF type in
+        the CPU's packing), and the most any part needs beside it at a step of the token budget
+        (dequantized rows, outputs). 0 where nothing streams to it."""
         cfg, n = self.config, self.desc.n_layers
         if not (cfg.in_process and cfg.offload_min_tokens) or b >= n:
             return 0.0
         if self.costs[i].dev.is_cpu:
             return 0.0
-        return self._streamed_scratch[b]
+        slot, work = self._streamed_scratch[b]
+        return ring_slots(slot) * slot + work
 
     @cached_property
-    def _streamed_scratch(self) -> list[float]:
-        """For each first CPU layer b: the most GPU scratch a streamed part of the layers
-        [b, n) needs (0: no CPU in qdot mode, or no layer), a suffix maximum."""
+    def _streamed_scratch(self) -> list[tuple[float, float]]:
+        """For each first CPU layer b: the largest staged item and the most working bytes of
+        the streamed parts of the layers [b, n) (zeros: no CPU in qdot mode, or no layer),
+        suffix maxima."""
         cpu = next((c for c in self.costs if c.dev.is_cpu), None)
         n = self.desc.n_layers
-        out = [0.0] * (n + 1)
+        out = [(0.0, 0.0)] * (n + 1)
         if cpu is None or cpu.weights != "qdot":
             return out
         tokens = self.config.engine.scheduler.max_num_batched_tokens
         for b in range(n - 1, -1, -1):
-            here = [scratch_bytes(t, nb, p, r, tokens) for nb, p, r, t in cpu.joined_parts(b)]
-            out[b] = max([out[b + 1], *here])
+            parts = cpu.joined_parts(b)
+            slot = max([out[b + 1][0], *(item_bytes(t, nb, p, r) for nb, p, r, t in parts)])
+            work = max([out[b + 1][1], *(work_bytes(t, nb, p, r, tokens) for nb, p, r, t in parts)])
+            out[b] = (slot, work)
         return out
 
     def fits(self, i: int, a: int, b: int) -> bool:
@@ -178,22 +182,25 @@ class Setup:
     def offloaded_parts(
         self, i: int, j: int, layer: int, n: int, cached: int, rows: int
     ) -> dict[str, float]:
-        """Seconds of CPU layer `layer`'s prompt step with its matmuls on GPU j: attention on
-        the CPU; the weights cross PCIe while the GPU multiplies the previous ones (the slower
-        of the two); each linear's input goes over and its output back in bf16 through pinned
-        buffers, the CPU rounding them from float32 and widening them back (6 bytes a value)."""
+        """Seconds of CPU layer `layer`'s prompt step with its matmuls on GPU j, by part: the
+        attention on the CPU; each linear's input over and its output back in bf16 through
+        pinned buffers, the CPU rounding them from float32 and widening them back (6 bytes a
+        value); the GPU's products; and the layer's weights over PCIe beyond all that (they
+        are copied ahead through the staging ring while the rest runs)."""
         cpu, gpu = self.costs[i], self.costs[j]
         attn = cpu.prefill_layer_seconds(n, cached, rows)[layer] - cpu._layer_matmuls(layer, n)
         h2d = gpu.dev.h2d_gbs or gpu.dev.link_gbs(cpu.dev)
         d2h = gpu.dev.d2h_gbs or h2d
         stream = cpu.weights_bytes(layer, layer + 1, False, False) / (h2d * 1e9)
         sent, back = crossing(self.desc.layers[layer])
-        return {
+        parts = {
             "attention": attn,
-            "weights": max(stream, gpu._layer_matmuls(layer, n)),
             "activations": 2 * n * (sent / (h2d * 1e9) + back / (d2h * 1e9)),
             "conversions": 6 * n * (sent + back) / (cpu.dev.mem_bw_gbs * 1e9),
+            "products": gpu._layer_matmuls(layer, n),
         }
+        parts["weights beyond"] = max(0.0, stream - sum(parts.values()))
+        return parts
 
     def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
         """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)

@@ -76,18 +76,24 @@ def test_a_streamed_prompt_matmul_reads_the_staged_packing(tmp_path, monkeypatch
     model = LlamaModel(gm, RuntimeConfig(device="cpu", weights="qdot"))
     qdot = [m for b in model.blocks[:2] for m in b.modules() if isinstance(m, QuantLinear)]
     exact = [m for b in dense.blocks[:2] for m in b.modules() if isinstance(m, QuantLinear)]
-    streamer = offload.StreamedMatmuls(qdot, torch.device("cpu"), min_tokens=1)
-    streamer.rows_kernel = True
     launches = []
     rows = offload.tqd.dequant_rows
     monkeypatch.setattr(offload.tqd, "dequant_rows", lambda *a: launches.append(a) or rows(*a))
     torch.manual_seed(0)
     for slab in (offload.SLAB_ELEMENTS, 16 * 64):  # whole parts, then 16-row slabs
         monkeypatch.setattr(offload, "SLAB_ELEMENTS", slab)
-        for lin, ref in zip(qdot, exact):
-            x = torch.randn(3, lin.in_features)
-            want = x @ ref.weight.t()
-            assert torch.allclose(streamer(lin, x), want, rtol=1e-5, atol=1e-5)
-    assert streamer.calls == 2 * len(qdot)
-    parts = len(streamer.order)  # every part read by the kernel: once whole, then slab by slab
-    assert parts >= len(qdot) and len(launches) > 2 * parts
+        streamer = offload.StreamedMatmuls(qdot, torch.device("cpu"), 1, rows_kernel=True)
+        with streamer.active():
+            for lin, ref in zip(qdot, exact):
+                x = torch.randn(3, lin.in_features)
+                want = x @ ref.weight.t()
+                assert torch.allclose(streamer(lin, x), want, rtol=1e-5, atol=1e-5)
+        assert streamer.calls == len(qdot)
+    with streamer.active():  # out of the forward's order: items fetched on the spot, evicted
+        lin, ref = qdot[-1], exact[-1]
+        x = torch.randn(2, lin.in_features)
+        assert torch.allclose(streamer(lin, x), x @ ref.weight.t(), rtol=1e-5, atol=1e-5)
+    # every part read by the kernel: once whole, then slab by slab from a ring of buffers
+    parts, last = len(streamer.order), len(streamer._slabs[streamer._key(qdot[-1], 0)])
+    assert parts >= len(qdot) and len(launches) == len(streamer.items) + parts + last
+    assert len(streamer.items) > 2 * parts and streamer.staging.slots > 2

@@ -304,9 +304,10 @@ def test_equal_cards_fill_in_order_and_cpu_only_plans_say_nothing_of_gpus(llama8
 def test_in_one_process_the_gpu_keeps_room_for_the_streamed_prompt_matmuls(llama8b):
     """A CPU layer's prompt matmuls run on the GPU in one process (execution/offload.py): the
     GPU holds two staging buffers of the largest streamed part (the 8B's gate|up, 66 MB in qdot
-    blocks) and a bf16 slab of its rows beside its layers; not the general way's blocks, repack
-    and whole bf16 part (117M weights), which Q4_K and Q6_K no longer take."""
-    from hetero.execution.offload import SLAB_ELEMENTS
+    blocks) in a ring of staging buffers and a bf16 slab of its rows beside its layers; not the
+    general way's blocks, repack and whole bf16 part (117M weights), which Q4_K and Q6_K no
+    longer take."""
+    from hetero.execution.offload import RING_BYTES, SLAB_ELEMENTS
 
     host = dataclasses.replace(cpu(), matmul={**cpu().matmul, "qdot": MatmulRate("q", 50.0, 1.0)})
     card = gpu("cuda:0", 1000, 4)
@@ -318,7 +319,7 @@ def test_in_one_process_the_gpu_keeps_room_for_the_streamed_prompt_matmuls(llama
     gate_up = 2 * 14336 * 4096
     scratch = one.stages[0].activation_bytes - off.stages[0].activation_bytes
     staged = gate_up * 144 / 256
-    assert 2 * staged + 2 * SLAB_ELEMENTS <= scratch < 4 * staged + 2 * gate_up
+    assert RING_BYTES + 2 * SLAB_ELEMENTS <= scratch < 4 * staged + 2 * gate_up
     assert apart.stages[0].activation_bytes == off.stages[0].activation_bytes
     assert one.stages[0].layer_end < off.stages[0].layer_end  # the room comes from its layers
     assert one.stages[1].activation_bytes == off.stages[1].activation_bytes  # the CPU's own
@@ -349,3 +350,26 @@ def test_a_streamed_cpu_layer_sends_each_linear_input_once_in_bf16(llama8b):
     assert acts[1] - acts[0] == pytest.approx(
         2 * 512 * back * (1 / 2.5e9 - 1 / 25e9) * 1e3, abs=0.02
     )
+
+
+def test_a_streamed_layer_takes_the_longer_of_its_weights_copy_and_its_work(llama8b):
+    """The staging ring copies a CPU layer's weights while its attention and products run: over
+    a fast link the copy hides, over a slow one the layer takes the copy's time."""
+    host = dataclasses.replace(cpu(), matmul={**cpu().matmul, "qdot": MatmulRate("q", 50.0, 1.0)})
+    cfg = PlanConfig(context=2048, in_process=True, prompt_len=512)
+
+    def note(h2d: float) -> tuple[dict[str, float], int]:
+        card = dataclasses.replace(gpu("cuda:0", 1000, 4), h2d_gbs=h2d, d2h_gbs=25.0)
+        p = plan(llama8b, [card, host], cfg)
+        (n,) = [n for n in p.notes if "matmuls on cuda:0" in n]
+        parts = {
+            k.strip(): float(v) for k, v in re.findall(r"([a-z ]+) ([0-9.]+)", n.split("(")[1])
+        }
+        return parts, p.stages[1].layer_start
+
+    fast, _ = note(200.0)
+    assert fast["weights beyond"] == 0.0
+    slow, layer = note(0.5)
+    weights = sum(t.nbytes for t in llama8b.layers[layer])  # the layer's GGUF bytes
+    assert slow["weights beyond"] > 0
+    assert sum(slow.values()) == pytest.approx(weights / 0.5e9 * 1e3, rel=0.01)
