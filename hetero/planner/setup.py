@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hetero.execution.cuda_graph import PROMPT_ROW_CONTEXT, chunk_row_context
-from hetero.execution.offload import item_bytes, ring_slots, work_bytes
+from hetero.execution.offload import item_bytes, ring_slots, rows_kernel_reads, work_bytes
 from hetero.execution.offload_experts import streams_experts
 from hetero.execution.paged_meta import ROW_TILE
 from hetero.planner.burst import burst_first_tokens, prompt_chunks
@@ -197,10 +197,26 @@ class Setup:
             "attention": attn,
             "activations": 2 * n * (sent / (h2d * 1e9) + back / (d2h * 1e9)),
             "conversions": 6 * n * (sent + back) / (cpu.dev.mem_bw_gbs * 1e9),
-            "products": gpu._layer_matmuls(layer, n),
+            "products": self._streamed_products(gpu, layer, n),
         }
         parts["weights beyond"] = max(0.0, stream - sum(parts.values()))
         return parts
+
+    def _streamed_products(self, gpu: DeviceCost, layer: int, n: int) -> float:
+        """The GPU's products of a streamed CPU layer at n tokens: a type the rows kernel reads
+        is dequantized to bf16 (written once at the copy rate) and multiplied at the dense
+        rate; another at the quantized kernels' rate, as the general way runs it."""
+        total = 0.0
+        for t in self.desc.layers[layer]:
+            if not t.is_matrix:
+                continue
+            if rows_kernel_reads(t.ggml_type):
+                dense = gpu.dev.matmul_rate("dense", t.ggml_type)
+                total += dense.seconds(2.0 * t.params, t.params, n)
+                total += 2.0 * t.params / (gpu.dev.mem_bw_gbs * 1e9)
+            else:
+                total += gpu.linear_seconds(t, n, layer)
+        return total
 
     def _replays_prompt(self, i: int, n: int, cached: int, seqs: int) -> bool:
         """Whether a step of n prompt tokens (of `seqs` prompts, after `cached` tokens each)
