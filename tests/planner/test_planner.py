@@ -303,10 +303,9 @@ def test_equal_cards_fill_in_order_and_cpu_only_plans_say_nothing_of_gpus(llama8
 
 def test_in_one_process_the_gpu_keeps_room_for_the_streamed_prompt_matmuls(llama8b):
     """A CPU layer's prompt matmuls run on the GPU in one process (execution/offload.py): the
-    GPU holds two staging buffers of the largest streamed part (the 8B's gate|up, 66 MB in qdot
-    blocks) in a ring of staging buffers and a bf16 slab of its rows beside its layers; not the
-    general way's blocks, repack and whole bf16 part (117M weights), which Q4_K and Q6_K no
-    longer take."""
+    GPU holds a ring of staging buffers for their row slabs and a bf16 slab of rows beside its
+    layers; not the general way's two whole parts (the 8B's gate|up, 66 MB in qdot blocks), their
+    blocks, repack and whole bf16 part (117M weights), which Q4_K and Q6_K no longer take."""
     from hetero.execution.offload import RING_BYTES, SLAB_ELEMENTS
 
     host = dataclasses.replace(cpu(), matmul={**cpu().matmul, "qdot": MatmulRate("q", 50.0, 1.0)})
