@@ -64,9 +64,13 @@ def assemble(
     stages: list[StageSpec] | None = None,
     progress: bool = False,
     loaded: tuple[GGUFModel, LlamaModel] | None = None,
+    split_on: str | None = None,
 ) -> Engine:
     """The engine over `stages` (a pipeline) or over the whole model on the runtime's device.
-    `loaded`: a model already in memory (load_model's pair), shared instead of loaded again."""
+    `loaded`: a model already in memory (load_model's pair), shared instead of loaded again.
+    `split_on`: the -ngl split over this device, the CPU included (both segments there, prompt
+    steps streaming to it: the same code a GPU runs, for tests); by default the runtime's GPU
+    where it asks for n_gpu_layers."""
     cfg = launch.engine
     if stages:
         if loaded is not None:
@@ -80,9 +84,10 @@ def assemble(
         )
         return Engine(cfg, executor, gguf.config, Tokenizer.from_gguf(gguf.reader))
     rt = launch.runtime.resolved()
-    if loaded is None and _splits(rt):
+    gpu = split_on or (rt.device if _splits(rt) else None)
+    if loaded is None and gpu is not None:
         gguf = load_gguf(model_path)
-        models = _segments(gguf, launch.runtime, rt.device, progress)
+        models = _segments(gguf, launch.runtime, gpu, progress)
     else:
         gguf, model = loaded or load_model(model_path, rt, progress=progress)
         models = [model]
@@ -93,8 +98,8 @@ def assemble(
     spec_tokens = 0 if cfg.speculative == "off" else cfg.num_speculative_tokens
     executor = LocalExecutor(
         models, cfg, max_len, str(gguf.path), spec_tokens, gguf=gguf,
-        offload_min_tokens=rt.offload_min_tokens,
-        offload_device=rt.device if rt.device.startswith("cuda") else None,
+        offload_min_tokens=rt.offload_min_tokens,  # (and a GPU's experts kept in RAM)
+        offload_device=gpu or (rt.device if rt.device.startswith("cuda") else None),
     )  # fmt: skip
     return Engine(cfg, executor, gguf.config, tokenizer, draft)
 

@@ -136,6 +136,9 @@ class DeviceProfile:
     # A pipeline's hand-off between stage processes beyond the copy: pickled step plans, pipe
     # and gloo wake-ups, the engine's round to the stages and back (calibrate.py; the host's)
     pipeline_hop_s: float = 0.0
+    # A CPU layer's prompt step with its matmuls streamed to this GPU, beyond its priced work
+    # (the op-by-op path's small ops and launches, the crossings' waits: calibrate.py); 0: none
+    offload_layer_overhead_s: float = 0.0
     p2p_gbs: dict[str, float] = field(default_factory=dict)  # other device id -> GB/s
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0

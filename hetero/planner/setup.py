@@ -185,7 +185,8 @@ class Setup:
         """Seconds of CPU layer `layer`'s prompt step with its matmuls on GPU j, by part: the
         attention on the CPU; each linear's input over and its output back in bf16 through
         pinned buffers, the CPU rounding them from float32 and widening them back (6 bytes a
-        value); the GPU's products; and the layer's weights over PCIe beyond all that (they
+        value); the GPU's products; the GPU profile's calibrated overhead of such a layer (its
+        small ops, launches and waits); and the layer's weights over PCIe beyond all that (they
         are copied ahead through the staging ring while the rest runs)."""
         cpu, gpu = self.costs[i], self.costs[j]
         attn = cpu.prefill_layer_seconds(n, cached, rows)[layer] - cpu._layer_matmuls(layer, n)
@@ -198,6 +199,7 @@ class Setup:
             "activations": 2 * n * (sent / (h2d * 1e9) + back / (d2h * 1e9)),
             "conversions": 6 * n * (sent + back) / (cpu.dev.mem_bw_gbs * 1e9),
             "products": self._streamed_products(gpu, layer, n),
+            "overhead": gpu.dev.offload_layer_overhead_s,
         }
         parts["weights beyond"] = max(0.0, stream - sum(parts.values()))
         return parts

@@ -17,6 +17,12 @@ w(...) is what the cost model predicts for a step's matmuls and KV reads alone:
     pipeline_hop   = t[6 layers as two CPU stage processes] - t[6 layers] - step_overhead
                      (CPU only: the host's cost of handing a step to the next stage process and
                      back, beyond the second stage's own step; GPU profiles take the CPU's)
+    offload_layer  = (t[1 + 5 layers] - t[1 + 1 layers]) / 4 over the time to first token of an
+                     OFFLOAD_PROMPT-token prompt, the first layer on the GPU and the others on
+                     the CPU in one process with their matmuls streamed to the GPU (GPU only:
+                     what such a layer costs besides its priced work: the op-by-op path's small
+                     ops and launches, the crossings' waits; the tiny layer's own work is a few
+                     hundred us at most)
 
 (A per-row cost measured on the 6-layer model alone and charged per layer made a 32-layer model's
 batched decode steps a third too slow on the H200: the sampler's per-sequence work is paid once.)
@@ -45,6 +51,7 @@ from hetero.synth import write_synthetic
 from hetero.synth_shapes import get_shape
 
 SHAPE = "tiny-llama"
+OFFLOAD_PROMPT = 64  # tokens: at least offload_min_tokens, so the CPU layers' matmuls stream
 GPU_SHAPE = dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128, d_ff=1024)
 PROMPT = 16
 
@@ -105,6 +112,30 @@ def _engine(path: Path, device: str, kv_dtype: str, blocks: int, split: str | No
     return assemble(path, LaunchConfig(cfg, RuntimeConfig(device=device)), stages)
 
 
+def offload_ttft_s(path: Path, device: str, kv_dtype: str, blocks: int) -> float:
+    """Time to the first token of one OFFLOAD_PROMPT-token prompt with the model's first layer on
+    `device` and the rest on the CPU in one process (-ngl 1), prompt steps streaming the CPU
+    layers' matmuls to `device` (on the CPU itself in tests: the same code)."""
+    cfg = EngineConfig(
+        kv_dtype=kv_dtype,
+        num_kv_blocks=blocks,
+        enable_prefix_caching=False,
+        speculative="off",
+        cuda_graph_max_tokens=0,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
+    )
+    rt = RuntimeConfig(device=device, n_gpu_layers=1, offload_min_tokens=32)
+    engine = assemble(path, LaunchConfig(cfg, rt), split_on=device)
+    try:
+        run_bench(engine, 1, 1, OFFLOAD_PROMPT, 1, seed=5)  # compilation, staging, pinning
+        return statistics.median(
+            statistics.median(run_bench(engine, 3, 1, OFFLOAD_PROMPT, 1, seed=6 + r).ttft_s)
+            for r in range(REPEATS)
+        )
+    finally:
+        engine.close()
+
+
 def _measure(device: str, kv_dtype: str, s: _Setting, folder: Path, bar) -> tuple[dict, object]:
     t: dict[str, float] = {}
     for n_layers in (2, 6):
@@ -118,6 +149,8 @@ def _measure(device: str, kv_dtype: str, s: _Setting, folder: Path, bar) -> tupl
             t["long"] = _step_s(engine, s.attn_seqs, s.long_context) - short
         desc = from_gguf(str(path))
         del engine
+        if device != "cpu":  # the -ngl 1 split of the same model, in one process
+            t[f"O{n_layers}"] = offload_ttft_s(path, device, kv_dtype, s.num_kv_blocks)
         if bar is not None:
             bar.update(1)
     if device == "cpu":  # the same 6 layers as two stage processes: the hand-off's cost
@@ -161,6 +194,8 @@ def calibrate(
     )
     if "H6" in t:  # two stages' tokens: one more stage's step overhead, and the hand-off
         out["pipeline_hop_s"] = max(t["H6"] - t["L6"] - step, 0.0)
+    if "O6" in t:  # four more streamed CPU layers
+        out["offload_layer_overhead_s"] = max(t["O6"] - t["O2"], 0.0) / 4
     return out
 
 

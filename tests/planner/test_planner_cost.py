@@ -203,3 +203,49 @@ def test_prompt_attention_runs_at_its_own_rate_where_measured(llama8b):
     layer = DeviceCost(llama8b, plain, "quant", "fp8").prefill_layer_seconds(n, 0)[0]
     slower = DeviceCost(llama8b, timed, "quant", "fp8").prefill_layer_seconds(n, 0)[0]
     assert slower - layer == pytest.approx(flops / 50e12 - flops / 500e12)
+
+
+def test_the_offloaded_layer_calibration_runs_the_streamed_split(tmp_path):
+    """calibrate.offload_ttft_s: the -ngl 1 split of a small model in one process, its prompt
+    step streaming the CPU layers' matmuls (here to the CPU itself, the same code a GPU runs);
+    the factory's split_on builds it."""
+    import dataclasses
+
+    from hetero.config import RuntimeConfig
+    from hetero.engine.config import EngineConfig
+    from hetero.factory import LaunchConfig, assemble
+    from hetero.profiler.calibrate import OFFLOAD_PROMPT, offload_ttft_s
+    from hetero.sampling import SamplingParams
+    from hetero.synth import write_synthetic
+    from hetero.synth_shapes import get_shape
+
+    shape = dataclasses.replace(get_shape("tiny-llama"), n_layers=3)
+    path = write_synthetic(tmp_path / "t3.gguf", shape, "q8_0", progress=False)
+    assert offload_ttft_s(path, "cpu", "fp16", 128) > 0
+    rt = RuntimeConfig(device="cpu", n_gpu_layers=1, offload_min_tokens=32)
+    engine = assemble(path, LaunchConfig(EngineConfig(num_kv_blocks=64), rt), split_on="cpu")
+    try:
+        assert [len(s.model.blocks) for s in engine.executor.segments] == [1, 2]
+        params = SamplingParams(temperature=0, max_tokens=1)
+        engine.add_request("r", list(range(5, 5 + OFFLOAD_PROMPT)), params)
+        while engine.has_unfinished():
+            engine.step()
+        # both segments are on the CPU here, so all three layers stream, four matmuls each
+        assert engine.executor.offload.calls == 3 * 4
+    finally:
+        engine.close()
+
+
+def test_an_offloaded_layers_calibrated_overhead_is_part_of_its_prompt_time(llama8b):
+    """A card too small for the 8B beside the host, in one process: each CPU layer of a
+    prompt step pays the profile's offloaded-layer overhead (its weights' copy hidden here)."""
+    from hetero.planner.specs import load_spec
+
+    host = load_spec("desktop-ddr5").replace(id="cpu")
+    card = gpu(memory_total=4 * GiB, memory_free=4 * GiB, h2d_gbs=1000.0, d2h_gbs=1000.0)
+    cfg = PlanConfig(context=2048, in_process=True, prompt_len=512)
+    base = plan(llama8b, [card, host], cfg)
+    slow = plan(llama8b, [card.replace(offload_layer_overhead_s=2e-3), host], cfg)
+    cpu_layers = 32 - base.stages[0].layer_end
+    assert cpu_layers > 0 and slow.stages[0].layer_end == base.stages[0].layer_end
+    assert slow.ttft_s == pytest.approx(base.ttft_s + cpu_layers * 2e-3, rel=1e-6)
