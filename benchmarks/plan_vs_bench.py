@@ -223,6 +223,9 @@ def main() -> None:
         print(
             f"c={c}: plan {split}; step ms {[round(s.predicted_step_s * 1e3, 2) for s in p.stages]}"
         )
+        for note in p.notes:  # where a streamed CPU layer's prompt time goes, part by part
+            if "matmuls on" in note:
+                print(f"c={c}: {note}")
         print(row(c, predicted(p), meas), flush=True)
         rows.append({"concurrency": c, "predicted": predicted(p), "measured": meas,
                      "plan": json.loads(p.to_json())})  # fmt: skip
