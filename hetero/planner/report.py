@@ -111,6 +111,12 @@ def format_profiles(profiles: list[DeviceProfile]) -> str:
             f"eager {d.eager_step_overhead_s * 1e3:.2f} ms + {d.eager_layer_overhead_s * 1e3:.3f} "
             "ms a layer; "
             f"attention {d.attn_gbs:.3g} GB/s of KV, host links {d.h2d_gbs:.1f}/{d.d2h_gbs:.1f} "
-            f"GB/s, fp8 KV {'yes' if d.fp8_kv else 'no'} [{d.source}]"
+            f"GB/s, fp8 KV {'yes' if d.fp8_kv else 'no'}"
+            + (
+                f"; a streamed CPU layer's overhead {d.offload_layer_overhead_s * 1e3:.2f} ms"
+                if d.offload_layer_overhead_s
+                else ""
+            )
+            + f" [{d.source}]"
         )
     return "\n".join(lines)
