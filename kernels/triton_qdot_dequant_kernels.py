@@ -157,7 +157,7 @@ def qdot_dequant_kernel(
                 cols = u * 256 + sub[:, None] * 64 + tl.arange(0, 32)[None, :]
                 _store3(out_ptr, rows, rmask, out_stride, cols, a0 * lo.to(tl.float32) - b0)
                 _store3(out_ptr, rows, rmask, out_stride, cols + 32, a1 * hi.to(tl.float32) - b1)
-            elif TYPE == 14:  # Q6_K: d, 16 int8 scales, then ql and qh (words via pos_ptr)
+            elif TYPE == 14:  # Q6_K: d, 16 int8 scales, then ql and qh (reordered: _q6k_words)
                 d = _half(h16_ptr, unit, r)[:, None, None]
                 h = tl.arange(0, 2)
                 l = tl.arange(0, 32)
