@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 
+from hetero.kernels.cpu_qdot import GROUP, qdot_blocks
 from hetero.quant import get_quant
 
 _T = GGMLQuantizationType
 SUPPORTED = (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
-GROUP = 16  # rows a unit (kernels/cpu_qdot.py GROUP)
 
 
 def _kernels() -> Any:
@@ -38,8 +38,7 @@ def _kernels() -> Any:
 
 def supports(ggml_type) -> bool:
     """Whether the kernel decodes this GGUF type (a type, its number or its name)."""
-    name = ggml_type if isinstance(ggml_type, str) else _T(int(ggml_type)).name
-    return name in {t.name for t in SUPPORTED}
+    return qdot_blocks(ggml_type) in {t.name for t in SUPPORTED}
 
 
 def dequant_rows(

@@ -82,8 +82,9 @@ def work_bytes(ggml_type, nbytes: float, params: int, rows: int, tokens: int) ->
     GGUF blocks and their repack, the part in bf16 and the output."""
     out = 2 * tokens * rows
     if rows_kernel_reads(ggml_type):
-        slab = slab_rows(rows, params // max(rows, 1))
-        return 2 * slab * (params // max(rows, 1)) + out + 2 * tokens * slab
+        k = params // max(rows, 1)
+        slab = slab_rows(rows, k)
+        return 2 * slab * k + out + 2 * tokens * slab
     return 2 * nbytes + 2 * params + out
 
 
@@ -312,10 +313,14 @@ class StreamedMatmuls:
     def _item_key(self, lin: QuantLinear, i: int, j: int) -> tuple[int, int]:
         return self._key(lin, i), j
 
+    def _by_rows(self, w: cpu_qdot.QdotWeight) -> bool:
+        """Whether w's products run from rows the kernel decodes (else the general way)."""
+        return self.rows_kernel and rows_kernel_reads(w.ggml_type)
+
     def _slab_rows(self, lin: QuantLinear, i: int) -> list[tuple[int, int]]:
         """The row ranges part i of lin is copied and multiplied in."""
         w = lin.packed_parts[i].weight
-        if not (self.rows_kernel and rows_kernel_reads(w.ggml_type)):
+        if not self._by_rows(w):
             return [(0, w.n)]
         step = slab_rows(w.n, w.k)
         return [(a, min(w.n, a + step)) for a in range(0, w.n, step)]
@@ -344,7 +349,7 @@ class StreamedMatmuls:
         way (GGUF blocks, the GPU kernels' repack, qlinear)."""
         w = lin.packed_parts[i].weight
         slabs = self._slabs[self._key(lin, i)]
-        if not (self.rows_kernel and rows_kernel_reads(w.ggml_type)):
+        if not self._by_rows(w):
             packed, b = self._take(lin, i, 0)
             blocks = cpu_qdot.gguf_bytes(w, packed)  # [N, K / block, type size], on the GPU
             shape = (w.n, w.k)
