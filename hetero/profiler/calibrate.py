@@ -51,7 +51,8 @@ from hetero.synth import write_synthetic
 from hetero.synth_shapes import get_shape
 
 SHAPE = "tiny-llama"
-OFFLOAD_PROMPT = 64  # tokens: at least offload_min_tokens, so the CPU layers' matmuls stream
+# tokens: at least RuntimeConfig's offload_min_tokens, so the CPU layers' matmuls stream
+OFFLOAD_PROMPT = 64
 GPU_SHAPE = dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128, d_ff=1024)
 PROMPT = 16
 
@@ -89,18 +90,17 @@ def _step_s(engine, seqs: int, context: int, tokens: int = 16) -> float:
     )
 
 
-def _ttft_s(engine) -> float:
-    """Time to the first token of one PROMPT-token prompt (an eager prefill step)."""
-    run_bench(engine, 1, 1, PROMPT, 1, seed=3)
+def _ttft_s(engine, prompt: int = PROMPT) -> float:
+    """Time to the first token of one `prompt`-token prompt (an eager prefill step)."""
+    run_bench(engine, 1, 1, prompt, 1, seed=3)  # warm-up (compilation; a split's pinning)
     return statistics.median(
-        statistics.median(run_bench(engine, 5, 1, PROMPT, 1, seed=4 + 10 * r).ttft_s)
+        statistics.median(run_bench(engine, 5, 1, prompt, 1, seed=4 + 10 * r).ttft_s)
         for r in range(REPEATS)
     )
 
 
-def _engine(path: Path, device: str, kv_dtype: str, blocks: int, split: str | None = None):
-    """The engine on the small model; `split`: as a pipeline of stage processes instead."""
-    cfg = EngineConfig(
+def _config(kv_dtype: str, blocks: int) -> EngineConfig:
+    return EngineConfig(
         kv_dtype=kv_dtype,
         num_kv_blocks=blocks,
         enable_prefix_caching=False,
@@ -108,7 +108,12 @@ def _engine(path: Path, device: str, kv_dtype: str, blocks: int, split: str | No
         cuda_graph_max_tokens=0,  # the 16-token prefill runs eagerly: it measures eager_*
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
     )
+
+
+def _engine(path: Path, device: str, kv_dtype: str, blocks: int, split: str | None = None):
+    """The engine on the small model; `split`: as a pipeline of stage processes instead."""
     stages = None if split is None else parse_split(split, 6)
+    cfg = _config(kv_dtype, blocks)
     return assemble(path, LaunchConfig(cfg, RuntimeConfig(device=device)), stages)
 
 
@@ -116,22 +121,10 @@ def offload_ttft_s(path: Path, device: str, kv_dtype: str, blocks: int) -> float
     """Time to the first token of one OFFLOAD_PROMPT-token prompt with the model's first layer on
     `device` and the rest on the CPU in one process (-ngl 1), prompt steps streaming the CPU
     layers' matmuls to `device` (on the CPU itself in tests: the same code)."""
-    cfg = EngineConfig(
-        kv_dtype=kv_dtype,
-        num_kv_blocks=blocks,
-        enable_prefix_caching=False,
-        speculative="off",
-        cuda_graph_max_tokens=0,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
-    )
-    rt = RuntimeConfig(device=device, n_gpu_layers=1, offload_min_tokens=32)
-    engine = assemble(path, LaunchConfig(cfg, rt), split_on=device)
+    rt = RuntimeConfig(device=device, n_gpu_layers=1)
+    engine = assemble(path, LaunchConfig(_config(kv_dtype, blocks), rt), split_on=device)
     try:
-        run_bench(engine, 1, 1, OFFLOAD_PROMPT, 1, seed=5)  # compilation, staging, pinning
-        return statistics.median(
-            statistics.median(run_bench(engine, 3, 1, OFFLOAD_PROMPT, 1, seed=6 + r).ttft_s)
-            for r in range(REPEATS)
-        )
+        return _ttft_s(engine, OFFLOAD_PROMPT)
     finally:
         engine.close()
 
