@@ -236,6 +236,26 @@ def test_the_offloaded_layer_calibration_runs_the_streamed_split(tmp_path):
         engine.close()
 
 
+@pytest.mark.gpu
+def test_the_calibration_leaves_the_gpu_as_it_found_it(tmp_path):
+    """The small models' engines of a GPU's calibration (the -ngl 1 split's too) give their
+    memory back: the engine hetero-serve builds next in the same process, under a memory cap,
+    has the whole of it (their weights sat in reference cycles until the collector ran)."""
+    from hetero.planner.specs import load_spec
+    from hetero.profiler.calibrate import GPU_SHAPE, _Setting, calibrate
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.init()
+    before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    prof = load_spec("rtx4090").replace(id="cuda:0")
+    got = calibrate(prof, "cuda:0", "fp16", setting=_Setting(GPU_SHAPE, 2, 256, 256))
+    assert got["offload_layer_overhead_s"] >= 0
+    assert torch.cuda.memory_allocated() - before[0] < 16 << 20
+    assert torch.cuda.memory_reserved() - before[1] < 64 << 20
+
+
 def test_an_offloaded_layers_calibrated_overhead_is_part_of_its_prompt_time(llama8b):
     """A card too small for the 8B beside the host, in one process: each CPU layer of a
     prompt step pays the profile's offloaded-layer overhead (its weights' copy hidden here)."""
