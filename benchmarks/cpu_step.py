@@ -116,6 +116,13 @@ def main(ctx, model, concurrency, input_len, steps, profile, warm_prefill, ops,
     # a whole block in one native call (its linears and attention inside)
     block_key = lambda self, x, *a: ("block", x.shape[0])  # noqa: E731
     cpu_block.DenseBlock.__call__ = timed(cpu_block.DenseBlock.__call__, block_key)
+    # a split's prompt steps: the CPU layers' matmuls on the GPU (execution/offload.py), each
+    # phase's wall time (to_host holds the wait for the GPU's work)
+    from hetero.execution import offload
+
+    for name in ("__call__", "feed_forward", "_to_device", "_on_device", "_to_host", "_take"):
+        fn = getattr(offload.StreamedMatmuls, name)
+        setattr(offload.StreamedMatmuls, name, timed(fn, lambda *a, _n=name, **kw: ("offload", _n)))
     if ctx.get_parameter_source("speculative") != ParameterSource.COMMANDLINE:
         options["speculative"] = "off"  # a plain decode step (n-gram guesses change its rows)
     engine = build_engine(str(resolve_model(model)), LaunchConfig.from_options(**options))
@@ -160,6 +167,9 @@ def report(spent: dict, steps: int, what: str) -> None:
         elif key[0] == "attention":
             ms = s / steps * 1e3
             click.echo(f"  paged attention: {ms:.2f} ms per {what} ({n // steps} calls)")
+        elif key[0] == "offload":
+            ms = s / steps * 1e3
+            click.echo(f"  streamed matmuls {key[1]}: {ms:.2f} ms per {what} ({n // steps} calls)")
         else:
             _, n_out, k, t = key
             rate = 2 * n_out * k * t * n / s / 1e9

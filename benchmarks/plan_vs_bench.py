@@ -114,14 +114,22 @@ def bench_stage(
         plan_file = os.path.join(tmp, "plan.json")
         with open(plan_file, "w") as f:
             f.write(p.to_json())
+        gpu_memory(p, "before the engine")  # what this process held already (a profile)
         if len(p.stages) == 1:
             engine = _one_stage_engine(model, p, eager, threads)
         else:
             engine = _pipeline_engine(model, plan_file, p, threads)
         try:
             c = p.concurrency
+            gpu_memory(p, "built")
             run_bench(engine, c, c, input_len, 4, seed=1)  # warm-up at the measured shapes
+            gpu_memory(p, "warmed up")
             r = run_bench(engine, rounds * c, c, input_len, output_len, seed=0)
+            gpu_memory(p, "measured")
+        except Exception as e:
+            if type(e).__name__ == "OutOfMemoryError":
+                gpu_memory(p, "out of memory", census=True)
+            raise
         finally:
             close = getattr(engine, "close", None)
             if close is not None:
@@ -133,6 +141,56 @@ def bench_stage(
         "ttft_s": statistics.fmean(r.ttft_s),
         "output_tok_s_wall": r.output_tok_s,
     }
+
+
+def gpu_memory(p: Plan, when: str, census: bool = False) -> None:
+    """This process's GPU memory against the plan's GPU stage (weights, KV, activations and
+    streaming room): allocated now, the peak so far, CUDA graphs' pools; with `census`, the live
+    CUDA tensors by shape, largest first (where an overrun sits)."""
+    import collections
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    gpus = [s for s in p.stages if not (s.base_device or s.device).startswith("cpu")]
+    planned = sum(s.weight_bytes + s.kv_bytes + s.activation_bytes for s in gpus)
+    stats = torch.cuda.memory_stats()
+    mib = [(s.weight_bytes / 2**20, s.kv_bytes / 2**20, s.activation_bytes / 2**20) for s in gpus]
+    parts = ", ".join(f"{w:.0f} + {k:.0f} + {a:.0f}" for w, k, a in mib)
+    pools = sum(
+        seg["total_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("segment_pool_id", (0, 0)) != (0, 0)
+    )
+    print(
+        f"gpu memory ({when}): allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB, peak "
+        f"{stats.get('allocated_bytes.all.peak', 0) / 2**20:.0f} MiB, reserved "
+        f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB (graph pools {pools / 2**20:.0f} MiB); "
+        f"planned weights + KV + activations {planned / 2**20:.0f} MiB "
+        f"({parts})",
+        flush=True,
+    )
+    if not census:
+        return
+    size, count, seen = collections.Counter(), collections.Counter(), set()
+    for o in gc.get_objects():
+        try:
+            if not (isinstance(o, torch.Tensor) and o.is_cuda):
+                continue
+            st = o.untyped_storage()
+        except Exception:  # noqa: BLE001 (objects half torn down)
+            continue
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        key = (tuple(o.shape), str(o.dtype).removeprefix("torch."))
+        size[key] += st.nbytes()
+        count[key] += 1
+    print(f"live CUDA storages: {len(seen)}, {sum(size.values()) / 2**20:.0f} MiB; largest:")
+    for key, n in size.most_common(25):
+        print(f"  {n / 2**20:9.1f} MiB  {count[key]:4d} x {key[0]} {key[1]}")
 
 
 def bench_in_child(
