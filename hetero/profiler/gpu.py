@@ -17,7 +17,7 @@ import torch
 
 from hetero.kernels import ops, select
 from hetero.planner.device import DeviceProfile, LiveDevice
-from hetero.planner.shares import parse_share, share_env
+from hetero.planner.shares import is_share, parse_share, share_env
 from hetero.profiler.measure import (
     copy_gbs,
     gpu_matmul_rates,
@@ -118,14 +118,17 @@ def measure_gpu(live: LiveDevice, gpus: list[LiveDevice], bar) -> DeviceProfile:
     )
 
 
-def measure_share_subprocess(spec: str, timeout_s: float = 900) -> DeviceProfile:
-    """Measure a share (`cuda:0@30%:24GB`) in a child process started with the share's MPS
-    environment, so the SM limit applies from CUDA's first call. Needs a running MPS daemon."""
-
-    share = parse_share(spec)
-    env = {**os.environ, **share_env(share)}
-    cmd = [sys.executable, "-m", "hetero.profiler.share_worker", share.id]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"measuring {share.id} failed: {done.stderr.strip()[-2000:]}")
-    return DeviceProfile.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
+def measure_share_subprocess(spec: str, timeout_s: float = 1800) -> DeviceProfile:
+    """Measure a GPU (`cuda:0`) or a share of one (`cuda:0@70%:24GB`) in a child process: a
+    share's with the share's MPS environment, so the SM limit applies from CUDA's first call
+    (needs a running MPS daemon); a whole GPU's so that the measurement leaves nothing in this
+    process (share_worker.py). The child's progress shows on this process's stderr."""
+    env = {**os.environ, **share_env(parse_share(spec))} if is_share(spec) else None
+    cmd = [sys.executable, "-m", "hetero.profiler.share_worker", spec]
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"measuring {spec} failed (exit {done.returncode}): its error is printed above"
+        )
+    return DeviceProfile.from_dict(json.loads(lines[-1]))

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from hetero.kernels import ops, select
 from hetero.planner.device import DeviceProfile, LiveDevice
 from hetero.profiler.calibrate import calibrate
-from hetero.profiler.gpu import measure_gpu, nvml_gpus
+from hetero.profiler.gpu import measure_share_subprocess, nvml_gpus
 from hetero.profiler.measure import (
     copy_gbs,
     cpu_matmul_rates,
@@ -139,9 +139,10 @@ def _measure(devices: list[LiveDevice], progress: bool) -> list[DeviceProfile]:
         for d in devices:
             if d.kind == "cpu":
                 out.append(measure_cpu(d, bar))
-            else:
-                prof = measure_gpu(d, [g for g in devices if g.kind == "cuda"], bar)
-                out.append(_calibrated(prof, d.id, "fp8" if prof.fp8_kv else "fp16", bar))
+            else:  # in a child process: nothing of it stays in this one (share_worker.py)
+                bar.set_postfix_str(f"{d.id}: in a child process")
+                out.append(measure_share_subprocess(d.id))
+                bar.update(5)
     hop = host_hop_s(out)
     return [p if p.is_cpu else p.replace(pipeline_hop_s=hop) for p in out]
 

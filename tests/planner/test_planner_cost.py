@@ -252,7 +252,8 @@ def test_the_calibration_leaves_the_gpu_as_it_found_it(tmp_path):
     prof = load_spec("rtx4090").replace(id="cuda:0")
     got = calibrate(prof, "cuda:0", "fp16", setting=_Setting(GPU_SHAPE, 2, 256, 256))
     assert got["offload_layer_overhead_s"] >= 0
-    assert torch.cuda.memory_allocated() - before[0] < 16 << 20
+    # (cuBLAS's workspace stays: 32 MiB on a Hopper GPU)
+    assert torch.cuda.memory_allocated() - before[0] < 40 << 20
     assert torch.cuda.memory_reserved() - before[1] < 64 << 20
 
 

@@ -269,8 +269,26 @@ def test_gpu_matmul_measurement_runs_the_registry_kernels_on_small_shapes():
     assert all(g > 0 for r in rates.values() for _, g in r.curve)
 
 
+def test_a_gpu_measured_in_a_child_that_is_not_here_fails_with_its_reason(capfd):
+    """The child process that measures a whole GPU (share_worker.py) is started as a share's is;
+    a device this machine lacks ends it with the reason on stderr and the parent's error."""
+    import torch
+
+    from hetero.profiler.gpu import measure_share_subprocess
+
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(RuntimeError, match=r"measuring cuda:7 failed \(exit 1\)"):
+        measure_share_subprocess("cuda:7")
+    assert "cuda:7 is not present" in capfd.readouterr().err
+
+
 @pytest.mark.gpu
 def test_gpu_profile_by_bus_id(tmp_path, monkeypatch):
+    """A GPU is measured in a child process: this one holds no GPU memory after it (the engine
+    hetero-serve builds next, under a memory cap, has the whole of it)."""
+    import torch
+
     from hetero.profiler import machine as profile
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -282,6 +300,8 @@ def test_gpu_profile_by_bus_id(tmp_path, monkeypatch):
     assert g.id == gpus[0].id and g.bus_id == gpus[0].bus_id
     assert g.matmul["quant:Q4_K"].kernel == "triton" and g.matmul["quant:Q4_K"].decode_gbs > 100
     assert g.h2d_gbs > 1 and g.mem_bw_gbs > 100 and g.bf16_tflops > 10
+    assert g.offload_layer_overhead_s > 0 and g.source == "measured"
+    assert not torch.cuda.is_initialized() or torch.cuda.memory_reserved() == 0
 
 
 def test_a_share_the_split_leaves_idle_does_not_slow_its_sibling():
