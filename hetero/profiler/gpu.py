@@ -118,12 +118,16 @@ def measure_gpu(live: LiveDevice, gpus: list[LiveDevice], bar) -> DeviceProfile:
     )
 
 
-def measure_share_subprocess(spec: str, timeout_s: float = 1800) -> DeviceProfile:
+def measure_share_subprocess(
+    spec: str, timeout_s: float = 1800, progress: bool = True
+) -> DeviceProfile:
     """Measure a GPU (`cuda:0`) or a share of one (`cuda:0@70%:24GB`) in a child process: a
     share's with the share's MPS environment, so the SM limit applies from CUDA's first call
     (needs a running MPS daemon); a whole GPU's so that the measurement leaves nothing in this
     process (share_worker.py). The child's progress shows on this process's stderr."""
-    env = {**os.environ, **share_env(parse_share(spec))} if is_share(spec) else None
+    env = {**os.environ, **(share_env(parse_share(spec)) if is_share(spec) else {})}
+    if not progress:
+        env["TQDM_DISABLE"] = "1"  # tqdm reads its defaults from TQDM_* variables
     cmd = [sys.executable, "-m", "hetero.profiler.share_worker", spec]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
     lines = done.stdout.strip().splitlines()

@@ -141,7 +141,7 @@ def _measure(devices: list[LiveDevice], progress: bool) -> list[DeviceProfile]:
                 out.append(measure_cpu(d, bar))
             else:  # in a child process: nothing of it stays in this one (share_worker.py)
                 bar.set_postfix_str(f"{d.id}: in a child process")
-                out.append(measure_share_subprocess(d.id))
+                out.append(measure_share_subprocess(d.id, progress=progress))
                 bar.update(5)
     hop = host_hop_s(out)
     return [p if p.is_cpu else p.replace(pipeline_hop_s=hop) for p in out]
