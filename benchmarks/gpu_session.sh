@@ -23,7 +23,8 @@
 #            ROUNDS times (2): the host's speed drifts within a lease, a pair shares it
 #   profile  `hetero profile --refresh`: the planner's device profiles, cached for what follows
 #   planrow  issue 20's planner row: plan_vs_bench on a 5 GB-capped GPU + the CPU in one process
-#            (prompts of 512 and 128), then the split's 512-token prompt step under cProfile
+#            (prompts of 512 and 128; the first profiles the machine in its own process unless
+#            the profile stage ran), then the split's 512-token prompt step by op
 #   moe      llama-bench on the MoE files (hetero synth: Qwen3-30B-A3B Q4_K_M, gpt-oss-20b
 #            MXFP4): all on the GPU (decode 1 stream, prompt 512; llama-batched-bench at 32
 #            streams), experts in RAM (-ncmoe 99, 16 threads), gpt-oss decode
@@ -112,7 +113,8 @@ if has setup; then
   ls -la bench_out/*.gguf
   if [ "${GPU_TESTS:-1}" = 1 ]; then
     stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-      tests/execution/test_segments.py tests/execution/test_cuda_graph.py
+      tests/execution/test_segments.py tests/execution/test_cuda_graph.py \
+      tests/planner/test_planner_cost.py
     tail -3 "$OUT/gpu_tests.log"
     # the streamed prompt matmuls' decode of the CPU packing, compiled (its tests run wherever
     # CUDA is, unmarked)
@@ -335,11 +337,16 @@ fi
 if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in one process, as
   # hetero-serve plans it, predicted against measured (a fresh profile first: `profile` stage);
   # then where an offloaded CPU layer's prompt time goes
+  # the first row profiles the GPU first unless the profile stage ran (as hetero-serve's first
+  # start does: the GPU is measured in a child process, the engine then has the whole cap)
+  refresh=$(has profile || echo --refresh)
   for len in 512 128; do
-    stage planrow_$len 300 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
+    stage planrow_$len 420 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
       --devices cuda:0@100%:5GB,cpu -c 1 --input-len $len --output-len 32 --rounds 2 \
-      --json "$OUT/planrow_$len.json"
-    grep -E "^c=" "$OUT/planrow_$len.log" || tail -5 "$OUT/planrow_$len.log"
+      --json "$OUT/planrow_$len.json" $refresh
+    refresh=
+    grep -E "^c=|^gpu memory \((before|measured)" "$OUT/planrow_$len.log" \
+      || tail -5 "$OUT/planrow_$len.log"
   done
   ngl=$("$PY" -c "import json; print(json.load(open('$OUT/planrow_512.json'))[0]['plan']['stages'][0]['layer_end'])" 2>/dev/null || echo 21)
   stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
