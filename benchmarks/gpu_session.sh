@@ -335,10 +335,9 @@ if has profile; then  # the planner's device profiles (cached for the calls that
 fi
 
 if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in one process, as
-  # hetero-serve plans it, predicted against measured (a fresh profile first: `profile` stage);
-  # then where an offloaded CPU layer's prompt time goes
-  # the first row profiles the GPU first unless the profile stage ran (as hetero-serve's first
-  # start does: the GPU is measured in a child process, the engine then has the whole cap)
+  # hetero-serve plans it, predicted against measured; the first row profiles the machine first
+  # unless the `profile` stage ran (as hetero-serve's first start does: the GPU is measured in a
+  # child process, the engine then has the whole cap); then where a CPU layer's prompt time goes
   refresh=$(has profile || echo --refresh)
   for len in 512 128; do
     stage planrow_$len 420 "$PY" benchmarks/plan_vs_bench.py "$Q4" \

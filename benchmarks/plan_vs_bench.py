@@ -108,6 +108,8 @@ def bench_stage(
     threads: int = 0,
 ) -> dict:  # fmt: skip
     """Run the engine as the plan `p` says; decode and TTFT numbers."""
+    import torch
+
     from hetero.bench import run_bench
 
     with tempfile.TemporaryDirectory(prefix="plan-vs-bench-") as tmp:
@@ -126,9 +128,8 @@ def bench_stage(
             gpu_memory(p, "warmed up")
             r = run_bench(engine, rounds * c, c, input_len, output_len, seed=0)
             gpu_memory(p, "measured")
-        except Exception as e:
-            if type(e).__name__ == "OutOfMemoryError":
-                gpu_memory(p, "out of memory", census=True)
+        except torch.OutOfMemoryError:
+            gpu_memory(p, "out of memory", census=True)
             raise
         finally:
             close = getattr(engine, "close", None)
@@ -156,7 +157,6 @@ def gpu_memory(p: Plan, when: str, census: bool = False) -> None:
         return
     gpus = [s for s in p.stages if not (s.base_device or s.device).startswith("cpu")]
     planned = sum(s.weight_bytes + s.kv_bytes + s.activation_bytes for s in gpus)
-    stats = torch.cuda.memory_stats()
     mib = [(s.weight_bytes / 2**20, s.kv_bytes / 2**20, s.activation_bytes / 2**20) for s in gpus]
     parts = ", ".join(f"{w:.0f} + {k:.0f} + {a:.0f}" for w, k, a in mib)
     pools = sum(
@@ -166,7 +166,7 @@ def gpu_memory(p: Plan, when: str, census: bool = False) -> None:
     )
     print(
         f"gpu memory ({when}): allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB, peak "
-        f"{stats.get('allocated_bytes.all.peak', 0) / 2**20:.0f} MiB, reserved "
+        f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB, reserved "
         f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB (graph pools {pools / 2**20:.0f} MiB); "
         f"planned weights + KV + activations {planned / 2**20:.0f} MiB "
         f"({parts})",

@@ -18,7 +18,7 @@ from hetero.planner.plan import Plan, PlanConfig, PlanError, plan
 from hetero.planner.report import format_plan, format_profiles
 from hetero.planner.resolve import resolve_devices
 from hetero.planner.shares import parse_share, with_bw_fraction
-from hetero.profiler.gpu import measure_share_subprocess
+from hetero.profiler.gpu import measure_gpu_subprocess
 from hetero.profiler.machine import (
     ThisMachine,
     cached_shares,
@@ -38,7 +38,7 @@ def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
     profiles = machine_profiles(refresh=refresh, progress=not as_json)
     measured = dict(cached_shares())
     for spec in shares:
-        prof = measure_share_subprocess(spec).replace(pipeline_hop_s=host_hop_s(profiles))
+        prof = measure_gpu_subprocess(spec).replace(pipeline_hop_s=host_hop_s(profiles))
         prof = with_bw_fraction(prof, profiles)
         measured[prof.id] = prof
     if shares:

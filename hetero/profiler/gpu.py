@@ -118,7 +118,7 @@ def measure_gpu(live: LiveDevice, gpus: list[LiveDevice], bar) -> DeviceProfile:
     )
 
 
-def measure_share_subprocess(
+def measure_gpu_subprocess(
     spec: str, timeout_s: float = 1800, progress: bool = True
 ) -> DeviceProfile:
     """Measure a GPU (`cuda:0`) or a share of one (`cuda:0@70%:24GB`) in a child process: a

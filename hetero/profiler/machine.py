@@ -25,7 +25,7 @@ from tqdm import tqdm
 from hetero.kernels import ops, select
 from hetero.planner.device import DeviceProfile, LiveDevice
 from hetero.profiler.calibrate import calibrate
-from hetero.profiler.gpu import measure_share_subprocess, nvml_gpus
+from hetero.profiler.gpu import measure_gpu_subprocess, nvml_gpus
 from hetero.profiler.measure import (
     copy_gbs,
     cpu_matmul_rates,
@@ -141,7 +141,7 @@ def _measure(devices: list[LiveDevice], progress: bool) -> list[DeviceProfile]:
                 out.append(measure_cpu(d, bar))
             else:  # in a child process: nothing of it stays in this one (share_worker.py)
                 bar.set_postfix_str(f"{d.id}: in a child process")
-                out.append(measure_share_subprocess(d.id, progress=progress))
+                out.append(measure_gpu_subprocess(d.id, progress=progress))
                 bar.update(5)
     hop = host_hop_s(out)
     return [p if p.is_cpu else p.replace(pipeline_hop_s=hop) for p in out]

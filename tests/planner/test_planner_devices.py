@@ -274,12 +274,12 @@ def test_a_gpu_measured_in_a_child_that_is_not_here_fails_with_its_reason(capfd)
     a device this machine lacks ends it with the reason on stderr and the parent's error."""
     import torch
 
-    from hetero.profiler.gpu import measure_share_subprocess
+    from hetero.profiler.gpu import measure_gpu_subprocess
 
     if torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
     with pytest.raises(RuntimeError, match=r"measuring cuda:7 failed \(exit 1\)"):
-        measure_share_subprocess("cuda:7")
+        measure_gpu_subprocess("cuda:7")
     assert "cuda:7 is not present" in capfd.readouterr().err
 
 
