@@ -79,6 +79,18 @@ def get() -> int:
     return _threads if _threads is not None else torch.get_num_threads()
 
 
+def planned() -> int:
+    """The thread count the kernels run with once configured: configure()'s, else the default
+    it would choose. Stable across a process's configure() calls with no --threads (the
+    profile's cache key: torch's own count changes when configure() sets it)."""
+    return _threads if _threads is not None else default_threads()
+
+
+def ensure() -> int:
+    """configure() with the default where nothing configured the threads yet; the count."""
+    return _threads if _threads is not None else configure()
+
+
 def describe() -> str:
     """One line for the start log: threads and the kernels' instruction set."""
     from hetero.kernels import cpu_qdot

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
-import torch
-
 from hetero.config import device_key
 from hetero.planner.device import DeviceProfile
 from hetero.planner.plan import PlanError
@@ -160,7 +158,9 @@ def shared_by(p: DeviceProfile, k: int) -> DeviceProfile:
     """One of k stage processes on device p: 1/k of its memory; on a CPU the pipeline gives each
     of the k processes threads // k of the threads the profile was measured with, on a GPU the k
     processes take turns (no MPS). Rates scale by that share; host overheads do not."""
-    threads = torch.get_num_threads()
+    from hetero.kernels import cpu_threads
+
+    threads = cpu_threads.planned()
     f = max(1, threads // k) / threads if p.is_cpu else 1.0 / k
     matmul = {key: r.scaled(f, f) for key, r in p.matmul.items()}
     return p.replace(

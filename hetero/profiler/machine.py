@@ -22,7 +22,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from hetero.kernels import ops, select
+from hetero.kernels import cpu_threads, ops, select
 from hetero.planner.device import DeviceProfile, LiveDevice
 from hetero.profiler.calibrate import calibrate
 from hetero.profiler.gpu import measure_gpu_subprocess, nvml_gpus
@@ -76,7 +76,7 @@ def fingerprint(devices: list[LiveDevice]) -> str:
     key = {
         "driver": driver_version(),
         "devices": [(d.id, d.name, d.bus_id, d.memory_total) for d in devices],
-        "cpu_threads": torch.get_num_threads(),
+        "cpu_threads": cpu_threads.planned(),
         "torch": torch.__version__,
         "version": CACHE_VERSION,
     }
@@ -90,6 +90,7 @@ def cache_dir() -> Path:
 
 def measure_cpu(live: LiveDevice, bar: tqdm) -> DeviceProfile:
     cpu = torch.device("cpu")
+    threads = cpu_threads.ensure()  # measured as the engine will run: the cache key's count
     bar.set_postfix_str("cpu: copy, matmul")
     bw, fl = copy_gbs(cpu, cpu_stream_bytes(128 << 20)), matmul_tflops(cpu, torch.float32, 512)
     bar.update(1)
@@ -99,7 +100,7 @@ def measure_cpu(live: LiveDevice, bar: tqdm) -> DeviceProfile:
     prof = live.profile(
         bw,
         fl,
-        name=f"{live.name} ({torch.get_num_threads()} threads)",
+        name=f"{live.name} ({threads} threads)",
         matmul=rates,
         fp8_kv=False,  # no e4m3 hardware: "auto" KV is fp16 here, as the engine picks
         kernels={op: select(op, cpu).name for op in ops()},

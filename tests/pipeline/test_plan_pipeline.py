@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from hetero.cli import main
@@ -35,17 +34,11 @@ def cached_cpu(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("XDG_CACHE_HOME", str(home))
     here = [load_spec("desktop-ddr5").replace(id="cpu", source="measured")]
-    # the key holds torch's thread count, which an engine built in this process sets (to 1
-    # where torch came first) and a fresh process (plan_vs_bench) has at its default: the entry
-    # goes under each key this module's plans may look it up by
+    # the key holds the kernels' thread count: an engine built in this process may have set it
+    # (--threads 1), a fresh process (plan_vs_bench) has the default: the entry goes under both
     code = "from hetero.profiler import machine as m; print(m.fingerprint(m.live_devices()))"
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    keys = {fresh.stdout.strip()}
-    before = torch.get_num_threads()
-    for n in {1, before}:
-        torch.set_num_threads(n)
-        keys.add(profile.fingerprint(profile.live_devices()))
-    torch.set_num_threads(before)
+    keys = {fresh.stdout.strip(), profile.fingerprint(profile.live_devices())}
     for key in keys:
         profile.save(key, here, {})
     yield home
@@ -77,14 +70,13 @@ def test_plan_of_a_cpu_listed_twice(cached_cpu, tiny_llama, tmp_path):
 
 
 def test_a_cpu_listed_twice_is_shared_by_its_stages(cached_cpu):
-    import torch
-
+    from hetero.kernels import cpu_threads
     from hetero.planner.resolve import resolve_devices
 
     (one,) = resolve_devices(["cpu"], ThisMachine(progress=False))
     a, b = resolve_devices(["cpu", "cpu"], ThisMachine(progress=False))
     assert (a.id, b.id) == ("cpu", "cpu#2")
-    threads = torch.get_num_threads()
+    threads = cpu_threads.planned()
     f = max(1, threads // 2) / threads  # the pipeline gives each CPU stage threads // 2
     for p in (a, b):
         # free memory is read live at each call: the machine's other work moves it a little
