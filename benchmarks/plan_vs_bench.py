@@ -75,24 +75,17 @@ def _pipeline_engine(model: str, plan_file: str, p: Plan, threads: int = 0):
     dtype, blocks and weights from the file), or for a plan made to run in one process (a GPU
     and the CPU, as hetero-serve plans by itself) one process with the GPU's first layers
     (-ngl), its KV blocks and memory cap those of the plan's GPU stage."""
-    import torch
 
     from hetero.config import PipelineConfig, RuntimeConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
     from hetero.factory import LaunchConfig
     from hetero.launch import build_engine
 
+    # (an in-process plan's GPU memory cap and KV pool: hetero-serve's, set by launch._running)
     blocks = None
     gpus = [s for s in p.stages if not s.base_device.startswith("cpu")]
     if p.in_process and gpus:
-        gpu = gpus[0]
-        blocks = gpu.num_kv_blocks
-        if is_share(gpu.device) and parse_share(gpu.device).memory_cap:
-            dev = torch.device(gpu.base_device)
-            total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(
-                parse_share(gpu.device).memory_cap / total, dev
-            )
+        blocks = gpus[0].num_kv_blocks
     cfg = EngineConfig(
         enable_prefix_caching=False,
         speculative="off",  # the cost model prices plain decode steps

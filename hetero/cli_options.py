@@ -139,8 +139,9 @@ def pipeline_options(f):
         click.option(
             "--devices",
             default=None,
-            help="run as a pipeline over these devices, e.g. cuda:0,cpu or cpu,cpu "
-            "(the planner splits the layers; an even split without it)",
+            help="the devices to plan over: one GPU (or its memory capped, cuda:0@100%:8GB) and "
+            "the CPU run in one process, the GPU's first layers as the planner splits them; "
+            "several GPUs, or cpu,cpu, run as pipeline stages (an even split where one repeats)",
         ),
         click.option(
             "--split",

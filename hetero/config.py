@@ -183,9 +183,14 @@ class RuntimeConfig:
     # --cpu-moe / --n-cpu-moe; model/moe.py)
     cpu_moe: bool = False
     n_cpu_moe: int = 0
+    # Bytes this process may take on its GPU (0: all of it): a GPU share's memory cap
+    # (cuda:0@100%:8GB) when a plan runs in one process; the KV pool is sized within it
+    gpu_memory_cap: int = 0
 
     def __post_init__(self) -> None:
         check_cpu_moe(self.cpu_moe, self.n_cpu_moe)
+        if self.gpu_memory_cap < 0:
+            raise ValueError(f"gpu_memory_cap must be >= 0 bytes, got {self.gpu_memory_cap}")
         if self.device != "auto":
             check_device(self.device, "device")
         self._weights_table()  # refuses a malformed per-device form

@@ -17,6 +17,7 @@ from hetero.config import PipelineConfig, RuntimeConfig
 from hetero.engine.config import EngineConfig, SchedulerConfig
 from hetero.engine.engine import Engine
 from hetero.engine.spec.draft import check_same_vocab
+from hetero.execution.kv_pool import cap_gpu_memory
 from hetero.execution.local import LocalExecutor
 from hetero.gguf_loader import GGUFModel, load_gguf
 from hetero.model.llama import LlamaModel, load_model
@@ -84,6 +85,8 @@ def assemble(
         )
         return Engine(cfg, executor, gguf.config, Tokenizer.from_gguf(gguf.reader))
     rt = launch.runtime.resolved()
+    if rt.gpu_memory_cap and rt.device.startswith("cuda"):
+        cap_gpu_memory(rt.device, rt.gpu_memory_cap)  # before anything is loaded there
     gpu = split_on or (rt.device if _splits(rt) else None)
     if loaded is None and gpu is not None:
         gguf = load_gguf(model_path)

@@ -1,7 +1,10 @@
 """From options to an engine: where the layers go, then the factory.
 
     --split cuda:0=0-19,cpu=20-31   pipeline stages as given (one process each)
-    --devices cuda:0,cpu            the planner's split over these devices as pipeline stages
+    --devices cuda:0,cpu            one GPU and the CPU: the planner's split in one process (the
+                                    GPU's first layers, as -ngl), as `hetero plan` plans them; a
+                                    memory cap (cuda:0@100%:8GB) caps this process there
+    --devices cuda:0,cuda:1,cpu     several GPUs: the planner's split as pipeline stages
                                     (profiled once, cached), or an even split when one repeats
     --plan plan.json                a saved plan (`hetero plan -o`): in one process when it was
                                     planned so (a GPU and the CPU), else as pipeline stages
@@ -21,7 +24,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from hetero.config import PipelineConfig, device_key
+from hetero.config import PipelineConfig, check_device, device_key
 from hetero.engine.engine import Engine
 from hetero.factory import LaunchConfig, assemble
 from hetero.gguf_loader import load_gguf
@@ -38,6 +41,7 @@ from hetero.planner.model_desc import describe
 from hetero.planner.plan import Plan, PlanConfig, check_present
 from hetero.planner.plan import plan as make_plan
 from hetero.planner.resolve import resolve_devices
+from hetero.planner.shares import is_share, parse_share
 from hetero.profiler.machine import ThisMachine, live_devices
 
 log = logging.getLogger("hetero.pipeline")
@@ -91,6 +95,14 @@ def placed(path: str | Path, launch: LaunchConfig) -> LaunchConfig:
         if plan is not None and plan.in_process:
             return _running(launch, plan, reason=f"the plan {pc.plan}")
         return launch
+    if pc.devices and not (pc.split or pc.plan or pc.remote_stages):
+        devices = one_process_devices(pc.devices)
+        if devices is not None:
+            if rt.n_gpu_layers is not None:
+                raise ValueError("give --devices or --n-gpu-layers, not both: the plan sets -ngl")
+            profiles = resolve_devices(devices, ThisMachine())
+            plan = make_plan(describe(str(path)), profiles, plan_config(launch, in_process=True))
+            return _running(launch, plan, reason=f"the planner's split over {pc.devices}")
     device = rt.resolved().device
     if pc.enabled or rt.n_gpu_layers is not None or not device.startswith("cuda"):
         return launch
@@ -133,11 +145,19 @@ def _plan_file(path: str) -> Plan | None:
 
 def _running(launch: LaunchConfig, plan: Plan, reason: str) -> LaunchConfig:
     """The launch running `plan` in this process: its GPU stage's layers on the GPU (-ngl), the
-    CPU stage's on the CPU, each device in the plan's weights mode."""
+    CPU stage's on the CPU, each device in the plan's weights mode, the KV pool no larger than
+    the plan's (it left the GPU room for the streamed prompt matmuls), and the GPU stage's
+    memory cap (a share's, cuda:0@100%:8GB) on this process."""
     gpu = [s for s in plan.stages if not s.base_device.startswith("cpu")]
     cpu = [s for s in plan.stages if s.base_device.startswith("cpu")]
     if len(gpu) > 1 or len(cpu) > 1:
         raise ValueError("an in-process plan holds one GPU stage and one CPU stage at most")
+    if gpu and gpu[0].mps_percentage is not None:
+        raise ValueError(
+            f"{gpu[0].device}: one process takes a GPU's memory cap only (e.g. "
+            f"{gpu[0].base_device}@100%:8GB); a share of its SMs is an MPS client, a pipeline "
+            "stage of its own"
+        )
     weights = ",".join(f"{device_key(s.base_device)}={s.weights}" for s in plan.stages)
     device = gpu[0].base_device if gpu else "cpu"
     n_gpu = gpu[0].n_layers if gpu and cpu else None
@@ -148,8 +168,29 @@ def _running(launch: LaunchConfig, plan: Plan, reason: str) -> LaunchConfig:
     log.info("placement: %s; %s (%.1f tok/s, TTFT %.2f s predicted)", where, reason,
              plan.single_stream_tok_s, plan.ttft_s)  # fmt: skip
     experts = dict(cpu_moe=False, n_cpu_moe=plan.experts_in_ram) if plan.experts_in_ram else {}
-    rt = replace(launch.runtime, device=device, n_gpu_layers=n_gpu, weights=weights, **experts)
-    return replace(launch, runtime=rt, pipeline=replace(launch.pipeline, plan=None))
+    cap = gpu[0].memory_cap if gpu else 0
+    rt = replace(
+        launch.runtime, device=device, n_gpu_layers=n_gpu, weights=weights,
+        gpu_memory_cap=cap or launch.runtime.gpu_memory_cap, **experts,
+    )  # fmt: skip
+    engine = launch.engine
+    if engine.num_kv_blocks is None and plan.num_kv_blocks > 0:
+        engine = replace(engine, num_kv_blocks=plan.num_kv_blocks)
+    pipeline = replace(launch.pipeline, plan=None, devices=None)
+    return replace(launch, runtime=rt, engine=engine, pipeline=pipeline)
+
+
+def one_process_devices(text: str) -> list[str] | None:
+    """--devices as one process runs them (one GPU, or a memory-capped share of it, and the
+    CPU, none repeated), else None (pipeline stages: several GPUs, a device listed twice)."""
+    devices = [d.strip() for d in text.split(",")]
+    bases = [parse_share(d).base if is_share(d) else d for d in devices]
+    for d in bases:
+        check_device(d, "--devices: device")
+    gpus = [d for d in bases if d.startswith("cuda")]
+    if len(gpus) != 1 or len(set(map(device_key, bases))) < len(bases):
+        return None
+    return devices
 
 
 def resolve_stages(

@@ -53,12 +53,35 @@ def block_bytes(cfg: ModelConfig, n_layers: int, block_size: int, kv_dtype: str)
     return 2 * n_layers * block_size * cfg.n_kv_heads * per_token_head
 
 
+# GPU memory caps this process set (cap_gpu_memory): device index -> bytes
+_CAPS: dict[int, int] = {}
+
+
+def cap_gpu_memory(device: str, cap: int) -> None:
+    """Let this process take at most `cap` bytes of the GPU (its caching allocator refuses
+    more), and size what it sizes by free memory within the cap: a GPU share's memory cap
+    (cuda:0@100%:8GB) run in one process, as an MPS memory limit caps a stage process."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    if cap > total:
+        raise ValueError(
+            f"a memory cap of {cap / 1e9:.1f} GB is more than {device}'s {total / 1e9:.1f} GB"
+        )
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
+    _CAPS[index] = cap
+
+
 def free_memory(device: str) -> int:
-    """Bytes free on the device now (after the weights were loaded)."""
+    """Bytes free on the device now (after the weights were loaded); on a GPU this process
+    capped, what the cap leaves beside what the process holds."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index in _CAPS:
+            free = min(free, _CAPS[index] - torch.cuda.memory_reserved(index))
+        return int(max(free, 0))
     return int(psutil.virtual_memory().available)
 
 
