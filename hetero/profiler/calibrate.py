@@ -27,9 +27,13 @@ w(...) is what the cost model predicts for a step's matmuls and KV reads alone:
 (A per-row cost measured on the 6-layer model alone and charged per layer made a 32-layer model's
 batched decode steps a third too slow on the H200: the sampler's per-sequence work is paid once.)
 
-On a CPU the model is tiny (the profile stays quick). On a GPU its attention is 8 KV heads of
-128 (an 8B model's) and the context 1536 tokens at 8 sequences, so the longer context reads tens
-of MB: a tiny model's KV reads are latency, not bandwidth, and gave a meaningless attn_gbs.
+The models are small (the profile stays quick) but their attention is an 8B's: on a GPU 8 KV
+heads of 128 and the context 1536 tokens at 8 sequences, so the longer context reads tens of MB
+(a tiny model's KV reads are latency, not bandwidth, and gave a meaningless attn_gbs); on a CPU
+32 query heads over 8 KV heads of 128 (Llama-3's, Qwen's grouping), one sequence of 512 tokens.
+The tiny model's 4 heads over 2 of 64 misread the CPU both ways: on the 2-core development
+machine it read 12.3 GB/s where an 8B's heads read 7.4 (four query heads a KV head: more work a
+byte), and a 16-core host's threads split 2 KV heads among them.
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ class _Setting:
     num_kv_blocks: int
 
 
-CPU_SETTING = _Setting({}, 1, 512, 1024)
+CPU_SHAPE = dict(n_heads=32, n_kv_heads=8, head_dim=128)  # d_model stays the tiny model's 256
+CPU_SETTING = _Setting(CPU_SHAPE, 1, 512, 1024)
 GPU_SETTING = _Setting(GPU_SHAPE, 8, 1536, 2048)
 
 
