@@ -34,6 +34,9 @@ class KernelImpl:
     # in the form this implementation's integer kernel reads (made in one launch with the
     # quantization), or None where it would not read such a form; `fn` then takes it as x.
     quantize_input: Callable | None = None
+    # Optional: (prepared weight, x, residual or None, norm weight, eps) -> (the RMSNorm of
+    # x + residual in that form, x + residual) in one launch, or None: the norm before the linear
+    quantize_norm: Callable | None = None
 
     @property
     def is_reference(self) -> bool:
@@ -45,8 +48,9 @@ _FORCED: dict[str, str] = {}  # op -> implementation name, while `forcing` is ac
 
 
 def register(
-    op: str, name: str, priority: int = 0, supports=any_device, prepare=None, quantize_input=None
-):
+    op: str, name: str, priority: int = 0, supports=any_device, prepare=None, quantize_input=None,
+    quantize_norm=None,
+):  # fmt: skip
     """Decorator: register `fn` as an implementation of `op` (priority 0 marks the reference)."""
 
     def wrap(fn: Callable) -> Callable:
@@ -55,7 +59,9 @@ def register(
             raise ValueError(f"kernel {name!r} is already registered for op {op!r}")
         if priority == 0 and any(i.is_reference for i in impls):
             raise ValueError(f"op {op!r} already has a reference implementation")
-        impls.append(KernelImpl(op, name, fn, priority, supports, prepare, quantize_input))
+        impls.append(
+            KernelImpl(op, name, fn, priority, supports, prepare, quantize_input, quantize_norm)
+        )
         impls.sort(key=lambda i: -i.priority)
         return fn
 

@@ -11,8 +11,9 @@ waiting with 1.2 eligible warps a scheduler. Here:
   tile split between programs is summed by the last one to finish it (counters, fixed order:
   the same bits every launch).
 - Integer dot products (`int_dot`, bf16 / fp16 activations): x in block fixed point (`xquant`,
-  one small launch, or none where it is fused into the norm or SiLU before), then dp4a on the
-  code words. ptxas (sm_90) instructions a weight, a unit's steady state:
+  one small launch, or none where it is fused into the norm or SiLU before: the hooks
+  `quantize_norm` and `quantize_input`, which the model calls for the linear after them), then
+  dp4a on the code words. ptxas (sm_90) instructions a weight, a unit's steady state:
 
                     Q4_0  Q4_K  Q5_K  Q6_K  Q8_0
       rows          1.52  1.75  2.41  2.71  1.46   (a row a thread: triton_streamk_rows)
@@ -46,7 +47,13 @@ import torch
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
-from hetero.kernels.xquant import QuantizedRows, XLayout, silu_mul_xquant, xquant
+from hetero.kernels.xquant import (
+    QuantizedRows,
+    XLayout,
+    add_rms_norm_xquant,
+    silu_mul_xquant,
+    xquant,
+)
 
 
 @dataclass(frozen=True)
@@ -214,9 +221,28 @@ def quantize_input(
     return QuantizedRows(*silu_mul_xquant(gate, up, layout, activation), layout, gate.dtype)
 
 
+def quantize_norm(
+    qweight: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[QuantizedRows, torch.Tensor] | None:
+    """The RMSNorm before a linear as this weight reads one token by integer dot products: (the
+    norm of x + residual (x without one) as QuantizedRows, x + residual), the add, the norm and
+    the quantization in one launch where they were two; None where the weight reads no such
+    form (the caller norms as usual)."""
+    if x.shape[0] != 1 or not isinstance(qweight, PackedWeight) or x.stride(-1) != 1:
+        return None
+    if residual is not None and residual.stride(-1) != 1:
+        return None
+    cfg = choose(qweight, x)
+    layout = None if cfg is None else _int_layout(qweight, cfg)
+    if layout is None:
+        return None
+    words, floats, total = add_rms_norm_xquant(x, residual, weight, eps, layout)
+    return QuantizedRows(words, floats, layout, x.dtype), total
+
+
 @register(
     "qlinear", "triton_streamk", priority=15, supports=streamk_supported, prepare=prepare_streamk,
-    quantize_input=quantize_input,
+    quantize_input=quantize_input, quantize_norm=quantize_norm,
 )  # fmt: skip
 def qlinear_streamk(
     x: torch.Tensor, qweight: Any, ggml_type: int, shape: tuple[int, int]

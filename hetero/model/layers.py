@@ -83,6 +83,7 @@ class QuantLinear(nn.Module):
         # never repack.
         impl = select("qlinear", torch.device(rt.device))
         self._qlinear, self._quantize_input = impl.fn, impl.quantize_input
+        self._quantize_norm = impl.quantize_norm
         runs = _same_type_runs(weights) if rt.fuse_linears else [[w] for w in weights]
         parts = []
         for run in runs:
@@ -167,10 +168,12 @@ class QuantLinear(nn.Module):
                 impl, embedding.qweight, embedding.ggml_type, embedding.shape
             )
             self._qlinear, self._quantize_input = impl.fn, impl.quantize_input
+            self._quantize_norm = impl.quantize_norm
         return self
 
     # a big step's matmul on another device (execution/offload.py sets it on a CPU segment)
     offload = None
+    _quantize_norm = None  # the kernel's hook for the norm before it (quant mode only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.mode == "dense":
@@ -197,6 +200,16 @@ class QuantLinear(nn.Module):
             return None
         hook = self._quantize_input
         return None if hook is None else hook(self.qweight, gate, up, activation)
+
+    def normed_input(self, x, residual, weight: torch.Tensor, eps: float):
+        """(x + residual, rms_norm(x + residual) * weight as this linear's kernel reads it
+        pre-quantized) from one launch (the add, the norm and the integer decode GEMV's
+        quantization), or None. residual None: x alone."""
+        if self.mode != "quant" or self.parts is not None or self.offload is not None:
+            return None
+        hook = self._quantize_norm
+        out = None if hook is None else hook(self.qweight, x, residual, weight, eps)
+        return None if out is None else (out[1], out[0])
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of the fused parts: [T, N] -> ([T, N0], [T, N1], ...)."""
@@ -237,8 +250,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
         return self._fn(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add fused with the norm that follows it: (x + delta, norm(x + delta))."""
+    def add(
+        self, x: torch.Tensor, delta: torch.Tensor | None, into: QuantLinear | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add fused with the norm that follows it: (x + delta, norm(x + delta));
+        delta None: (x, norm(x)). `into`: the linear the norm feeds, which may take the norm
+        already quantized for its kernel (made in the same launch: QuantLinear.normed_input)."""
+        if into is not None:
+            fused = into.normed_input(x, delta, self.weight, self.eps)
+            if fused is not None:
+                return fused
+        if delta is None:
+            return x, self(x)
         if self._add is None:
             total = x + delta
             return total, self(total)

@@ -128,11 +128,12 @@ class Block(nn.Module):
             out = fast(x, pending, cos, sin, kv)
             if out is not None:
                 return out
-        if pending is None:
-            h = self.attn_norm(x)
-        else:
-            x, h = self.attn_norm.add(x, pending)
-        x, h = self.ffn_norm.add(x, self.attn(h, rotary, cos, sin, batch))
+        # the norms' outputs go to q|k|v and gate|up already quantized where their kernel reads
+        # one token so (the llama family's own modules: another family's take plain tensors)
+        qkv = self.attn.wqkv if isinstance(self.attn, Attention) else None
+        gate_up = self.ffn.gate_up if isinstance(self.ffn, FeedForward) else None
+        x, h = self.attn_norm.add(x, pending, into=qkv)
+        x, h = self.ffn_norm.add(x, self.attn(h, rotary, cos, sin, batch), into=gate_up)
         return x, self.ffn(h)
 
 

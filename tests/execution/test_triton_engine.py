@@ -171,3 +171,34 @@ def test_window_group_with_triton_attention_equals_reference(tmp_path) -> None:
         for (tg, lg), (tw, lw) in zip(got, runs[0]):
             assert tg == tw
             assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=1e-4)
+
+
+def test_norms_quantized_for_the_stream_k_linears(model_file) -> None:
+    """One token a step on the Stream-K decode kernel (16-bit activations: integer dot
+    products): the norms before q|k|v and gate|up hand those linears their input already
+    quantized, made in the norm's own launch. Tokens and logprobs equal those of the same model
+    with that hook taken away (the norm, then the GEMV's own quantization): the same bits."""
+    from hetero.kernels.xquant import QuantizedRows
+    from hetero.model.layers import QuantLinear
+
+    dtype = "fp16" if not CUDA else "bf16"
+    rt = RuntimeConfig(device=str(DEVICE), weights="quant", dtype=dtype, allow_reference=True)
+    prompts = [PROMPTS[0]]  # one sequence: every decode step is one token
+    outs = []
+    with forcing({**TRITON, "qlinear": "triton_streamk"}):
+        for fused in (True, False):
+            loaded = load_model(model_file, rt)
+            model = loaded[1]
+            lins = [m for m in model.modules() if isinstance(m, QuantLinear)]
+            if not fused:
+                for lin in lins:
+                    lin._quantize_norm = None
+            block = model.blocks[0]
+            x = torch.randn(1, SHAPE.d_model, device=DEVICE).to(rt.torch_dtype())
+            got = block.ffn_norm.add(x, x.clone(), into=block.ffn.gate_up)
+            assert isinstance(got[1], QuantizedRows) == fused
+            llm = LLM(loaded=loaded, kv_dtype="fp8", num_kv_blocks=16, block_size=8,
+                      max_model_len=64, enforce_eager=True, device=str(DEVICE))  # fmt: skip
+            o = llm.generate(prompts, GREEDY)[0].outputs[0]
+            outs.append((o.token_ids, [p.logprob for p in o.logprobs]))
+    assert outs[0] == outs[1]

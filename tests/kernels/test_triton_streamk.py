@@ -340,3 +340,32 @@ def test_down_input_quantized_with_its_activation(ggml_type: str) -> None:
     with pytest.raises(ValueError, match="layout"):
         bad = QuantizedRows(xq.words, xq.floats, XLayout(8, 32), xq.dtype)
         streamk.qlinear_streamk(bad, pw, qt, shape)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K"])
+def test_norm_quantized_for_its_linear(ggml_type: str) -> None:
+    """quantize_norm (the residual add, the RMSNorm before q|k|v or gate|up and the GEMV's
+    quantization in one launch) gives the Stream-K kernel the bits that the add-and-norm kernel
+    then xquant give, and the same x + residual; without a residual the norm of x alone; None
+    where the token is not one or the activations are float32."""
+    from hetero.kernels.xquant import QuantizedRows
+
+    _, pw = bytes_weight(ggml_type, 37, 512, seed=7)
+    qt, shape = int(get_quant(ggml_type).ggml_type), (37, 512)
+    dtype = torch.float16 if INTERPRETED else torch.bfloat16
+    x, res = (3 * torch.randn(2, 512, device=DEVICE)).to(dtype).chunk(2)
+    w = torch.rand(512, device=DEVICE) + 0.5
+    norm = next(i for i in implementations("add_rms_norm") if i.name == "triton").fn
+    rms = next(i for i in implementations("rms_norm") if i.name == "triton").fn
+    got = streamk.quantize_norm(pw, x, res, w, 1e-5)
+    assert got is not None and isinstance(got[0], QuantizedRows) and got[0].shape == (1, 512)
+    normed, total = norm(x, res, w, 1e-5)
+    assert torch.equal(got[1], total)
+    y = streamk.qlinear_streamk(got[0], pw, qt, shape)
+    assert torch.equal(y, streamk.qlinear_streamk(normed, pw, qt, shape))
+    alone = streamk.quantize_norm(pw, x, None, w, 1e-5)
+    assert alone is not None and alone[1] is x
+    y = streamk.qlinear_streamk(alone[0], pw, qt, shape)
+    assert torch.equal(y, streamk.qlinear_streamk(rms(x, w, 1e-5), pw, qt, shape))
+    assert streamk.quantize_norm(pw, x.float(), res.float(), w, 1e-5) is None
+    assert streamk.quantize_norm(pw, torch.cat([x, x]), torch.cat([res, res]), w, 1e-5) is None
