@@ -114,12 +114,13 @@ if has setup; then
   if [ "${GPU_TESTS:-1}" = 1 ]; then
     stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
       tests/execution/test_segments.py tests/execution/test_cuda_graph.py \
-      tests/planner/test_planner_cost.py
+      tests/planner/test_planner_cost.py tests/planner/test_launch_devices.py
     tail -3 "$OUT/gpu_tests.log"
-    # the streamed prompt matmuls' decode of the CPU packing, compiled (its tests run wherever
-    # CUDA is, unmarked)
-    stage gpu_tests_qdot 120 "$PY" -m pytest -q -p no:cacheprovider \
-      tests/kernels/test_triton_qdot_dequant.py
+    # the streamed prompt matmuls' decode of the CPU packing, and the norms quantized for the
+    # Stream-K linears, compiled (their tests run wherever CUDA is, unmarked)
+    stage gpu_tests_qdot 180 "$PY" -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_triton_qdot_dequant.py "tests/kernels/test_triton_streamk.py" \
+      "tests/execution/test_triton_engine.py::test_norms_quantized_for_the_stream_k_linears"
     tail -3 "$OUT/gpu_tests_qdot.log"
   fi
 fi

@@ -69,11 +69,20 @@ def build_engine(
     return assemble(path, launch, stages, progress, loaded)
 
 
-def plan_config(launch: LaunchConfig, in_process: bool = False) -> PlanConfig:
-    """What the planner must plan for: this launch's KV, weights and batch limits."""
+def plan_config(
+    launch: LaunchConfig, in_process: bool = False, model_context: int | None = None
+) -> PlanConfig:
+    """What the planner must plan for: this launch's KV, weights and batch limits, and its
+    --max-model-len as the context each sequence's KV must hold (at most the model's
+    `model_context`; none given: the planner's default), so that a shorter context leaves the
+    GPU more layers, as llama.cpp's -c does."""
     rt = launch.runtime
+    context = launch.engine.scheduler.max_model_len
+    if context is not None and model_context is not None:
+        context = min(context, model_context)
     return PlanConfig(
         engine=launch.engine,
+        context=context,
         weights=rt.weights,
         in_process=in_process,
         offload_min_tokens=rt.offload_min_tokens,
@@ -101,16 +110,22 @@ def placed(path: str | Path, launch: LaunchConfig) -> LaunchConfig:
             if rt.n_gpu_layers is not None:
                 raise ValueError("give --devices or --n-gpu-layers, not both: the plan sets -ngl")
             profiles = resolve_devices(devices, ThisMachine())
-            plan = make_plan(describe(str(path)), profiles, plan_config(launch, in_process=True))
-            return _running(launch, plan, reason=f"the planner's split over {pc.devices}")
+            return _running(launch, _one_process_plan(path, profiles, launch),
+                            reason=f"the planner's split over {pc.devices}")  # fmt: skip
     device = rt.resolved().device
     if pc.enabled or rt.n_gpu_layers is not None or not device.startswith("cuda"):
         return launch
     if fits_whole(path, device):  # what the plan would say, without profiling the devices
         return launch
     profiles = resolve_devices([device_key(device), "cpu"], ThisMachine())
-    plan = make_plan(describe(str(path)), profiles, plan_config(launch, in_process=True))
+    plan = _one_process_plan(path, profiles, launch)
     return _running(launch, plan, reason="the planner's split for the devices here")
+
+
+def _one_process_plan(path: str | Path, profiles, launch: LaunchConfig) -> Plan:
+    desc = describe(str(path))
+    config = plan_config(launch, in_process=True, model_context=desc.config.context_length)
+    return make_plan(desc, profiles, config)
 
 
 # A model whose weights take at most this share of a GPU's free memory runs all there without a
@@ -240,7 +255,11 @@ def planned_split(
         )
         return even_split(devices, n_layers)
     profiles = resolve_devices(devices, ThisMachine())
-    result = make_plan(describe(str(model_path)), profiles, config or PlanConfig())
+    desc = describe(str(model_path))
+    config = config or PlanConfig()
+    if config.context is not None and config.context > desc.config.context_length:
+        config = replace(config, context=desc.config.context_length)
+    result = make_plan(desc, profiles, config)
     log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
     return stages_from_plan(result, n_layers)
 

@@ -101,3 +101,22 @@ def test_a_memory_cap_bounds_the_process_and_the_free_memory_it_sees():
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         kv_pool._CAPS.clear()
         torch.cuda.empty_cache()
+
+
+def test_the_one_process_plan_holds_the_context_asked():
+    """--max-model-len is the context the plan's KV holds (llama.cpp's -c): a shorter one leaves
+    the capped GPU more layers; one past the model's is the model's."""
+    from hetero.engine.config import SchedulerConfig
+    from hetero.launch import _one_process_plan
+
+    card = load_spec("rtx4090").replace(id="cuda:0")
+    host = load_spec("desktop-ddr5").replace(id="cpu")
+    devices = [derive_share(card, parse_share("cuda:0@100%:5GB")), host]
+
+    def planned(max_model_len: int | None):
+        engine = EngineConfig(scheduler=SchedulerConfig(max_model_len=max_model_len))
+        return _one_process_plan("synth:llama3-8b:q4_k_m", devices, LaunchConfig(engine=engine))
+
+    default, short, long = planned(None), planned(1024), planned(10**6)
+    assert (default.context, short.context, long.context) == (8192, 1024, 8192)
+    assert short.stages[0].n_layers > default.stages[0].n_layers == long.stages[0].n_layers
