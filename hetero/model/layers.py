@@ -190,7 +190,8 @@ class QuantLinear(nn.Module):
                 x, self.qweight, self.ggml_type, (self.out_features, self.in_features)
             )
         else:
-            y = torch.cat([self._qlinear(x, w, t, shape) for w, t, shape in self.parts], dim=-1)
+            xs = x if isinstance(x, PartInputs) else [x] * len(self.parts)
+            y = torch.cat([self._qlinear(xi, *part) for xi, part in zip(xs, self.parts)], dim=-1)
         return y if self.bias is None else y + self.bias
 
     def quantized_input(self, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"):
@@ -204,16 +205,40 @@ class QuantLinear(nn.Module):
     def normed_input(self, x, residual, weight: torch.Tensor, eps: float):
         """(x + residual, rms_norm(x + residual) * weight as this linear's kernel reads it
         pre-quantized) from one launch (the add, the norm and the integer decode GEMV's
-        quantization), or None. residual None: x alone."""
-        if self.mode != "quant" or self.parts is not None or self.offload is not None:
-            return None
+        quantization), or None. residual None: x alone. A linear of parts of other GGUF types
+        (Q4_K_M's q|k beside a Q6_K v) gets PartInputs: the first part's launch adds and norms,
+        each other part's norms the sum again in its own layout (two launches where the norm
+        and two quantizations were three)."""
         hook = self._quantize_norm
-        out = None if hook is None else hook(self.qweight, x, residual, weight, eps)
-        return None if out is None else (out[1], out[0])
+        if self.mode != "quant" or self.offload is not None or hook is None:
+            return None
+        if self.parts is None:
+            out = hook(self.qweight, x, residual, weight, eps)
+            return None if out is None else (out[1], out[0])
+        first = hook(self.parts[0][0], x, residual, weight, eps)
+        if first is None:
+            return None
+        rows, total = first
+        inputs = [rows]
+        for w, _, _ in self.parts[1:]:
+            out = hook(w, total, None, weight, eps)
+            if out is None:  # a part that reads plain tensors: the norm as usual
+                return None
+            inputs.append(out[0])
+        return total, PartInputs(inputs)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of the fused parts: [T, N] -> ([T, N0], [T, N1], ...)."""
         return y.split(self.splits, dim=-1)
+
+
+class PartInputs(tuple):
+    """The input of a linear of several parts, one per part as that part's kernel reads it
+    (QuantLinear.normed_input): the norm quantized in each part's layout."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self[0].shape
 
 
 class QuantEmbedding(nn.Module):

@@ -179,7 +179,7 @@ def test_norms_quantized_for_the_stream_k_linears(model_file) -> None:
     quantized, made in the norm's own launch. Tokens and logprobs equal those of the same model
     with that hook taken away (the norm, then the GEMV's own quantization): the same bits."""
     from hetero.kernels.xquant import QuantizedRows
-    from hetero.model.layers import QuantLinear
+    from hetero.model.layers import PartInputs, QuantLinear
 
     dtype = "fp16" if not CUDA else "bf16"
     rt = RuntimeConfig(device=str(DEVICE), weights="quant", dtype=dtype, allow_reference=True)
@@ -197,6 +197,12 @@ def test_norms_quantized_for_the_stream_k_linears(model_file) -> None:
             x = torch.randn(1, SHAPE.d_model, device=DEVICE).to(rt.torch_dtype())
             got = block.ffn_norm.add(x, x.clone(), into=block.ffn.gate_up)
             assert isinstance(got[1], QuantizedRows) == fused
+            # the last layer's q|k (Q4_K) beside its v (Q6_K): an input in each part's layout
+            last = model.blocks[-1]
+            assert last.attn.wqkv.parts is not None
+            got = last.attn_norm.add(x, x.clone(), into=last.attn.wqkv)
+            assert isinstance(got[1], PartInputs) == fused
+            assert not fused or [r.layout.group for r in got[1]] == [32, 16]
             llm = LLM(loaded=loaded, kv_dtype="fp8", num_kv_blocks=16, block_size=8,
                       max_model_len=64, enforce_eager=True, device=str(DEVICE))  # fmt: skip
             o = llm.generate(prompts, GREEDY)[0].outputs[0]
