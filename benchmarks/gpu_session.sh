@@ -122,6 +122,12 @@ if has setup; then
       tests/kernels/test_triton_qdot_dequant.py "tests/kernels/test_triton_streamk.py" \
       "tests/execution/test_triton_engine.py::test_norms_quantized_for_the_stream_k_linears"
     tail -3 "$OUT/gpu_tests_qdot.log"
+    # the small kernels launched programmatically (kernels/pdl.py, off by default until
+    # measured): the graphs' tests, the host nodes' (experts in RAM), the engine's kernels
+    stage gpu_tests_pdl 300 env HETERO_PDL=1 "$PY" -m pytest -q -p no:cacheprovider \
+      tests/execution/test_cuda_graph.py tests/execution/test_host_hop.py \
+      tests/execution/test_triton_engine.py
+    tail -3 "$OUT/gpu_tests_pdl.log"
   fi
 fi
 

@@ -9,14 +9,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hetero.kernels.triton_pdl import pdl_wait
+
 
 @triton.jit
 def rms_norm_kernel(
     x, res, w, out, res_out, eps, C, sx, sr, so, sro,
     BC: tl.constexpr, ADD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (rows,): out = rms_norm(x [+ res]) * w. With ADD the sum, rounded to x's dtype, is
     stored to res_out and normalized (the reference rounds x + res first as well)."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     cm = c < C
@@ -59,10 +63,12 @@ def _rotate_pairs(
 def rope_kernel(
     x, cos, sin, out, sx_t, sx_h, sc, so_t, so_h, R, D,
     BR: tl.constexpr, BD: tl.constexpr, NEOX: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, H): rotate the first 2R dims of x[t, h]; dims 2R .. D are copied.
 
     normal (GGML): pairs (x[2i], x[2i+1]); neox: pairs (x[i], x[i + R]); cos/sin [T, R]."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     src = x + t * sx_t + h * sx_h
@@ -77,10 +83,12 @@ def rope_kernel(
 def qk_norm_rope_kernel(
     q, k, wq, wk, cos, sin, qo, ko, eps, sq_t, sq_h, sk_t, sk_h, sc, H, R, D,
     BR: tl.constexpr, BD: tl.constexpr, NEOX: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, H + KV): head h of q (h < H, weight wq) or h - H of k (wk): RMS-normalized over
     its D dims, rounded to the dtype as the unfused norm's output is, then its first 2R dims
     rotated as rope_kernel does; qo [T, H, D] and ko [T, KV, D] are contiguous."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if h < H:
@@ -104,9 +112,12 @@ def qk_norm_rope_kernel(
 
 
 @triton.jit
-def swiglu_oai_kernel(gate, up, out, F, sg, su, so, alpha, limit, BF: tl.constexpr):
+def swiglu_oai_kernel(
+    gate, up, out, F, sg, su, so, alpha, limit, BF: tl.constexpr, PDL: tl.constexpr = False
+):
     """Grid (T, F tiles): out = g sigmoid(alpha g) (clamp(up, -limit, limit) + 1), g =
     min(gate, limit), in float32."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     f = tl.program_id(1) * BF + tl.arange(0, BF)
     fm = f < F
@@ -118,9 +129,10 @@ def swiglu_oai_kernel(gate, up, out, F, sg, su, so, alpha, limit, BF: tl.constex
 
 
 @triton.jit
-def silu_mul_kernel(gate, up, out, F, sg, su, so, BF: tl.constexpr):
+def silu_mul_kernel(gate, up, out, F, sg, su, so, BF: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (T, F tiles): out = silu(gate) * up, silu rounded to the dtype first (as torch's
     F.silu(gate) * up rounds twice)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     f = tl.program_id(1) * BF + tl.arange(0, BF)
     fm = f < F

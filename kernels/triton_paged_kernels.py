@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hetero.kernels.triton_pdl import pdl_wait
+
 FP8_MAX = tl.constexpr(448.0)  # a global a jitted kernel reads must be constexpr
 
 
@@ -67,9 +69,11 @@ def kv_write_kernel(
     k, v, k_cache, v_cache, k_scale, v_scale, slots,
     sk_t, sk_h, sv_t, sv_h,
     KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, KV): quantize token t's head h of k and v and store it at slots[t] (< 0: skip,
     the padding rows of a CUDA-graph batch)."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
@@ -172,6 +176,7 @@ def decode_split_kernel(
     H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
     BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B, KV, splits): the G query heads of KV head h over split s of the sequence's
     context. Each sequence cuts its own length into n_splits runs of whole BN tiles (so a graph
@@ -184,6 +189,7 @@ def decode_split_kernel(
     rows 0) so both products are tensor-core dots. With a sliding window (window > 0) the splits
     cut the window's keys, length - window .. length - 1, instead of the whole context.
     """
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -220,9 +226,11 @@ def decode_split_kernel(
 def decode_reduce_kernel(
     part_o, part_ml, out, sinks, stride_ot, stride_oh, n_splits,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr, SINKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B, H): combine the splits' (m, l, acc) into softmax(qK) V; SINKS: head hq's sink
     logit joins the denominator. A sequence of length 0 (padding) gives 0, not NaN."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.arange(0, BSP)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hetero.kernels.triton_pdl import pdl_wait
+
 
 @triton.jit
 def _dot_element(idx, LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr):
@@ -76,9 +78,11 @@ def _span_elements(LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr,
 def xquant_kernel(
     x_ptr, words_ptr, floats_ptr, K, x_stride,
     LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr, SPAN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, K / SPAN): token t's elements [SPAN * pid, SPAN * (pid + 1)) -> its words and
     unit floats. SPAN holds whole chunks and blocks of 32."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     base, el = _span_elements(LB, GU, REGROUP, SPAN)
     x = tl.load(x_ptr + t * x_stride + el, mask=el < K, other=0).to(tl.float32)
@@ -91,11 +95,13 @@ def add_rms_norm_xquant_kernel(
     x_stride, res_stride, res_out_stride,
     LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr, SPAN: tl.constexpr,
     BK: tl.constexpr, ADD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, K / SPAN): rms_norm(x [+ res]) * w of token t, its span quantized as
     `xquant_kernel` does (the norm rounded to x's dtype first, as the unfused ops round it);
     with ADD the sum x + res (rounded to x's dtype) is stored to res_out by each span's
     program. Every program takes the row's mean square (K elements, from L2 after the first)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BK)
     v = tl.load(x_ptr + t * x_stride + c, mask=c < K, other=0.0)
@@ -119,10 +125,12 @@ def gated_xquant_kernel(
     gate_ptr, up_ptr, words_ptr, floats_ptr, K, g_stride, u_stride, alpha, limit,
     LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr, SPAN: tl.constexpr,
     SWIGLU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, K / SPAN): silu(gate) * up of token t (rounded as the unfused ops round it:
     silu to the dtype, then the product), or with SWIGLU gpt-oss's clamped SwiGLU (as
     swiglu_oai_kernel: float32, rounded once), its span quantized as `xquant_kernel` does."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     base, el = _span_elements(LB, GU, REGROUP, SPAN)
     em = el < K

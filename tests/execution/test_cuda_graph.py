@@ -314,3 +314,31 @@ def test_an_engine_on_the_second_gpu_replays_real_graphs(tmp_path) -> None:
         assert llm.engine.executor.runner.graphs.steps > 0
         outs.append(got)
     _same(outs[0], outs[1], "fp16")
+
+
+def test_programmatic_launch_only_on_cuda_sm90(monkeypatch) -> None:
+    from hetero.kernels import pdl
+
+    monkeypatch.setenv("HETERO_PDL", "1")
+    assert not pdl.pdl_ok("cpu") and pdl.pdl_launch("cpu") == {}
+    if CUDA:
+        on = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl.pdl_ok("cuda") == on
+        assert pdl.pdl_launch("cuda") == ({"PDL": True, "launch_pdl": True} if on else {})
+        monkeypatch.setenv("HETERO_PDL", "0")  # (the default until measured)
+        assert not pdl.pdl_ok("cuda") and pdl.pdl_launch("cuda") == {}
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_with_programmatic_launch_equal_plain_launches(tiny, monkeypatch) -> None:
+    """The small kernels launched programmatically (sm_90+: each waits for the one before it,
+    kernels/pdl.py) give the bits of plain launches: replayed graphs of 5 requests' decode
+    batches, tokens and logprobs equal."""
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HETERO_PDL", flag)
+        got, graphs, _ = _generate(tiny, True, True, "fp8")
+        assert graphs.steps > 0
+        outs.append([(o.outputs[0].token_ids, [p.logprob for p in o.outputs[0].logprobs])
+                     for o in got])  # fmt: skip
+    assert outs[0] == outs[1]
