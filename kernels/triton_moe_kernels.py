@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hetero.kernels.triton_pdl import pdl_wait
 from hetero.kernels.triton_qdecode import _decode_tile, _load_step
 from hetero.kernels.triton_qkernels import _gemv_rows
 
@@ -88,10 +89,12 @@ def _moe_gemv_kernel(
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y[s, tile] = W_e[tile] x[s // x_div] for slot s = program_id(0), e = ids.flat[s],
     tile = program_id(1)'s BN rows: `_qgemv_kernel`'s loop (float32 FMAs on the decoded
     fields, scales factored out of each group's sum) on expert e's rows e * N + r."""
+    pdl_wait(PDL)
     s = tl.program_id(0)
     e = tl.load(ids_ptr + s).to(tl.int64)
     local = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -108,9 +111,11 @@ def _moe_gemv_kernel(
 
 @triton.jit
 def moe_router_kernel(
-    h, w, b, out, E, C, sh, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr
+    h, w, b, out, E, C, sh, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, E / BE): out[t, e] = h[t] . w[e] (+ b[e]) for BE experts, in float32."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     em = e < E
@@ -133,10 +138,12 @@ def moe_route_kernel(
     logits, ids_out, w_out, E,
     BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATING: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T,): token t's K largest logits, largest first (ties: the lower id), and their
     weights: GATING 0, softmax over all E then renormalized over the K where NORM; 1, softmax
     over the K."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     v = tl.load(logits + t * E + e, mask=e < E, other=float("-inf"))
@@ -165,8 +172,11 @@ def moe_route_kernel(
 
 
 @triton.jit
-def moe_combine_kernel(o, w, out, C, so, sout, K: tl.constexpr, BC: tl.constexpr):
+def moe_combine_kernel(
+    o, w, out, C, so, sout, K: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False
+):
     """Grid (T, C / BC): out[t] = sum_j w[t, j] o[t K + j] in float32, rounded once."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C

@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hetero.kernels.triton_pdl import pdl_wait
 from hetero.kernels.triton_qkernels import _split_k_store
 from hetero.kernels.triton_streamk_kernels import _next_unit, _run, _tile_programs
 from hetero.kernels.triton_streamk_rows import _load_rows_unit, _rows_int_step
@@ -55,10 +56,12 @@ def moe_streamk_rows_kernel(
     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y[s, r] = W_ids[s][r] . x[s // x_div] (+ bias[ids[s], r]) for every slot s and row
     r < N, BN = 32 x num_warps rows a tile, the units (global tile, ks) of
     `qgemv_streamk_rows_kernel`. The bias joins the partial sum of a tile's first program."""
+    pdl_wait(PDL)
     u0, u1, tile, ks = _run(U, P, KS, False)
     planes = (codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr)
     strides = (code_stride, grp_stride, sb_stride)
