@@ -180,6 +180,8 @@ def _running(launch: LaunchConfig, plan: Plan, reason: str) -> LaunchConfig:
                       for s in plan.stages)  # fmt: skip
     if plan.experts_in_ram:  # a MoE model's first layers' experts in RAM (model/moe.py)
         where += f", the experts of layers 0-{plan.experts_in_ram - 1} in RAM"
+    if gpu and gpu[0].memory_cap:
+        where += f", this process held to {gpu[0].memory_cap / 1e9:g} GB of {device}"
     log.info("placement: %s; %s (%.1f tok/s, TTFT %.2f s predicted)", where, reason,
              plan.single_stream_tok_s, plan.ttft_s)  # fmt: skip
     experts = dict(cpu_moe=False, n_cpu_moe=plan.experts_in_ram) if plan.experts_in_ram else {}

@@ -39,13 +39,15 @@ def _capped_plan(spec: str):
     return plan(model, [share, host], PlanConfig(in_process=True))
 
 
-def test_a_capped_gpu_plan_runs_with_its_cap_and_kv():
+def test_a_capped_gpu_plan_runs_with_its_cap_and_kv(caplog):
     p = _capped_plan("cuda:0@100%:3GB")  # an 8B Q4_K_M (4.9 GB) spills past 3 GB
     gpu, cpu = p.stages
     assert p.in_process and gpu.memory_cap == 3_000_000_000 and cpu.device == "cpu"
     assert 0 < gpu.n_layers < p.n_layers and p.num_kv_blocks > 0
     asked = LaunchConfig(pipeline=PipelineConfig(devices="cuda:0@100%:3GB,cpu"))
-    launch = _running(asked, p, "test")
+    with caplog.at_level("INFO", logger="hetero.pipeline"):
+        launch = _running(asked, p, "test")
+    assert "this process held to 3 GB of cuda:0" in caplog.text
     rt = launch.runtime
     assert (rt.device, rt.n_gpu_layers, rt.gpu_memory_cap) == ("cuda:0", gpu.n_layers, 3 * 10**9)
     assert rt.weights == "cuda:0=quant,cpu=qdot"
