@@ -23,7 +23,7 @@
 #            ROUNDS times (2): the host's speed drifts within a lease, a pair shares it
 #   profile  `hetero profile --refresh`: the planner's device profiles, cached for what follows
 #   planrow  issue 20's planner row: plan_vs_bench on a 5 GB-capped GPU + the CPU in one process
-#            (prompts of 512 and 128; the first profiles the machine in its own process unless
+#            (prompts of 512, 128, 512 again; the first profiles the machine in its own process unless
 #            the profile stage ran), then the split's 512-token prompt step by op
 #   moe      llama-bench on the MoE files (hetero synth: Qwen3-30B-A3B Q4_K_M, gpt-oss-20b
 #            MXFP4): all on the GPU (decode 1 stream, prompt 512; llama-batched-bench at 32
@@ -346,13 +346,13 @@ if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in o
   # unless the `profile` stage ran (as hetero-serve's first start does: the GPU is measured in a
   # child process, the engine then has the whole cap); then where a CPU layer's prompt time goes
   refresh=$(has profile || echo --refresh)
-  for len in 512 128; do
-    stage planrow_$len 420 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
-      --devices cuda:0@100%:5GB,cpu -c 1 --input-len $len --output-len 32 --rounds 2 \
-      --json "$OUT/planrow_$len.json" $refresh
+  for run in 512 128 512b; do  # (512b: the first row again, a fresh process on the same profile)
+    stage planrow_$run 420 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
+      --devices cuda:0@100%:5GB,cpu -c 1 --input-len ${run%b} --output-len 32 --rounds 2 \
+      --json "$OUT/planrow_$run.json" $refresh
     refresh=
-    grep -E "^c=|^gpu memory \((before|measured)" "$OUT/planrow_$len.log" \
-      || tail -5 "$OUT/planrow_$len.log"
+    grep -E "^c=|^gpu memory \((before|measured)" "$OUT/planrow_$run.log" \
+      || tail -5 "$OUT/planrow_$run.log"
   done
   ngl=$("$PY" -c "import json; print(json.load(open('$OUT/planrow_512.json'))[0]['plan']['stages'][0]['layer_end'])" 2>/dev/null || echo 21)
   stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
