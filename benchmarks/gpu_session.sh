@@ -13,7 +13,8 @@
 #            Q4_K_M with 24 of 32 layers on the GPU (-ngl 24 -t 16), CPU only (-ngl 0 -t 16
 #            -nopo 1: its prompt on the CPU too); llama-batched-bench at 1/16/64 streams
 #   quick    the single-stream rows only, peer and hetero: 8B Q4_K_M all on the GPU (decode,
-#            prompt 512) and with 24 of 32 layers there (-ngl 24, 16 threads)
+#            prompt 512; again with HETERO_PDL=1) and with 24 of 32 layers there (-ngl 24, 16
+#            threads)
 #   gpu      hetero on the GPU: decode 1 and 64 streams, prompt 512 (gpu_engine.py), with the
 #            checked-in GEMV tuning table of the GPU's arch (kernels/gemv_tuning_sm_XY.json)
 #   split    hetero with 24 of 32 layers on the GPU, the rest on the CPU (-ngl 24, 16 threads):
@@ -169,6 +170,10 @@ if has quick; then  # the single-stream rows of both issues, peer and hetero bac
   stage gpu_q4 200 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill 512 \
     --json "$OUT/gpu_q4.json"
   rows "$OUT/gpu_q4.log"
+  # the small kernels launched programmatically (kernels/pdl.py; off by default until measured)
+  stage gpu_q4_pdl 200 env HETERO_PDL=1 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 \
+    --prefill 512 --json "$OUT/gpu_q4_pdl.json"
+  rows "$OUT/gpu_q4_pdl.log"
   stage split_1 240 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 \
     --input-len 512 --output-len 128
   rows "$OUT/split_1.log"
