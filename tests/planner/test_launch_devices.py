@@ -122,3 +122,48 @@ def test_the_one_process_plan_holds_the_context_asked():
     default, short, long = planned(None), planned(1024), planned(10**6)
     assert (default.context, short.context, long.context) == (8192, 1024, 8192)
     assert short.stages[0].n_layers > default.stages[0].n_layers == long.stages[0].n_layers
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_a_capped_plan_runs_in_one_process_within_its_cap(tmp_path):
+    """A plan of a 1B over 1.8 GB of the card and the CPU (its first layers there), run as
+    hetero-serve --plan runs it: one process, the GPU's layers as -ngl, the allocator held to the
+    cap; prompts and decode steps run (the prompt's CPU layers streamed to the GPU)."""
+    import gc
+
+    from hetero.bench import run_bench
+    from hetero.engine.config import SchedulerConfig
+    from hetero.execution import kv_pool
+    from hetero.launch import build_engine
+    from hetero.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "l1b.gguf", "llama3.2-1b", "q4_k_m", progress=False)
+    card = load_spec("rtx4090").replace(id="cuda:0")
+    host = load_spec("desktop-ddr5").replace(id="cpu")
+    share = derive_share(card, parse_share("cuda:0@100%:1.8GB"))
+    p = plan(describe(str(path)), [share, host], PlanConfig(in_process=True, context=512))
+    gpu, cpu = p.stages
+    assert 0 < gpu.n_layers < p.n_layers and p.in_process
+    (tmp_path / "plan.json").write_text(p.to_json())
+    engine_cfg = EngineConfig(speculative="off", scheduler=SchedulerConfig(max_model_len=512))
+    launch = LaunchConfig(
+        engine=engine_cfg, pipeline=PipelineConfig(plan=str(tmp_path / "plan.json"))
+    )
+    assert placed(path, launch).runtime.n_gpu_layers == gpu.n_layers
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(0)
+    engine = None
+    try:
+        engine = build_engine(path, launch)
+        result = run_bench(engine, 2, 1, 96, 8, seed=1)  # 96 tokens: the CPU layers streamed
+        assert len(result.ttft_s) == 2 and len(result.itl_s) > 0
+        assert torch.cuda.max_memory_reserved(0) <= 1.8e9
+        assert kv_pool.free_memory("cuda:0") <= 1.8e9 - torch.cuda.memory_reserved(0)
+    finally:
+        if engine is not None:
+            engine.close()
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        kv_pool._CAPS.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
