@@ -75,21 +75,15 @@ def _pipeline_engine(model: str, plan_file: str, p: Plan, threads: int = 0):
     dtype, blocks and weights from the file), or for a plan made to run in one process (a GPU
     and the CPU, as hetero-serve plans by itself) one process with the GPU's first layers
     (-ngl), its KV blocks and memory cap those of the plan's GPU stage."""
-
     from hetero.config import PipelineConfig, RuntimeConfig
     from hetero.engine.config import EngineConfig, SchedulerConfig
     from hetero.factory import LaunchConfig
     from hetero.launch import build_engine
 
     # (an in-process plan's GPU memory cap and KV pool: hetero-serve's, set by launch._running)
-    blocks = None
-    gpus = [s for s in p.stages if not s.base_device.startswith("cpu")]
-    if p.in_process and gpus:
-        blocks = gpus[0].num_kv_blocks
     cfg = EngineConfig(
         enable_prefix_caching=False,
         speculative="off",  # the cost model prices plain decode steps
-        num_kv_blocks=blocks,
         scheduler=SchedulerConfig(max_num_seqs=max(p.concurrency, 1)),
     )
     rt = RuntimeConfig(device=p.stages[0].base_device or "cpu", threads=threads)

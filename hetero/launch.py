@@ -69,20 +69,14 @@ def build_engine(
     return assemble(path, launch, stages, progress, loaded)
 
 
-def plan_config(
-    launch: LaunchConfig, in_process: bool = False, model_context: int | None = None
-) -> PlanConfig:
+def plan_config(launch: LaunchConfig, in_process: bool = False) -> PlanConfig:
     """What the planner must plan for: this launch's KV, weights and batch limits, and its
-    --max-model-len as the context each sequence's KV must hold (at most the model's
-    `model_context`; none given: the planner's default), so that a shorter context leaves the
-    GPU more layers, as llama.cpp's -c does."""
+    --max-model-len as the context each sequence's KV must hold (none given: the planner's
+    default), so that a shorter context leaves the GPU more layers, as llama.cpp's -c does."""
     rt = launch.runtime
-    context = launch.engine.scheduler.max_model_len
-    if context is not None and model_context is not None:
-        context = min(context, model_context)
     return PlanConfig(
         engine=launch.engine,
-        context=context,
+        context=launch.engine.scheduler.max_model_len,
         weights=rt.weights,
         in_process=in_process,
         offload_min_tokens=rt.offload_min_tokens,
@@ -123,8 +117,15 @@ def placed(path: str | Path, launch: LaunchConfig) -> LaunchConfig:
 
 
 def _one_process_plan(path: str | Path, profiles, launch: LaunchConfig) -> Plan:
+    return _plan_model(path, profiles, plan_config(launch, in_process=True))
+
+
+def _plan_model(path: str | Path, profiles, config: PlanConfig) -> Plan:
+    """The plan of the model file at `path`; a context longer than the model's (the engine
+    serves such a --max-model-len) is planned as the model's."""
     desc = describe(str(path))
-    config = plan_config(launch, in_process=True, model_context=desc.config.context_length)
+    if config.context is not None and config.context > desc.config.context_length:
+        config = replace(config, context=desc.config.context_length)
     return make_plan(desc, profiles, config)
 
 
@@ -257,11 +258,7 @@ def planned_split(
         )
         return even_split(devices, n_layers)
     profiles = resolve_devices(devices, ThisMachine())
-    desc = describe(str(model_path))
-    config = config or PlanConfig()
-    if config.context is not None and config.context > desc.config.context_length:
-        config = replace(config, context=desc.config.context_length)
-    result = make_plan(desc, profiles, config)
+    result = _plan_model(model_path, profiles, config or PlanConfig())
     log.info("pipeline: the planner split %d layers over %s", n_layers, ",".join(devices))
     return stages_from_plan(result, n_layers)
 

@@ -23,14 +23,18 @@ import os
 import torch
 
 
-def pdl_ok(device: torch.device | str) -> bool:
-    """Whether kernels on `device` launch with programmatic dependent launch."""
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether `device` can launch kernels programmatically (griddepcontrol: sm_90 and later,
+    compiled kernels; the Stream-K GEMVs ask this for their tuning table's `pdl`)."""
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get("HETERO_PDL", "0") != "1":
-        return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_ok(device: torch.device | str) -> bool:
+    """Whether the small kernels on `device` launch programmatically (HETERO_PDL=1 asks)."""
+    return os.environ.get("HETERO_PDL", "0") == "1" and pdl_supported(device)
 
 
 def pdl_launch(device: torch.device | str) -> dict:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from hetero.kernels import triton_qmatmul as tq
+from hetero.kernels.pdl import pdl_supported
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
 from hetero.kernels.xquant import (
@@ -111,11 +112,6 @@ def _asm_ok(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _pdl_ok(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): sm_90 and later."""
-    return _asm_ok(device) and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def qgemv_streamk(
     x: torch.Tensor,
     pw: PackedWeight,
@@ -146,7 +142,7 @@ def qgemv_streamk(
     cnt = tq._counters(x.device, sch.tiles)
     args, meta = tq._plane_args(pw)
     asm = _asm_ok(x.device)
-    pdl = cfg.pdl and _pdl_ok(x.device)
+    pdl = cfg.pdl and pdl_supported(x.device)
     launch: dict[str, Any] = {"launch_pdl": True} if pdl else {}
     if cfg.maxnreg and asm:
         launch["maxnreg"] = cfg.maxnreg

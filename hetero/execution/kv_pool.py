@@ -57,12 +57,15 @@ def block_bytes(cfg: ModelConfig, n_layers: int, block_size: int, kv_dtype: str)
 _CAPS: dict[int, int] = {}
 
 
+def _gpu_index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def cap_gpu_memory(device: str, cap: int) -> None:
     """Let this process take at most `cap` bytes of the GPU (its caching allocator refuses
     more), and size what it sizes by free memory within the cap: a GPU share's memory cap
     (cuda:0@100%:8GB) run in one process, as an MPS memory limit caps a stage process."""
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = _gpu_index(torch.device(device))
     total = torch.cuda.get_device_properties(index).total_memory
     if cap > total:
         raise ValueError(
@@ -78,7 +81,7 @@ def free_memory(device: str) -> int:
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        index = _gpu_index(dev)
         if index in _CAPS:
             free = min(free, _CAPS[index] - torch.cuda.memory_reserved(index))
         return int(max(free, 0))
