@@ -1,7 +1,7 @@
 """`hetero plan`'s prediction against `hetero bench`'s measurement, for the same configuration.
 
     python benchmarks/plan_vs_bench.py [MODEL] --devices cpu -c 1 -c 16 [--input-len 64]
-        [--output-len 64] [--refresh] [--json OUT.json]
+        [--output-len 64] [--refresh | --refresh-only cpu] [--json OUT.json]
 
 For each concurrency C: profile the devices (cached), plan MODEL over them, run the engine with
 the plan's weights mode, KV dtype and KV blocks on C requests arriving together (prompts of
@@ -11,7 +11,7 @@ the plan's weights mode, KV dtype and KV blocks on C requests arriving together 
                               step x micro-batches; bench: 1 / median inter-token latency
     aggregate decode tok/s    plan: aggregate_tok_s; bench: C / median inter-token latency
                               (C sequences in lock step gain C tokens a step)
-    TTFT                      plan: ttft_burst_s (C prompts at once); bench: mean TTFT
+    TTFT                      plan: ttft_burst_s (C prompts at once); bench: median TTFT
 
 A one-stage plan runs in this process (a GPU share `cuda:0@70%:32GB` in a child process started
 with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and the memory cap; an MPS daemon must be running). One GPU
@@ -126,7 +126,10 @@ def bench_stage(
     return {
         "per_stream_tok_s": 1 / itl,
         "aggregate_tok_s": p.concurrency / itl,
-        "ttft_s": statistics.fmean(r.ttft_s),
+        "ttft_s": statistics.median(
+            r.ttft_s
+        ),  # a hiccup of the host in one request is not the plan's
+        "ttft_each_s": list(r.ttft_s),
         "output_tok_s_wall": r.output_tok_s,
     }
 
@@ -226,7 +229,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (0: the engine's default per stage)"
     )
-    ap.add_argument("--refresh", action="store_true")
+    ap.add_argument("--refresh", action="store_true", help="profile the machine again first")
+    ap.add_argument(
+        "--refresh-only",
+        action="append",
+        default=[],
+        help="profile only this device again (cpu, cuda:0), the others' profiles cached",
+    )
     ap.add_argument("--json", default=None, help="write every row here")
     return ap.parse_args()
 
@@ -243,7 +252,10 @@ def main() -> None:
 
     model = str(resolve_model(args.model))
     desc = describe(model)
-    devices = resolve_devices(args.devices.split(","), ThisMachine(refresh=args.refresh))
+    devices = resolve_devices(
+        args.devices.split(","),
+        ThisMachine(refresh=args.refresh or bool(args.refresh_only), only=args.refresh_only),
+    )
     rows = []
     for c in args.concurrency or [1, 16]:
         cfg = plan_config(

@@ -259,18 +259,26 @@ def _spec_ab(engine, workloads, concurrencies, input_len, output_len, seed, orac
 @main.command()
 @click.option("--refresh", is_flag=True, help="measure again even when a cached profile matches")
 @click.option(
+    "--only",
+    multiple=True,
+    help="with --refresh: measure only this device again (cpu, cuda:0; repeatable), keeping "
+    "the cached profiles of the others",
+)
+@click.option(
     "--share",
     "shares",
     multiple=True,
     help="also measure a GPU share under CUDA MPS (needs the MPS daemon), e.g. cuda:0@70%:32GB",
 )
 @click.option("--json", "as_json", is_flag=True, help="print the profiles as JSON")
-def profile(refresh, shares, as_json):
+def profile(refresh, only, shares, as_json):
     """Measure this machine's devices (cached per machine; --refresh measures again)."""
     from hetero.cli_plan import run_profile
 
+    if only and not refresh:
+        raise click.UsageError("--only names the devices that --refresh measures again")
     try:
-        run_profile(refresh, shares, as_json)
+        run_profile(refresh, shares, as_json, only)
     except (ValueError, RuntimeError, OSError) as e:
         _fail(e)
 

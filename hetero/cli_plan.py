@@ -31,11 +31,13 @@ from hetero.profiler.machine import (
 )
 
 
-def run_profile(refresh: bool, shares: tuple[str, ...], as_json: bool) -> None:
+def run_profile(
+    refresh: bool, shares: tuple[str, ...], as_json: bool, only: tuple[str, ...] = ()
+) -> None:
     gpus = [d.id for d in live_devices() if d.kind == "cuda"]
     for spec in shares:
         _check_share_here(spec, gpus)
-    profiles = machine_profiles(refresh=refresh, progress=not as_json)
+    profiles = machine_profiles(refresh=refresh, progress=not as_json, only=only)
     measured = dict(cached_shares())
     for spec in shares:
         prof = measure_gpu_subprocess(spec).replace(pipeline_hop_s=host_hop_s(profiles))

@@ -46,7 +46,7 @@ def _norm(x, residual, weight, eps: float):
             x2, res2, weight, out, res_out, eps, c,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
             BC=_pow2(c), ADD=residual is not None, num_warps=4 if c <= 4096 else 8,
-            **pdl_launch(x.device),
+            **pdl_launch(x),
         )  # fmt: skip
     return out.reshape(x.shape), res_out.reshape(x.shape)
 
@@ -76,7 +76,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: st
         _kernels().rope_kernel[(t, h)](
             x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
             out.stride(1), r, d, BR=_pow2(r), BD=_pow2(d), NEOX=style == "neox", num_warps=1,
-            **pdl_launch(x.device),
+            **pdl_launch(x),
         )  # fmt: skip
     return out
 
@@ -98,7 +98,7 @@ def qk_norm_rope_triton(q, k, wq, wk, eps: float, cos, sin, style: str):
         _kernels().qk_norm_rope_kernel[(t, h + kv)](
             q, k, wq, wk, cos, sin, qo, ko, eps, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), cos.stride(0), h, r, d, BR=_pow2(r), BD=_pow2(d),
-            NEOX=style == "neox", num_warps=1, **pdl_launch(q.device),
+            NEOX=style == "neox", num_warps=1, **pdl_launch(q),
         )  # fmt: skip
     return qo, ko
 
@@ -134,6 +134,6 @@ def _gated(kernel, gate: torch.Tensor, up: torch.Tensor, *consts) -> torch.Tenso
             *consts,
             BF=bf,
             num_warps=4,
-            **pdl_launch(g.device),
+            **pdl_launch(g),
         )
     return out.reshape(gate.shape)

@@ -185,7 +185,7 @@ def moe_matmul_triton(
         bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
         _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
             x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:], **meta,
-            BN=bn, S=256 // e, num_warps=_GEMV_WARPS, **pdl_launch(x.device),
+            BN=bn, S=256 // e, num_warps=_GEMV_WARPS, **pdl_launch(x),
         )  # fmt: skip
         return _biased(y, bias, ids)
     bt = block_rows(s, n_experts)
@@ -257,7 +257,7 @@ def _moe_streamk(
         sch.max_programs, tiles, x_div, words.stride(0), floats.stride(0), y.stride(0),
         y if bias is None else bias, 0 if bias is None else bias.stride(0),
         *args[6:], **meta, BN=cfg.bn, S=step, ASM=_asm_ok(x.device), HAS_BIAS=bias is not None,
-        FULL=(k // e) % step == 0, num_warps=cfg.warps, **pdl_launch(x.device),
+        FULL=(k // e) % step == 0, num_warps=cfg.warps, **pdl_launch(x),
     )  # fmt: skip
     return y
 

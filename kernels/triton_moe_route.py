@@ -61,7 +61,7 @@ def moe_router_triton(h: torch.Tensor, weight: torch.Tensor, bias=None) -> torch
         _kernels().moe_router_kernel[(t, -(-e // be))](
             h, weight, bias if bias is not None else weight, out, e, c, h.stride(0),
             HAS_BIAS=bias is not None, BE=be, BC=min(512, _pow2(c)), num_warps=4,
-            **pdl_launch(h.device),
+            **pdl_launch(h),
         )  # fmt: skip
     return out
 
@@ -81,7 +81,7 @@ def moe_route_triton(
     if t:
         _kernels().moe_route_kernel[(t,)](
             logits, ids, w, e, BE=_pow2(e), K=k, BK=_pow2(k), GATING=GATING[gating],
-            NORM=norm, num_warps=1 if e <= 256 else 4, **pdl_launch(logits.device),
+            NORM=norm, num_warps=1 if e <= 256 else 4, **pdl_launch(logits),
         )  # fmt: skip
     return ids, w
 
@@ -97,6 +97,6 @@ def moe_combine_triton(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bc = min(1024, _pow2(c))
         _kernels().moe_combine_kernel[(t, -(-c // bc))](
             o, w.float().contiguous(), out, c, o.stride(0), out.stride(0), K=k, BC=bc,
-            num_warps=4, **pdl_launch(o.device),
+            num_warps=4, **pdl_launch(o),
         )  # fmt: skip
     return out

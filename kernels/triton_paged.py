@@ -70,7 +70,7 @@ def kv_write_triton(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
     _kernels().kv_write_kernel[(t, kv)](
         k, v, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        KV=kv, D=d, BD=_pow2(d), FP8=fp8, **pdl_launch(k.device),
+        KV=kv, D=d, BD=_pow2(d), FP8=fp8, **pdl_launch(k),
     )  # fmt: skip
 
 
@@ -105,11 +105,11 @@ def paged_decode(
         q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens, part_o,
         part_ml, scale, q.stride(0), q.stride(1), bt.stride(0), n, window,
         H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d), BS=meta.block_size,
-        BN=DECODE_BN, FP8=fp8, IEEE=q.dtype == torch.float32, **pdl_launch(q.device),
+        BN=DECODE_BN, FP8=fp8, IEEE=q.dtype == torch.float32, **pdl_launch(q),
     )  # fmt: skip
     kern.decode_reduce_kernel[(b, h)](
         part_o, part_ml, out, q if sinks is None else sinks, out.stride(0), out.stride(1), n,
-        H=h, D=d, BD=_pow2(d), BSP=_pow2(n), SINKS=sinks is not None, **pdl_launch(q.device),
+        H=h, D=d, BD=_pow2(d), BSP=_pow2(n), SINKS=sinks is not None, **pdl_launch(q),
     )  # fmt: skip
     return out
 

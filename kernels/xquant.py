@@ -154,7 +154,7 @@ def xquant(x: torch.Tensor, layout: XLayout) -> tuple[torch.Tensor, torch.Tensor
     xquant_kernel[(t, -(-k // span))](
         x, words, floats, k, x.stride(0),
         LB=layout.low_bits, GU=layout.unit, REGROUP=layout.regroup, SPAN=span, num_warps=2,
-        **pdl_launch(x.device),
+        **pdl_launch(x),
     )  # fmt: skip
     return words, floats
 
@@ -198,7 +198,7 @@ def add_rms_norm_xquant(
         x, res, weight, total, words, floats, eps, k, x.stride(0), res.stride(0),
         total.stride(0), LB=layout.low_bits, GU=layout.unit, REGROUP=layout.regroup,
         SPAN=span, BK=1 << max(0, k - 1).bit_length(), ADD=residual is not None, num_warps=4,
-        **pdl_launch(x.device),
+        **pdl_launch(x),
     )  # fmt: skip
     return words, floats, total
 
@@ -231,6 +231,6 @@ def silu_mul_xquant(
     gated_xquant_kernel[(t, -(-f // span))](
         gate, up, words, floats, f, gate.stride(0), up.stride(0), OAI_ALPHA, OAI_LIMIT,
         LB=layout.low_bits, GU=layout.unit, REGROUP=layout.regroup, SPAN=span,
-        SWIGLU=activation == "swiglu_oai", num_warps=2, **pdl_launch(gate.device),
+        SWIGLU=activation == "swiglu_oai", num_warps=2, **pdl_launch(gate),
     )  # fmt: skip
     return words, floats

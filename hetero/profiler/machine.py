@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -187,17 +188,34 @@ def save(fp: str, devices: list[DeviceProfile], shares: dict[str, DeviceProfile]
     return path
 
 
-def machine_profiles(refresh: bool = False, progress: bool = True) -> list[DeviceProfile]:
+def machine_profiles(
+    refresh: bool = False, progress: bool = True, only: Sequence[str] = ()
+) -> list[DeviceProfile]:
     """Profiles of the devices present now: cached when the fingerprint matches, else measured.
+    With `refresh` and `only` (device ids, e.g. ["cpu"]), only those devices are measured again
+    and the others keep their cached profiles (all are measured when the cache lacks one).
     Free memory is always the live value."""
     live = live_devices()
+    unknown = sorted(set(only) - {d.id for d in live})
+    if unknown:
+        raise ValueError(
+            f"no device {', '.join(unknown)} here to profile again "
+            f"(present: {', '.join(d.id for d in live)})"
+        )
     fp = fingerprint(live)
     old = load_cached(fp)
     cached = None if refresh else old
     if cached is not None and [p.id for p in cached["devices"]] != [d.id for d in live]:
         cached = None  # not these devices (a hand-edited or damaged cache): measure again
     if cached is None:
-        profiles = measure(live, progress)
+        kept = {p.id: p for p in old["devices"]} if (old and refresh and only) else {}
+        fresh = {
+            p.id: p
+            for p in measure([d for d in live if d.id in only or d.id not in kept], progress)
+        }
+        merged = [fresh.get(d.id) or kept[d.id] for d in live]
+        hop = host_hop_s(merged)  # the host's hand-off, measured with the CPU, for every GPU
+        profiles = [p if p.is_cpu else p.replace(pipeline_hop_s=hop) for p in merged]
         save(fp, profiles, old["shares"] if old else {})
     else:
         profiles = cached["devices"]
@@ -226,14 +244,14 @@ class ThisMachine:
     """The planner's view of this machine (planner/resolve.py's Machine): its devices now, their
     profiles measured on first use (or read from the cache), measured GPU shares."""
 
-    def __init__(self, refresh: bool = False, progress: bool = True):
-        self.refresh, self.progress = refresh, progress
+    def __init__(self, refresh: bool = False, progress: bool = True, only: Sequence[str] = ()):
+        self.refresh, self.progress, self.only = refresh, progress, tuple(only)
         self._profiles: list[DeviceProfile] | None = None
 
     @property
     def profiles(self) -> list[DeviceProfile]:
         if self._profiles is None:
-            self._profiles = machine_profiles(self.refresh, self.progress)
+            self._profiles = machine_profiles(self.refresh, self.progress, self.only)
         return self._profiles
 
     @property

@@ -107,7 +107,8 @@ def test_xquant_kernel_equals_its_reference(layout: XLayout) -> None:
 def _unpack(words: torch.Tensor, layout: XLayout) -> torch.Tensor:
     """xquant words [T, K/E, 2, J, 4] -> m [T, K] in element order (the test's own inverse)."""
     t, n_chunks = words.shape[:2]
-    b = (words.reshape(t, n_chunks, 2, -1, 1).to(torch.int64) >> (8 * torch.arange(4))) & 255
+    shifts = 8 * torch.arange(4, device=words.device)
+    b = (words.reshape(t, n_chunks, 2, -1, 1).to(torch.int64) >> shifts) & 255
     hi = torch.where(b[:, :, 0] >= 128, b[:, :, 0] - 256, b[:, :, 0])  # signed bytes
     m_perm = (hi * 256 + b[:, :, 1]).reshape(t, n_chunks, -1)  # [T, chunks, E] permuted
     m = torch.empty_like(m_perm)

@@ -254,6 +254,50 @@ def test_a_device_gone_since_profiling_is_refused(tmp_path, monkeypatch):
     assert resolve_devices(["cpu"], ThisMachine(progress=False))[0].id == "cpu"
 
 
+def test_refresh_only_names_a_device_of_this_machine(tmp_path, monkeypatch):
+    """`hetero profile --refresh --only DEVICE`: a device that is not here is refused before
+    anything is measured; --only without --refresh is a usage error."""
+    from hetero.profiler import machine as profile
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(
+        ValueError, match=r"no device cuda:7 here to profile again \(present: .*cpu"
+    ):
+        profile.machine_profiles(refresh=True, progress=False, only=["cuda:7"])
+    assert not (tmp_path / "hetero").exists()  # nothing measured, nothing cached
+    r = run_cli("profile", "--only", "cpu", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "--only names the devices that --refresh" in r.stderr
+    r = run_cli("profile", "--refresh", "--only", "cuda:7", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 1 and "no device cuda:7 here" in r.stderr
+
+
+@pytest.mark.gpu
+def test_refresh_only_the_cpu_keeps_the_gpus_cached_profile(tmp_path, monkeypatch):
+    """A cached profile (datasheet numbers stand in for this machine's measurement), then the
+    CPU measured again alone: every GPU keeps its cached profile but for the host hand-off,
+    which comes from the new CPU measurement."""
+    from hetero.profiler import machine as profile
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    live = profile.live_devices()
+    stand_in = [
+        load_spec("desktop-ddr5" if d.kind == "cpu" else "rtx4090").replace(id=d.id) for d in live
+    ]
+    profile.save(profile.fingerprint(live), stand_in, {})
+    got = profile.machine_profiles(refresh=True, progress=False, only=["cpu"])
+    cpu = got[-1]
+    assert cpu.id == "cpu" and cpu.source == "measured" and stand_in[-1].source != "measured"
+    for old, new in zip(stand_in[:-1], got[:-1], strict=True):
+        assert new.replace(memory_free=0, pipeline_hop_s=0) == old.replace(
+            memory_free=0, pipeline_hop_s=0
+        )
+        assert new.pipeline_hop_s == cpu.pipeline_hop_s
+    doc = profile.load_cached(profile.fingerprint(live))
+    assert (
+        doc["devices"][-1].source == "measured" and doc["devices"][0].bus_id == stand_in[0].bus_id
+    )
+
+
 def test_gpu_matmul_measurement_runs_the_registry_kernels_on_small_shapes():
     """The GPU profile's qlinear measurement, run on the CPU (the registry picks the torch
     reference there) at a small shape: the same code path the GPU takes."""
