@@ -13,8 +13,8 @@
 #            Q4_K_M with 24 of 32 layers on the GPU (-ngl 24 -t 16), CPU only (-ngl 0 -t 16
 #            -nopo 1: its prompt on the CPU too); llama-batched-bench at 1/16/64 streams
 #   quick    the single-stream rows only, peer and hetero: 8B Q4_K_M all on the GPU (decode,
-#            prompt 512; again with HETERO_PDL=1) and with 24 of 32 layers there (-ngl 24, 16
-#            threads)
+#            prompt 512; decode at 1-16 streams with programmatic launches off and on at every
+#            size, HETERO_PDL=0/1) and with 24 of 32 layers there (-ngl 24, 16 threads)
 #   gpu      hetero on the GPU: decode 1 and 64 streams, prompt 512 (gpu_engine.py), with the
 #            checked-in GEMV tuning table of the GPU's arch (kernels/gemv_tuning_sm_XY.json)
 #   split    hetero with 24 of 32 layers on the GPU, the rest on the CPU (-ngl 24, 16 threads):
@@ -123,8 +123,8 @@ if has setup; then
       tests/kernels/test_triton_qdot_dequant.py "tests/kernels/test_triton_streamk.py" \
       "tests/execution/test_triton_engine.py::test_norms_quantized_for_the_stream_k_linears"
     tail -3 "$OUT/gpu_tests_qdot.log"
-    # the small kernels launched programmatically (kernels/pdl.py, off by default until
-    # measured): the graphs' tests, the host nodes' (experts in RAM), the engine's kernels
+    # the small kernels launched programmatically at every step size (kernels/pdl.py: by
+    # default up to 8 rows): the graphs' tests, the host nodes' (experts in RAM), the engine's
     stage gpu_tests_pdl 300 env HETERO_PDL=1 "$PY" -m pytest -q -p no:cacheprovider \
       tests/execution/test_cuda_graph.py tests/execution/test_host_hop.py \
       tests/execution/test_triton_engine.py
@@ -170,9 +170,13 @@ if has quick; then  # the single-stream rows of both issues, peer and hetero bac
   stage gpu_q4 200 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill 512 \
     --json "$OUT/gpu_q4.json"
   rows "$OUT/gpu_q4.log"
-  # the small kernels launched programmatically (kernels/pdl.py; off by default until measured)
-  stage gpu_q4_pdl 200 env HETERO_PDL=1 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 \
-    --prefill 512 --json "$OUT/gpu_q4_pdl.json"
+  # the small kernels launched plainly (kernels/pdl.py: programmatic launches are the default
+  # for steps of at most 8 rows), 1 to 16 streams, against the default
+  stage gpu_q4_nopdl 200 env HETERO_PDL=0 "$PY" benchmarks/gpu_engine.py "$Q4" \
+    --batches 1,2,4,8,16 --prefill "" --json "$OUT/gpu_q4_nopdl.json"
+  rows "$OUT/gpu_q4_nopdl.log"
+  stage gpu_q4_pdl 200 env HETERO_PDL=1 "$PY" benchmarks/gpu_engine.py "$Q4" \
+    --batches 1,2,4,8,16 --prefill "" --json "$OUT/gpu_q4_pdl.json"
   rows "$OUT/gpu_q4_pdl.log"
   stage split_1 240 "${BENCH[@]}" "$Q4" --device cuda -ngl 24 --threads 16 -c 1 -n 3 \
     --input-len 512 --output-len 128
@@ -350,7 +354,7 @@ if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in o
   # hetero-serve plans it, predicted against measured; the first row profiles the machine first
   # unless the `profile` stage ran (as hetero-serve's first start does: the GPU is measured in a
   # child process, the engine then has the whole cap); then where a CPU layer's prompt time goes
-  refresh=$(has profile || echo --refresh)
+  refresh=$(has profile || echo "${PLANROW_REFRESH:---refresh}")  # or "--refresh-only cpu"
   for run in 512 128 512b; do  # (512b: the first row again, a fresh process on the same profile)
     stage planrow_$run 420 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
       --devices cuda:0@100%:5GB,cpu -c 1 --input-len ${run%b} --output-len 32 --rounds 2 \

@@ -11,11 +11,13 @@ even one that reads nothing of its predecessor's, so that kernel N+2 never overt
 wait is the kernel's first statement (`triton_pdl.pdl_wait`), ahead of any load or store (a
 buffer the allocator hands out again may still be read by the kernel before).
 
-On by default for steps of at most `PDL_MAX_ROWS` rows (measured on the H200, thirteenth session:
-the dense 8B Q4_K_M's single-stream decode 253 -> 277 tok/s; 64 streams 5,646 -> 5,230, the
-early-launched programs waiting beside the step's larger kernels). `HETERO_PDL=0` turns it off,
-`HETERO_PDL=1` on at every size (the Stream-K GEMVs keep their tuning table's choice either way,
-`streamk.StreamKConfig.pdl`). CUDA before sm_90 and Triton's interpreter have no such launch.
+On by default for steps of at most `PDL_MAX_ROWS` rows. Measured on the H200 (thirteenth session,
+`benchmarks/gpu_engine.py` on the dense 8B Q4_K_M, HETERO_PDL=0 against =1 in one call): decode
+at 1 stream 256 -> 280 tok/s, at 16 streams 2,138 -> 2,068 aggregate, at 64 5,725 -> 5,566 (the
+early-launched programs wait beside the larger steps' kernels); between 1 and 16 not yet
+measured. `HETERO_PDL=0` turns it off, `HETERO_PDL=1` on at every size (the Stream-K GEMVs keep
+their tuning table's choice either way, `streamk.StreamKConfig.pdl`). CUDA before sm_90 and
+Triton's interpreter have no such launch.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def pdl_supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-# Steps of more rows launch plainly (HETERO_PDL unset): the largest row count where it helped
-PDL_MAX_ROWS = 16
+# Steps of more rows launch plainly (HETERO_PDL unset): one stream's decode, and its verify steps
+# of 1 + k guessed rows (k <= 7), gain; 16 streams lose
+PDL_MAX_ROWS = 8
 
 
 def pdl_ok(device: torch.device | str, rows: int = 1) -> bool:
