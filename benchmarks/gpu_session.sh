@@ -24,8 +24,9 @@
 #            ROUNDS times (2): the host's speed drifts within a lease, a pair shares it
 #   profile  `hetero profile --refresh`: the planner's device profiles, cached for what follows
 #   planrow  issue 20's planner row: plan_vs_bench on a 5 GB-capped GPU + the CPU in one process
-#            (prompts of 512, 128, 512 again; the first profiles the machine in its own process unless
-#            the profile stage ran), then the split's 512-token prompt step by op
+#            (prompts of 512, 128, 512 again, 3 requests each, median TTFT; the first profiles the
+#            machine unless the profile stage ran: PLANROW_REFRESH="--refresh-only cpu" measures
+#            only the host again), then the split's 512-token prompt step by op
 #   moe      llama-bench on the MoE files (hetero synth: Qwen3-30B-A3B Q4_K_M, gpt-oss-20b
 #            MXFP4): all on the GPU (decode 1 stream, prompt 512; llama-batched-bench at 32
 #            streams), experts in RAM (-ncmoe 99, 16 threads), gpt-oss decode
@@ -357,7 +358,7 @@ if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in o
   refresh=$(has profile || echo "${PLANROW_REFRESH:---refresh}")  # or "--refresh-only cpu"
   for run in 512 128 512b; do  # (512b: the first row again, a fresh process on the same profile)
     stage planrow_$run 420 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
-      --devices cuda:0@100%:5GB,cpu -c 1 --input-len ${run%b} --output-len 32 --rounds 2 \
+      --devices cuda:0@100%:5GB,cpu -c 1 --input-len ${run%b} --output-len 32 --rounds 3 \
       --json "$OUT/planrow_$run.json" $refresh
     refresh=
     grep -E "^c=|^gpu memory \((before|measured)" "$OUT/planrow_$run.log" \
