@@ -45,6 +45,10 @@
 #   probe    where a step's time goes, no peer (PEER_BUILD=0 keeps the build from competing for
 #            the host's cores): the CPU's decode at 16 threads (cProfile), the GPU's dense and
 #            gpt-oss decode steps by kernel, the dense step's host phases, the --cpu-moe decode
+#   kerneltests  every Triton kernel test file compiled on the GPU, whole (they run unmarked
+#            wherever CUDA is; two of them had never run compiled until the thirteenth session
+#            found them failing there), then the engine's tests with programmatic launches at
+#            every size (HETERO_PDL=1)
 #   cpuhost  the host's CPU alone (no GPU work, no peer): its read bandwidth, the qdot kernel's
 #            GB/s at 1-16 threads (Q4_K, Q6_K), its T = 512 tile path per instruction set, the
 #            unpack's ns a unit (cpu_qunpack_micro.c)
@@ -349,6 +353,18 @@ fi
 if has profile; then  # the planner's device profiles (cached for the calls that follow)
   stage profile 200 "$PY" -m hetero.cli profile --refresh
   tail -12 "$OUT/profile.log"
+fi
+
+if has kerneltests; then
+  stage kernel_tests 480 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_*.py \
+    tests/kernels/test_fused_linears.py tests/kernels/test_qdispatch.py \
+    tests/model/test_triton_codebook_model.py tests/execution/test_triton_engine.py \
+    tests/execution/test_cuda_graph.py tests/execution/test_graph_inputs.py
+  tail -12 "$OUT/kernel_tests.log"
+  stage kernel_tests_pdl 300 env HETERO_PDL=1 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/execution/test_triton_engine.py tests/execution/test_host_hop.py \
+    tests/kernels/test_triton_moe.py
+  tail -5 "$OUT/kernel_tests_pdl.log"
 fi
 
 if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in one process, as
