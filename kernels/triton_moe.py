@@ -257,7 +257,7 @@ def _moe_streamk(
         sch.max_programs, tiles, x_div, words.stride(0), floats.stride(0), y.stride(0),
         y if bias is None else bias, 0 if bias is None else bias.stride(0),
         *args[6:], **meta, BN=cfg.bn, S=step, ASM=_asm_ok(x.device), HAS_BIAS=bias is not None,
-        FULL=(k // e) % step == 0, num_warps=cfg.warps, **pdl_launch(x),
+        FULL=(k // e) % step == 0, num_warps=cfg.warps, **pdl_launch(words),
     )  # fmt: skip
     return y
 
