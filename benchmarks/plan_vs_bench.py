@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from hetero.cli_plan import in_one_process, plan_config
 from hetero.planner.model_desc import describe
@@ -113,6 +114,7 @@ def bench_stage(
             gpu_memory(p, "built")
             run_bench(engine, c, c, input_len, 4, seed=1)  # warm-up at the measured shapes
             gpu_memory(p, "warmed up")
+            host_load("measured")  # a busy host reads slow: the row says so
             r = run_bench(engine, rounds * c, c, input_len, output_len, seed=0)
             gpu_memory(p, "measured")
         except torch.OutOfMemoryError:
@@ -132,6 +134,30 @@ def bench_stage(
         "ttft_each_s": list(r.ttft_s),
         "output_tok_s_wall": r.output_tok_s,
     }
+
+
+def host_load(when: str) -> None:
+    """The host's load average and the other processes taking a core or more, as the
+    measurement starts (call 1 of the thirteenth session had one row 20% slow throughout)."""
+    import psutil
+
+    procs = [q for q in psutil.process_iter(["pid", "name"]) if q.pid != os.getpid()]
+    for q in procs:
+        try:
+            q.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(0.5)
+    busy = []
+    for q in procs:
+        try:
+            pct = q.cpu_percent(None)
+        except psutil.Error:
+            continue
+        if pct >= 50:
+            busy.append(f"{q.info['name']} (pid {q.pid}) {pct:.0f}%")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"host ({when}): load average {load}; busy: {'; '.join(busy) or 'none'}", flush=True)
 
 
 def gpu_memory(p: Plan, when: str, census: bool = False) -> None:

@@ -155,6 +155,12 @@ def test_plan_vs_bench_runs_a_two_stage_plan(cached_cpu, tiny_llama, tmp_path):
     split = ", ".join(f"{s['device']} {s['layer_start']}-{s['layer_end'] - 1}" for s in stages)
     assert f"c=2: plan {split};" in done.stdout
     assert r["measured"]["per_stream_tok_s"] > 0
+    # TTFT: the median of the rounds x C requests, each kept; the host's load as measured
+    each = r["measured"]["ttft_each_s"]
+    assert len(each) == 2 and r["measured"]["ttft_s"] == pytest.approx(
+        sorted(each)[0] / 2 + sorted(each)[1] / 2
+    )
+    assert "host (measured): load average " in done.stdout
     assert r["predicted"]["aggregate_tok_s"] == pytest.approx(
         2 * r["predicted"]["per_stream_tok_s"]
     )
