@@ -371,8 +371,9 @@ if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in o
   # hetero-serve plans it, predicted against measured; the first row profiles the machine first
   # unless the `profile` stage ran (as hetero-serve's first start does: the GPU is measured in a
   # child process, the engine then has the whole cap); then where a CPU layer's prompt time goes
-  refresh=$(has profile || echo "${PLANROW_REFRESH:---refresh}")  # or "--refresh-only cpu"
-  for run in 512 128 512b; do  # (512b: the first row again, a fresh process on the same profile)
+  refresh=$(has profile || echo "${PLANROW_REFRESH---refresh}")  # "--refresh-only cpu", or "" (the cached)
+  for run in ${PLANROW_RUNS:-512 128 512b}; do  # (512b: the first row again, a fresh process on
+    # the same profile; PLANROW_RUNS picks rows, PLANROW_PROMPT=0 leaves the prompt profile out)
     stage planrow_$run 420 "$PY" benchmarks/plan_vs_bench.py "$Q4" \
       --devices cuda:0@100%:5GB,cpu -c 1 --input-len ${run%b} --output-len 32 --rounds 3 \
       --json "$OUT/planrow_$run.json" $refresh
@@ -381,9 +382,9 @@ if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in o
       || tail -5 "$OUT/planrow_$run.log"
   done
   ngl=$("$PY" -c "import json; print(json.load(open('$OUT/planrow_512.json'))[0]['plan']['stages'][0]['layer_end'])" 2>/dev/null || echo 21)
-  stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
+  [ "${PLANROW_PROMPT:-1}" = 1 ] && stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
     --threads 16 -c 1 --steps 2 --input-len 512 --profile 30 --warm-prefill --ops 40
-  grep -vE "^\s*$" "$OUT/planrow_prompt.log" | head -45
+  [ "${PLANROW_PROMPT:-1}" = 1 ] && grep -vE "^\s*$" "$OUT/planrow_prompt.log" | head -45
 fi
 
 if has probe; then  # where a step's time goes: the CPU's decode at 16 threads, the GPU's dense
