@@ -207,12 +207,14 @@ def silu_mul_xquant_ref(
     gate: torch.Tensor, up: torch.Tensor, layout: XLayout, activation: str = "silu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(words, floats) of silu(gate) * up (or gpt-oss's clamped SwiGLU, activation
-    "swiglu_oai"): the feed-forward's input to its down projection."""
+    "swiglu_oai"): the feed-forward's input to its down projection. The activation in float32,
+    rounded to the input's dtype once (as the fused kernel: bfloat16 arithmetic op by op would
+    round the clamped SwiGLU four times, two steps of bfloat16 from it)."""
     from hetero.kernels.moe import swiglu_oai
     from hetero.kernels.reference import silu_mul_ref
 
     act = silu_mul_ref if activation == "silu" else swiglu_oai
-    return xquant_ref(act(gate, up), layout)
+    return xquant_ref(act(gate.float(), up.float()).to(gate.dtype), layout)
 
 
 def silu_mul_xquant(
