@@ -29,13 +29,11 @@ min(S, E) * (BT - 1) + S rows.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hetero.kernels.mmq import mmq_ok, moe_mmq
 from hetero.kernels.moe import moe_matmul_ref, slot_row_div
 from hetero.kernels.pdl import pdl_launch
 from hetero.kernels.registry import register
@@ -67,10 +65,6 @@ GEMV_BLOCK_N = 32
 # by the float GEMV, 55-58 by this one (64-128 rows a tile); Qwen3-30B-A3B's Q4_K / Q6_K 23.4 by
 # the float GEMV, 26.3-29.3 by this one (its two activation quantizations included). So the
 # codebook types take it, and linear codes only with GEMV_INT_LINEAR.
-# The sorted blocks of K-quant experts (Q4_K, Q5_K, Q6_K) with 16-bit activations on the int8
-# tensor cores against 8-bit activations (kernels/mmq.py) instead of decoding the weights to
-# bf16: HETERO_MMQ=1 (on) / 0 (off)
-MMQ = os.environ.get("HETERO_MMQ", "0") == "1"
 GEMV_INT = StreamKConfig(bn=128, step=256, ctas_per_sm=4, warps=4, rows=True)
 GEMV_INT_LINEAR = False
 
@@ -196,9 +190,6 @@ def moe_matmul_triton(
         return _biased(y, bias, ids)
     bt = block_rows(s, n_experts)
     sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
-    if MMQ and mmq_ok(pw, x.dtype):  # (the bias added after, as for the float blocks)
-        moe_mmq(x, pw, n, x_div, y, sorted_ids, expert_ids, bt, s)
-        return _biased(y, bias, topk_ids.reshape(-1))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (expert_ids.shape[0], -(-n // BLOCK_N))
     _kernels()._moe_mm_kernel[grid](
