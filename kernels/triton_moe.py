@@ -49,7 +49,12 @@ from hetero.kernels.triton_qmatmul import (
 )
 from hetero.kernels.xquant import QuantizedRows, XLayout, silu_mul_xquant, xquant
 
+# The sorted blocks' kernel: output rows a program, codes of K a step, warps, software-pipeline
+# stages (None: Triton's default); benchmarks/gpu_moe.py --mm-configs sweeps them
 BLOCK_N = 64
+MM_STEP = 128
+MM_WARPS = 4
+MM_STAGES: int | None = None
 # Up to this many slots (T * k), each slot reads its expert's rows on its own (the GEMV kernel):
 # a decode step's k slots choose k distinct experts, so sorting them would only add launches and
 # pad each expert's one row to a tensor-core tile of 16
@@ -192,9 +197,11 @@ def moe_matmul_triton(
     sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (expert_ids.shape[0], -(-n // BLOCK_N))
+    stages = {} if MM_STAGES is None else {"num_stages": MM_STAGES}
     _kernels()._moe_mm_kernel[grid](
         x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0), y.stride(0),
-        *args[6:], **meta, BN=BLOCK_N, BT=bt, S=128 // e, PRECISION=precision, num_warps=4,
+        *args[6:], **meta, BN=BLOCK_N, BT=bt, S=max(1, MM_STEP // e), PRECISION=precision,
+        num_warps=MM_WARPS, **stages,
     )  # fmt: skip
     return _biased(y, bias, topk_ids.reshape(-1))
 
