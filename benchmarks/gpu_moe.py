@@ -6,6 +6,7 @@ copy bandwidth, at a real model's expert shapes.
                                  [--block-n 0,32,16] [--gemv-max-slots 16,32,64]
                                  [--int-gemv off,128x4,64x8,256x2x128]
                                  [--mm-configs 64x128x4,32x128x4,64x256x8x3]
+                                 [--gemv-sorted 0,256]
 
 One MoE layer's expert tensors (gate|up joined as the model loads them: [E, 2F, C]; down:
 [E, C, F]) in the types `hetero synth` gives them, random blocks, copied `--layers` times so
@@ -17,6 +18,8 @@ its roofline is those bytes over the copy bandwidth. `--int-gemv` sweeps the int
 GEMV of the decode slots (triton_moe.GEMV_INT): BN x programs an SM [x codes a unit], or off
 (the float GEMV, whose rows a program --block-n sweeps). `--mm-configs` sweeps the sorted blocks'
 kernel (more slots than the GEMV takes): rows a program x codes a step x warps [x stages].
+`--gemv-sorted N` runs up to N slots through the GEMVs with the slots sorted by expert
+(triton_moe.GEMV_SORTED_SLOTS; 0: off).
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def main() -> None:
         help="the most slots the GEMV takes (more: the sorted kernel), in turn",
     )  # fmt: skip
     ap.add_argument("--int-gemv", default="128x4", help="integer GEMV configs, in turn (off: none)")
+    ap.add_argument("--gemv-sorted", default="0", help="GEMV_SORTED_SLOTS values, in turn")
     ap.add_argument(
         "--mm-configs", default=f"{tm.BLOCK_N}x{tm.MM_STEP}x{tm.MM_WARPS}",
         help="sorted blocks: BNxSTEPxWARPS[xSTAGES], in turn",
@@ -140,28 +144,34 @@ def main() -> None:
     types = ", ".join(f"{n} {get_quant(q).name}" for n, q, *_ in experts)
     print(f"{args.shape} {args.quant}: {s.n_experts} experts, {s.n_experts_used} a token; {types}")
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
-    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'int':>9} {'mm':>11} {'us/layer':>10} "
-          f"{'touched MB':>11} {'GB/s':>8} {'of copy':>8}")  # fmt: skip
+    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'sorted':>6} {'int':>9} {'mm':>11} "
+          f"{'us/layer':>10} {'touched MB':>11} {'GB/s':>8} {'of copy':>8}")  # fmt: skip
     layer_bytes = sum(nb for *_, nb in experts)
     for t in (int(v) for v in args.tokens.split(",")):
         ids = routing(t, s.n_experts_used, s.n_experts, device, gen)
         touched = layer_bytes * ids.unique().numel() / s.n_experts
         lists = [[int(v) for v in a.split(",")] for a in (args.block_n, args.gemv_max_slots)]
         mms = args.mm_configs.split(",")
-        for bn, most, cfg, mm in itertools.product(*lists, args.int_gemv.split(","), mms):
+        sorts = [int(v) for v in args.gemv_sorted.split(",")]
+        for bn, most, cfg, mm, srt in itertools.product(
+            *lists, args.int_gemv.split(","), mms, sorts
+        ):
             tm.GEMV_BLOCK_N, tm.GEMV_MAX_SLOTS, tm.GEMV_INT = bn, most, int_config(cfg)
+            tm.GEMV_SORTED_SLOTS = srt
+            gemv = t * s.n_experts_used <= max(most, srt)
             tm.GEMV_INT_LINEAR = cfg != "off"  # (the K-quants too, to compare)
             mm_bn, mm_step, mm_warps, *mm_stages = (int(v) for v in mm.split("x"))
             tm.BLOCK_N, tm.MM_STEP, tm.MM_WARPS = mm_bn, mm_step, mm_warps
             tm.MM_STAGES = mm_stages[0] if mm_stages else None
-            sorted_blocks = t * s.n_experts_used > most
-            if sorted_blocks and cfg != args.int_gemv.split(",")[0]:
-                continue  # (the sorted kernel: the same for every integer config)
-            if not sorted_blocks and mm != mms[0]:
+            if not gemv and (cfg != args.int_gemv.split(",")[0] or bn != lists[0][0]):
+                continue  # (the sorted blocks: the same for every GEMV config)
+            if gemv and mm != mms[0]:
                 continue  # (the GEMVs: the same for every sorted-block config)
+            if t * s.n_experts_used <= most and srt != sorts[0]:
+                continue  # (few slots: the GEMVs in slot order whatever the bound)
             us = time_layer(experts, ids, s.d_model, device, args.layers)
             gbs = touched / (us / 1e6) / 1e9
-            print(f"{t:>5} {bn or 'auto':>5} {most:>6} {cfg:>9} {mm:>11} {us:>10.1f} "
+            print(f"{t:>5} {bn or 'auto':>5} {most:>6} {srt:>6} {cfg:>9} {mm:>11} {us:>10.1f} "
                   f"{touched / 1e6:>11.1f} {gbs:>8.0f} {gbs / bw:>8.0%}")  # fmt: skip
 
 

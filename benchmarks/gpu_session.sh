@@ -40,6 +40,9 @@
 #            200 us, then the peer's -ncmoe 99
 #   moeprof  the MoE kernels' tests, the MoE decode step by kernel (gpu_step_profile.py), 32
 #            streams
+#   moesorted  the GEMVs over slots sorted by expert against the sorted blocks: their test, the
+#            grouped matmul at 8, 32 and 128 tokens (gpu_moe.py --gemv-sorted), then hetero's
+#            32-stream row with HETERO_MOE_GEMV_SORTED=0 and =1024
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
 #   probe    where a step's time goes, no peer (PEER_BUILD=0 keeps the build from competing for
@@ -348,6 +351,21 @@ if has moeprof; then  # the MoE kernels' tests, the MoE decode step by kernel, 3
   stage moe_32 150 "${BENCH[@]}" "$QM" --device cuda -ngl 99 -c 32 -n 32 --input-len 128 \
     --output-len 128
   rows "$OUT/moe_32.log"
+fi
+
+if has moesorted; then  # 32 streams: the GEMVs in expert order, or the sorted blocks
+  stage sorted_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py \
+    -k "sorted_by_expert or grouped_matmul"
+  tail -1 "$OUT/sorted_tests.log"
+  stage sorted_sweep 200 "$PY" benchmarks/gpu_moe.py --tokens 32,8,128 --gemv-sorted 0,1024 \
+    --int-gemv off,128x4 --block-n 0,32 --layers 4
+  tail -20 "$OUT/sorted_sweep.log"
+  moe_files
+  for srt in 0 1024; do
+    stage "moe_32_sorted$srt" 150 env HETERO_MOE_GEMV_SORTED=$srt "${BENCH[@]}" "$QM" --device cuda \
+      -ngl 99 -c 32 -n 32 --input-len 128 --output-len 128
+    rows "$OUT/moe_32_sorted$srt.log"
+  done
 fi
 
 if has profile; then  # the planner's device profiles (cached for the calls that follow)

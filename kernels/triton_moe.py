@@ -29,6 +29,7 @@ min(S, E) * (BT - 1) + S rows.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,12 @@ MM_STAGES: int | None = None
 # a decode step's k slots choose k distinct experts, so sorting them would only add launches and
 # pad each expert's one row to a tensor-core tile of 16
 GEMV_MAX_SLOTS = 16
+# Up to this many slots (and more than GEMV_MAX_SLOTS) the GEMVs run the slots sorted by expert
+# (x's rows gathered in that order, y's scattered back), so that the programs of one expert's
+# slots run side by side and read its rows from L2 after the first; 0: the sorted blocks above
+# GEMV_MAX_SLOTS (off until measured: benchmarks/gpu_moe.py --gemv-sorted sweeps it, and
+# HETERO_MOE_GEMV_SORTED=N sets it for a whole model's run)
+GEMV_SORTED_SLOTS = int(os.environ.get("HETERO_MOE_GEMV_SORTED", "0"))
 # Rows a GEMV program; 0: the dense decode kernel's (gemv_block_n). A decode step's expert
 # matrices are small (8 x 1536 x 2048 codes), so fewer rows a program give more programs to fill
 # the SMs: benchmarks/gpu_moe.py --block-n sweeps it. H200, Qwen3-30B-A3B, one token: 32 rows
@@ -183,16 +190,26 @@ def moe_matmul_triton(
     pw = qweight.packed
     args, meta = _plane_args(pw)
     e = chunk_codes(pw.spec.low_bits)
-    if s <= GEMV_MAX_SLOTS:
+    if s <= max(GEMV_MAX_SLOTS, GEMV_SORTED_SLOTS):
         ids = topk_ids.reshape(-1).contiguous()
+        order = None
+        if s > GEMV_MAX_SLOTS:  # an expert's slots side by side: its rows read again from L2
+            order = torch.argsort(ids, stable=True)
+            x, ids, x_div = x[order // x_div], ids[order], 1
         if _int_gemv_ok(pw, x.dtype):  # (the bias added in the kernel)
-            return _moe_streamk(x, pw, ids, n, x_div, y, GEMV_INT, bias)
-        bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
-        _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
-            x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:], **meta,
-            BN=bn, S=256 // e, num_warps=_GEMV_WARPS, **pdl_launch(x),
-        )  # fmt: skip
-        return _biased(y, bias, ids)
+            y = _moe_streamk(x, pw, ids, n, x_div, y, GEMV_INT, bias)
+        else:
+            bn = GEMV_BLOCK_N or gemv_block_n(pw.spec)
+            _kernels()._moe_gemv_kernel[(s, -(-n // bn))](
+                x, y, ids, *args[:6], n, k // e, x_div, x.stride(0), y.stride(0), *args[6:],
+                **meta, BN=bn, S=256 // e, num_warps=_GEMV_WARPS, **pdl_launch(x),
+            )  # fmt: skip
+            y = _biased(y, bias, ids)
+        if order is not None:  # back to slot order
+            out = torch.empty_like(y)
+            out[order] = y
+            y = out
+        return y
     bt = block_rows(s, n_experts)
     sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"

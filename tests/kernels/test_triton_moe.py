@@ -302,3 +302,36 @@ def test_down_input_quantized_with_its_activation():
     with pytest.raises(ValueError, match="layout"):
         bad = tm.QuantizedRows(xq.words, xq.floats, tm.XLayout(4, 16), xq.dtype)
         tm.moe_matmul_triton(bad, packed, int(qt.ggml_type), shape, ids)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q6_K", "MXFP4"])
+def test_gemvs_over_slots_sorted_by_expert_give_each_slot_its_own_rows(ggml_type, monkeypatch):
+    """GEMV_SORTED_SLOTS: more slots than GEMV_MAX_SLOTS through the GEMVs in expert order (x's
+    rows gathered, y's scattered back) give every slot what the GEMVs give it in slot order:
+    the float GEMV bit for bit (float32 slots), the integer Stream-K GEMV of bf16 slots of a
+    codebook type within bf16's rounding (its split-K sums may group differently); gate/up
+    (a token's row for its k slots, a bias) and down (a row a slot)."""
+    qt = get_quant(ggml_type)
+    e, n, t, top = 6, 40, 9, 3  # 27 slots
+    k = 512 if qt.block_size == 256 else 352
+    raw = experts(ggml_type, e, n, k, seed=len(ggml_type) + 3)
+    packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
+    ids = routing(t, top, e, seed=11)
+    g = torch.Generator().manual_seed(6)
+    bias = torch.randn(e, n, generator=g).to(DEVICE)
+    dtype = torch.bfloat16 if SPECS[qt.ggml_type].codebook else torch.float32
+    assert t * top > tm.GEMV_MAX_SLOTS
+    for rows in (t, t * top):
+        x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        b = bias.to(dtype) if rows == t else None
+        monkeypatch.setattr(tm, "GEMV_MAX_SLOTS", 64)
+        want = tm.moe_matmul_triton(x, packed, int(qt.ggml_type), (e, n, k), ids, b)
+        monkeypatch.setattr(tm, "GEMV_MAX_SLOTS", 16)
+        monkeypatch.setattr(tm, "GEMV_SORTED_SLOTS", 64)
+        got = tm.moe_matmul_triton(x, packed, int(qt.ggml_type), (e, n, k), ids, b)
+        assert got.shape == want.shape == (t * top, n) and got.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            tol = 2.0**-7 * (want.float().abs() + got.float().abs()) + 1e-3
+            assert ((got.float() - want.float()).abs() <= tol).all()
