@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 @pytest.fixture(scope="module")
 def cached_cpu(tmp_path_factory):
     """This machine's profile cache with a CPU entry (datasheet numbers stand in for the
-    measurement, which test_planner_devices makes for real: here the plan's path is tested)."""
+    measurement, which test_device_profiles makes for real: here the plan's path is tested)."""
     from hetero.profiler import machine as profile
 
     home = tmp_path_factory.mktemp("cache")
