@@ -30,6 +30,7 @@ import torch
 @dataclass
 class CompileLog:
     compiled: list[tuple[str, float]] = field(default_factory=list)  # (kernel, seconds)
+    kernels: list = field(default_factory=list)  # Triton's compiled kernels, in that order
 
 
 @contextmanager
@@ -51,7 +52,8 @@ def compiling_for(arch: int = 90, warp_size: int = 32) -> Iterator[CompileLog]:
             bound, spec, options = binder(*args, **kwargs)
             options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
             start = time.perf_counter()
-            compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options.__dict__)
+            src = ASTSource(fn, sig, constexprs, attrs)
+            log.kernels.append(compile(src, target=target, options=options.__dict__))
             log.compiled.append((fn.__name__, time.perf_counter() - start))
 
         return compile_only
