@@ -399,10 +399,12 @@ if has planrow; then  # issue 20's planner row: a 5 GB-capped GPU + the CPU in o
     grep -E "^c=|^gpu memory \((before|measured)" "$OUT/planrow_$run.log" \
       || tail -5 "$OUT/planrow_$run.log"
   done
-  ngl=$("$PY" -c "import json; print(json.load(open('$OUT/planrow_512.json'))[0]['plan']['stages'][0]['layer_end'])" 2>/dev/null || echo 21)
-  [ "${PLANROW_PROMPT:-1}" = 1 ] && stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
-    --threads 16 -c 1 --steps 2 --input-len 512 --profile 30 --warm-prefill --ops 40
-  [ "${PLANROW_PROMPT:-1}" = 1 ] && grep -vE "^\s*$" "$OUT/planrow_prompt.log" | head -45
+  if [ "${PLANROW_PROMPT:-1}" = 1 ]; then
+    ngl=$("$PY" -c "import json; print(json.load(open('$OUT/planrow_512.json'))[0]['plan']['stages'][0]['layer_end'])" 2>/dev/null || echo 21)
+    stage planrow_prompt 200 "$PY" benchmarks/cpu_step.py "$Q4" --device cuda -ngl "$ngl" \
+      --threads 16 -c 1 --steps 2 --input-len 512 --profile 30 --warm-prefill --ops 40
+    grep -vE "^\s*$" "$OUT/planrow_prompt.log" | head -45
+  fi
 fi
 
 if has probe; then  # where a step's time goes: the CPU's decode at 16 threads, the GPU's dense
