@@ -43,6 +43,12 @@
 #   moesorted  the GEMVs over slots sorted by expert against the sorted blocks: their test, the
 #            grouped matmul at 8, 32 and 128 tokens (gpu_moe.py --gemv-sorted), then hetero's
 #            32-stream row with HETERO_MOE_GEMV_SORTED=0 and =1024
+#   moegluon the Gluon kernel of the sorted MoE blocks: its tests (compiled for every target
+#            architecture, against the reference on the device), then the grouped matmul at 32,
+#            8 and 128 tokens, Triton against Gluon at 64-256 rows a program and 8 or 16 slots
+#            a block (gpu_moe.py --gluon, which checks Gluon's output against Triton's)
+#   moe32    hetero's 32-stream MoE row with the Triton blocks and the Gluon ones
+#            (HETERO_MOE_MM_GLUON=0 / 1: GLUON_RUNS), then llama-batched-bench on the same file
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
 #   probe    where a step's time goes, no peer (PEER_BUILD=0 keeps the build from competing for
@@ -366,6 +372,31 @@ if has moesorted; then  # 32 streams: the GEMVs in expert order, or the sorted b
       -ngl 99 -c 32 -n 32 --input-len 128 --output-len 128
     rows "$OUT/moe_32_sorted$srt.log"
   done
+fi
+
+if has moegluon; then  # the sorted MoE blocks by the Gluon kernel: its tests, then the sweep
+  moe_files
+  stage gluon_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_moe.py \
+    tests/kernels/test_triton_moe.py -k "gluon or device or grouped_matmul or sorted_by_expert"
+  grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/gluon_tests.log" | head -12
+  tail -1 "$OUT/gluon_tests.log"
+  stage gluon_sweep 300 "$PY" benchmarks/gpu_moe.py --tokens ${GLUON_TOKENS:-32,8,128} \
+    --gluon ${GLUON_BNS:-0,64,128,256} --gluon-bt 16,8 --int-gemv off --layers 4
+  tail -24 "$OUT/gluon_sweep.log"
+fi
+
+if has moe32; then  # the MoE 32-stream row, Triton blocks then Gluon, then the peer's bench
+  moe_files
+  for g in ${GLUON_RUNS:-0 1}; do
+    stage "moe_32_gluon$g" 200 env HETERO_MOE_MM_GLUON=$g "${BENCH[@]}" "$QM" --device cuda \
+      -ngl 99 -c 32 -n 32 --input-len 128 --output-len 128
+    rows "$OUT/moe_32_gluon$g.log"
+  done
+  peer_wait
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  stage peer_moe_batched 200 "$BUILD/bin/llama-batched-bench" -m "$QM" -ngl 99 -fa 1 \
+    -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,32
+  grep -E "^\|" "$OUT/peer_moe_batched.log" | tail -3
 fi
 
 if has profile; then  # the planner's device profiles (cached for the calls that follow)

@@ -53,6 +53,9 @@ def launch(name: str, ggml_type: str, args: argparse.Namespace) -> None:
         t = 4 * args.bt
         ids = (torch.arange(t * top) % e).reshape(t, top)
         tm.BLOCK_N, tm.MM_STEP, tm.MM_WARPS = args.bn, args.step, args.warps
+        tm.MM_STAGES = args.stages
+        tm.MM_GLUON, tm.GLUON_WARPS, tm.GLUON_BN = args.gluon, args.warps, args.bn
+        tm._gluon_ok = lambda device: True  # compiled for --arch, launched nowhere
         tm.moe_matmul_triton(torch.zeros(t, K, dtype=torch.bfloat16), packed, qt.ggml_type,
                              (e, n, K), ids)  # fmt: skip
         return
@@ -88,6 +91,8 @@ def main() -> None:
     ap.add_argument("--bn", type=int, default=64, help="weight rows a program")
     ap.add_argument("--bt", type=int, default=16, help="activation rows a program (matmuls)")
     ap.add_argument("--step", type=int, default=128, help="codes of K a step")
+    ap.add_argument("--gluon", action="store_true", help="moe_mm: the Gluon kernel (MM_GLUON)")
+    ap.add_argument("--stages", type=int, help="moe_mm: software-pipeline stages")
     ap.add_argument("--top", type=int, default=24, help="instruction kinds shown")
     ap.add_argument("--dump", type=Path, help="a folder for each kernel's SASS")
     args = ap.parse_args()

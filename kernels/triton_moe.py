@@ -56,6 +56,14 @@ BLOCK_N = 64
 MM_STEP = 128
 MM_WARPS = 4
 MM_STAGES: int | None = None
+# Q4_K / Q4_0 / Q4_1 blocks of 16-bit slots by the Gluon kernel (gluon_moe_kernels: the weights
+# decoded in the tensor cores' register fragments), 16 rows a warp; HETERO_MOE_MM_GLUON=0 / 1
+MM_GLUON = os.environ.get("HETERO_MOE_MM_GLUON", "0") == "1"
+GLUON_WARPS = 4
+GLUON_BN = int(os.environ.get("HETERO_MOE_GLUON_BN", "128"))  # a multiple of 16 GLUON_WARPS
+# The fewest slots a block for the Gluon kernel: 8 (one n-tile of mma.sync) where the experts
+# get at most 4 slots on average (a decode step of many streams), else block_rows' 16
+GLUON_MIN_BT = int(os.environ.get("HETERO_MOE_GLUON_BT", "16"))
 # Up to this many slots (T * k), each slot reads its expert's rows on its own (the GEMV kernel):
 # a decode step's k slots choose k distinct experts, so sorting them would only add launches and
 # pad each expert's one row to a tensor-core tile of 16
@@ -211,16 +219,53 @@ def moe_matmul_triton(
             y = out
         return y
     bt = block_rows(s, n_experts)
+    if MM_GLUON and GLUON_MIN_BT == 8 and s <= 4 * n_experts and _gluon_runs(pw.spec, x, k, 8):
+        bt = 8
     sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (expert_ids.shape[0], -(-n // BLOCK_N))
     stages = {} if MM_STAGES is None else {"num_stages": MM_STAGES}
+    if MM_GLUON and _gluon_runs(pw.spec, x, k, bt):
+        from hetero.kernels.gluon_moe_kernels import moe_mm_q4_mma_kernel, tile_layouts
+
+        spec, mt = pw.spec, GLUON_BN // (16 * GLUON_WARPS)
+        w_l, s_l, x_l = tile_layouts(GLUON_WARPS, mt, bt)
+        moe_mm_q4_mma_kernel[(grid[0], -(-n // GLUON_BN))](
+            x, y, sorted_ids, expert_ids, args[0], *args[2:6], n, k // e, s, x_div,
+            x.stride(0), y.stride(0), *args[6:9], OFF=spec.offset, KQUANT=spec.kquant,
+            HAS_MIN=spec.has_min, BN=GLUON_BN, BT=bt, WARPS=GLUON_WARPS, W_L=w_l, S_L=s_l,
+            X_L=x_l, num_warps=GLUON_WARPS,
+        )  # fmt: skip
+        return _biased(y, bias, topk_ids.reshape(-1))
     _kernels()._moe_mm_kernel[grid](
         x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0), y.stride(0),
         *args[6:], **meta, BN=BLOCK_N, BT=bt, S=max(1, MM_STEP // e), PRECISION=precision,
         num_warps=MM_WARPS, **stages,
     )  # fmt: skip
     return _biased(y, bias, topk_ids.reshape(-1))
+
+
+def gluon_takes(spec: Any, dtype: torch.dtype, k: int, bt: int) -> bool:
+    """Whether the Gluon kernel takes such blocks: 4-bit codes whose group is a chunk, without
+    a high plane or codebook (Q4_K, Q4_0, Q4_1), 16-bit x, K in steps of 128 codes, 8 or 16
+    slots a block (its x fragments sit in registers)."""
+    return (
+        spec.low_bits == 4 and spec.group == 32 and not spec.high_bits and not spec.codebook
+        and not spec.packed_min and dtype in (torch.bfloat16, torch.float16)
+        and k % 128 == 0 and bt in (8, 16)
+    )  # fmt: skip
+
+
+def _gluon_runs(spec: Any, x: torch.Tensor, k: int, bt: int) -> bool:
+    return gluon_takes(spec, x.dtype, k, bt) and _gluon_ok(x.device)
+
+
+def _gluon_ok(device: torch.device) -> bool:
+    """Gluon kernels run compiled on CUDA (sm_80+: mma.sync), never under the interpreter."""
+    return (
+        device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )  # fmt: skip
 
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ def compiling_for(arch: int = 90, warp_size: int = 32) -> Iterator[CompileLog]:
     nothing (the callers' outputs stay unwritten)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     target = GPUTarget("cuda", arch, warp_size)
@@ -52,7 +53,7 @@ def compiling_for(arch: int = 90, warp_size: int = 32) -> Iterator[CompileLog]:
             bound, spec, options = binder(*args, **kwargs)
             options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
             start = time.perf_counter()
-            src = ASTSource(fn, sig, constexprs, attrs)
+            src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, constexprs, attrs)
             log.kernels.append(compile(src, target=target, options=options.__dict__))
             log.compiled.append((fn.__name__, time.perf_counter() - start))
 
@@ -95,6 +96,41 @@ def launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
         ("mm_pipe", lambda: tv.run(x(4), pw, tv.Variant("mm_pipe", bt=16, step=128, stages=3))),
         *streamk_launches(ggml_type),
         *qdot_dequant_launches(ggml_type),
+        *moe_gluon_launches(ggml_type),
+    ]
+
+
+def moe_gluon_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
+    """The Gluon kernel of the sorted MoE blocks (gluon_moe_kernels), where it takes the type:
+    8 and 16 slots a block, 64 and 128 rows a program, bf16 and fp16 x."""
+    from hetero.kernels import triton_moe as tm
+    from hetero.kernels.repack import SPECS, packable
+    from hetero.quant import get_quant, random_blocks
+
+    qt = get_quant(ggml_type)
+    e, n, k = 8, 128, 512
+    if not packable(qt.ggml_type) or not tm.gluon_takes(SPECS[qt.ggml_type], torch.bfloat16, k, 16):
+        return []
+    blocks = random_blocks(ggml_type, e * n * k // qt.block_size, np.random.default_rng(0))
+    packed = tm.prepare_moe(
+        torch.from_numpy(blocks).reshape(e, n, -1), int(qt.ggml_type), (e, n, k)
+    )
+
+    def run(bn: int, min_bt: int, dtype: torch.dtype, tokens: int):
+        saved = tm.MM_GLUON, tm.GLUON_BN, tm.GLUON_MIN_BT, tm._gluon_ok
+        tm.MM_GLUON, tm.GLUON_BN, tm.GLUON_MIN_BT = True, bn, min_bt
+        tm._gluon_ok = lambda device: True  # compile what a GPU would run
+        try:
+            ids = (torch.arange(tokens * 2) % e).reshape(tokens, 2)
+            x = torch.zeros(tokens, k, dtype=dtype)
+            return tm.moe_matmul_triton(x, packed, int(qt.ggml_type), (e, n, k), ids)
+        finally:
+            tm.MM_GLUON, tm.GLUON_BN, tm.GLUON_MIN_BT, tm._gluon_ok = saved
+
+    return [
+        ("moe_gluon", lambda: run(128, 16, torch.bfloat16, 40)),
+        ("moe_gluon_bt8", lambda: run(64, 8, torch.bfloat16, 12)),
+        ("moe_gluon_fp16", lambda: run(128, 16, torch.float16, 40)),
     ]
 
 
