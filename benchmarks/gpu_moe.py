@@ -19,9 +19,10 @@ GEMV of the decode slots (triton_moe.GEMV_INT): BN x programs an SM [x codes a u
 (the float GEMV, whose rows a program --block-n sweeps). `--mm-configs` sweeps the sorted blocks'
 kernel (more slots than the GEMV takes): rows a program x codes a step x warps [x stages].
 `--gemv-sorted N` runs up to N slots through the GEMVs with the slots sorted by expert
-(triton_moe.GEMV_SORTED_SLOTS; 0: off). `--gluon BN` runs the sorted blocks of Q4_K / Q4_0 / Q4_1
-through the Gluon kernel with BN rows a program (triton_moe.MM_GLUON, GLUON_BN; 0: the Triton
-kernel), and checks its output against the Triton kernel's (max error over the largest value).
+(triton_moe.GEMV_SORTED_SLOTS; 0: off). `--gluon BN[xWARPS]` runs the sorted blocks of Q4_K,
+Q4_0, Q4_1 and Q6_K through the Gluon kernel with BN rows a program (triton_moe.MM_GLUON,
+GLUON_BN, GLUON_WARPS; 0: the Triton kernel), and checks its output against
+the Triton kernel's (max error over the largest value).
 """
 
 from __future__ import annotations
@@ -149,7 +150,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--int-gemv", default="128x4", help="integer GEMV configs, in turn (off: none)")
     ap.add_argument("--gemv-sorted", default="0", help="GEMV_SORTED_SLOTS values, in turn")
-    ap.add_argument("--gluon", default="0", help="Gluon kernel rows a program, in turn (0: off)")
+    ap.add_argument(
+        "--gluon", default="0",
+        help="Gluon kernel: rows a program [x warps], in turn (0: off)",
+    )  # fmt: skip
     ap.add_argument("--gluon-bt", default="16", help="the Gluon kernel's fewest slots a block")
     ap.add_argument(
         "--mm-configs", default=f"{tm.BLOCK_N}x{tm.MM_STEP}x{tm.MM_WARPS}",
@@ -166,7 +170,7 @@ def main() -> None:
     types = ", ".join(f"{n} {get_quant(q).name}" for n, q, *_ in experts)
     print(f"{args.shape} {args.quant}: {s.n_experts} experts, {s.n_experts_used} a token; {types}")
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)")
-    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'sorted':>6} {'int':>9} {'mm':>11} {'gluon':>8} "
+    print(f"{'T':>5} {'rows':>5} {'gemv<=':>6} {'sorted':>6} {'int':>9} {'mm':>11} {'gluon':>10} "
           f"{'us/layer':>10} {'touched MB':>11} {'GB/s':>8} {'of copy':>8}")  # fmt: skip
     layer_bytes = sum(nb for *_, nb in experts)
     for t in (int(v) for v in args.tokens.split(",")):
@@ -175,7 +179,7 @@ def main() -> None:
         lists = [[int(v) for v in a.split(",")] for a in (args.block_n, args.gemv_max_slots)]
         mms = args.mm_configs.split(",")
         sorts = [int(v) for v in args.gemv_sorted.split(",")]
-        gluons = [int(v) for v in args.gluon.split(",")]
+        gluons = args.gluon.split(",")
         gbts = [int(v) for v in args.gluon_bt.split(",")]
         for bn, most, cfg, mm, srt, glu, gbt in itertools.product(
             *lists, args.int_gemv.split(","), mms, sorts, gluons, gbts
@@ -193,14 +197,18 @@ def main() -> None:
                 continue  # (the GEMVs: the same for every sorted-block config)
             if t * s.n_experts_used <= most and srt != sorts[0]:
                 continue  # (few slots: the GEMVs in slot order whatever the bound)
-            if (gemv and glu != gluons[0]) or (not glu and gbt != gbts[0]):
+            on = glu != "0"
+            if (gemv and glu != gluons[0]) or (not on and gbt != gbts[0]):
                 continue  # (the Gluon kernel runs sorted blocks only)
-            tm.MM_GLUON, tm.GLUON_BN, tm.GLUON_MIN_BT = glu > 0, glu or tm.GLUON_BN, gbt
-            err = check_gluon(experts, ids, s.d_model, device) if glu and not gemv else ""
+            if on:
+                gbn, *gw = (int(v) for v in glu.split("x"))
+                tm.GLUON_BN, tm.GLUON_WARPS = gbn, gw[0] if gw else 4
+            tm.MM_GLUON, tm.GLUON_MIN_BT = on, gbt
+            err = check_gluon(experts, ids, s.d_model, device) if on and not gemv else ""
             us = time_layer(experts, ids, s.d_model, device, args.layers)
             gbs = touched / (us / 1e6) / 1e9
             print(f"{t:>5} {bn or 'auto':>5} {most:>6} {srt:>6} {cfg:>9} {mm:>11} "
-                  f"{glu:>5}/{gbt:<2} {us:>10.1f} {touched / 1e6:>11.1f} {gbs:>8.0f} "
+                  f"{glu:>7}/{gbt:<2} {us:>10.1f} {touched / 1e6:>11.1f} {gbs:>8.0f} "
                   f"{gbs / bw:>8.0%} {err}")  # fmt: skip
             tm.MM_GLUON = False
 

@@ -47,8 +47,11 @@
 #            architecture, against the reference on the device), then the grouped matmul at 32,
 #            8 and 128 tokens, Triton against Gluon at 64-256 rows a program and 8 or 16 slots
 #            a block (gpu_moe.py --gluon, which checks Gluon's output against Triton's)
-#   moe32    hetero's 32-stream MoE row with the Triton blocks and the Gluon ones
-#            (HETERO_MOE_MM_GLUON=0 / 1: GLUON_RUNS), then llama-batched-bench on the same file
+#   moe32    hetero's 32-stream MoE row with the Triton blocks and the Gluon ones (GLUON_RUNS:
+#            0 for Triton, BN/BT for Gluon), then llama-batched-bench on the same file
+#   moefinal the issue's MoE GPU rows as shipped: hetero's 1 stream (Qwen3, gpt-oss) and 32
+#            streams, then the peer's llama-batched-bench and llama-bench on the same files
+#   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
 #   probe    where a step's time goes, no peer (PEER_BUILD=0 keeps the build from competing for
@@ -377,7 +380,8 @@ fi
 if has moegluon; then  # the sorted MoE blocks by the Gluon kernel: its tests, then the sweep
   moe_files
   stage gluon_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_moe.py \
-    tests/kernels/test_triton_moe.py -k "gluon or device or grouped_matmul or sorted_by_expert"
+    ${GLUON_MORE_TESTS-tests/kernels/test_triton_moe.py} \
+    -k "gluon or device or grouped_matmul or sorted_by_expert"
   grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/gluon_tests.log" | head -12
   tail -1 "$OUT/gluon_tests.log"
   stage gluon_sweep 300 "$PY" benchmarks/gpu_moe.py --tokens ${GLUON_TOKENS:-32,8,128} \
@@ -387,16 +391,46 @@ fi
 
 if has moe32; then  # the MoE 32-stream row, Triton blocks then Gluon, then the peer's bench
   moe_files
-  for g in ${GLUON_RUNS:-0 1}; do
-    stage "moe_32_gluon$g" 200 env HETERO_MOE_MM_GLUON=$g "${BENCH[@]}" "$QM" --device cuda \
-      -ngl 99 -c 32 -n 32 --input-len 128 --output-len 128
-    rows "$OUT/moe_32_gluon$g.log"
+  for g in ${GLUON_RUNS:-0 64/8}; do  # 0: Triton; BN/BT: the Gluon kernel so
+    IFS=/ read -r gbn gbt <<< "$g"
+    stage "moe_32_gluon${g//\//_}" 200 env HETERO_MOE_MM_GLUON=$([ "$g" = 0 ] && echo 0 || echo 1) \
+      HETERO_MOE_GLUON_BN=${gbn/#0/64} HETERO_MOE_GLUON_BT=${gbt:-8} "${BENCH[@]}" "$QM" \
+      --device cuda -ngl 99 -c 32 -n 32 --input-len 128 --output-len 128
+    rows "$OUT/moe_32_gluon${g//\//_}.log"
   done
   peer_wait
   [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
   stage peer_moe_batched 200 "$BUILD/bin/llama-batched-bench" -m "$QM" -ngl 99 -fa 1 \
     -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,32
   grep -E "^\|" "$OUT/peer_moe_batched.log" | tail -3
+fi
+
+if has moefinal; then  # the MoE rows of the issue, hetero first (while the peer builds), then
+  moe_files          # the peer on the same files: 1 stream (Qwen3, gpt-oss), 32 streams
+  single moe_1 "$QM"
+  single goss_1 "$GO"
+  stage moe_32 200 "${BENCH[@]}" "$QM" --device cuda -ngl 99 -c 32 -n 32 --input-len 128 \
+    --output-len 128
+  rows "$OUT/moe_32.log"
+  peer_wait
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  stage peer_moe_batched 200 "$BUILD/bin/llama-batched-bench" -m "$QM" -ngl 99 -fa 1 \
+    -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,32
+  grep -E "^\|" "$OUT/peer_moe_batched.log" | tail -3
+  LB="$BUILD/bin/llama-bench -r 2 -o json"
+  stage peer_moe_gpu 120 $LB -m "$QM" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_goss 120 $LB -m "$GO" -ngl 99 -fa 1 -p 512 -n 128
+  peer_rows peer_moe_gpu peer_goss
+fi
+
+if has ncugluon; then  # Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: its config)
+  stage ncu_gluon 200 ncu --clock-control none --kernel-name regex:moe_mm_mma --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    "$PY" benchmarks/gpu_moe.py --tokens 32 --gluon "${NCU_GLUON:-64}" --gluon-bt 8 \
+    --int-gemv off --layers 1
+  grep -E "moe_mm_mma|Duration|Registers Per|Occupancy|Throughput|Warp Cycles Per Issued|stalled" \
+    "$OUT/ncu_gluon.log" | awk '$NF != "0" && $NF != "0.00"' | head -70
 fi
 
 if has profile; then  # the planner's device profiles (cached for the calls that follow)

@@ -1,32 +1,35 @@
-"""The sorted MoE blocks of 4-bit codes on the tensor cores, the weights decoded where the
-tensor cores read them (Gluon: Triton's language with explicit layouts).
+"""The sorted MoE blocks of 4- and 6-bit codes on the tensor cores, the weights decoded where
+the tensor cores read them (Gluon: Triton's language with explicit layouts).
 
 `_moe_mm_kernel` (triton_moe_kernels) decodes a step's weights in element order and Triton
 hands them to the tensor cores through shared memory (a store and an ldmatrix of every decoded
 weight, each a 16-bit float: on the H200 the L1 / shared pipe was its busiest unit, 71%, and
-four instructions a weight went into the decode). Here every thread loads exactly the code
-words whose weights it holds in the mma.sync A fragment (m16n8k16, bf16 / fp16), decodes them
-in its registers and multiplies; nothing of the weights touches shared memory.
+about four instructions a weight went into the decode). Here every thread loads exactly the
+code words whose weights it holds in the mma.sync A fragments (m16n8k16, bf16 / fp16), decodes
+them in its registers and multiplies; nothing of the weights touches shared memory.
 
 The fragment layout: a thread (lane l, g = l / 4, t = l % 4) of a warp's 16 rows holds, for one
 k-step of 16, rows g and g + 8 at columns 2t, 2t + 1, 2t + 8, 2t + 9: four 32-bit registers, each
-a pair of columns (2p, 2p + 1), p = t or t + 4. A 4-bit code word c of a chunk holds fields f and
-f + 4 in its bits 4f and 4f + 16, so one shift and one LOP3 make both as 16-bit floats BIAS + q
-(MAGIC: the exponent where a mantissa step is 1; exact):
+a pair of columns (2p, 2p + 1), p = t or t + 4. A 4-bit code word holds fields f and f + 4 in its
+bits 4f and 4f + 16, so one shift and one LOP3 make both as 16-bit floats BIAS + q (MAGIC: the
+exponent where a mantissa step is 1; exact). A step is 4 chunks of 32 codes, thread t takes
+chunk t whole (its 4 words in one 16-byte load, its 32 elements of x in four), and k-step
+(s_hi, w), 8 of them, is
 
-    pair p of k-step j  =  (word[p % 4] >> 4 (2j + p / 4)) & 0x000F000F | MAGIC
-    column 2p + h       =  element 4 (2j + p / 4 + 4h) + p % 4 of the chunk
+    pair p = 4 p4 + t   =  (word w of chunk t >> 4 (2 s_hi + p4)) & 0x000F000F | MAGIC
+    column 2p + h       =  element 16h + 8 s_hi + 4 p4 + w of chunk t
 
-so thread t reads only word t of each chunk. Two packed FMAs finish the weights, two at a time:
-(BIAS + q) - (BIAS - OFF) = q + OFF (exact), then (q + OFF) A - B with A and B of the group (a
-chunk: G = 32) rounded to the 16-bit type. That last rounding (relative 2^-9 in bf16 on A, the
-same on B) is the one difference from the references' formula A (q + OFF) - B in float32 rounded
-once. x's rows are read in the columns' element order.
+x's fragments are those elements of its loaded chunk: registers renamed, no data moved (the
+layout conversions are asserted trivial at compile time). Two packed FMAs finish the weights,
+two at a time: (BIAS + q) - (BIAS - OFF) = q + OFF (exact), then (q + OFF) A - B with A and B of
+the group rounded to the 16-bit type. That last rounding (relative 2^-9 in bf16 on A, the same
+on B) is the one difference from the references' formula A (q + OFF) - B in float32 rounded
+once. Q6_K's two high bits a code come from its high plane ("fields" arrangement), shifted next
+to the low ones, and a pair's halves lie in the chunk's two groups of 16: each takes its own A.
 
-Only for 4-bit codes whose group is one chunk, without a high plane or a codebook (Q4_K, Q4_0,
-Q4_1), 16-bit x, sm_80 and later. Gluon compiles but does not run under Triton's interpreter:
-tests/kernels/test_gluon_moe.py compiles it for each architecture on any machine and compares
-it with the reference where CUDA is.
+Types: Q4_K, Q4_0, Q4_1 and Q6_K, 16-bit x, K in steps of 128, sm_80 and later. Gluon compiles
+but does not run under Triton's interpreter: tests/kernels/test_gluon_moe.py compiles it for each
+target architecture on any machine and compares it with the reference where CUDA is.
 """
 
 from __future__ import annotations
@@ -61,6 +64,26 @@ def _pack2(v, FP16: gl.constexpr):
 
 
 @gluon.jit
+def _pack2x(lo, hi, FP16: gl.constexpr):
+    """float32 (lo, hi) -> the int32 word of the two as 16-bit floats, lo in the low half."""
+    if FP16:
+        return gl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], gl.int32, True, 1
+        )
+    return gl.inline_asm_elementwise(
+        "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], gl.int32, True, 1
+    )
+
+
+@gluon.jit
+def _shl(v, n: gl.constexpr):
+    """v << n, or v >> -n for n < 0 (a constant shift either way)."""
+    if n >= 0:
+        return v << n
+    return v >> (-n)
+
+
+@gluon.jit
 def _halves(w, HT: gl.constexpr):
     """int32 [R, C] pairs -> [R, 2C] of dtype HT: column 2p + h is half h of pair p."""
     if HT == gl.float16:
@@ -75,7 +98,7 @@ def _halves(w, HT: gl.constexpr):
 
 
 def tile_layouts(warps: int, m_tiles: int, bt: int) -> tuple:
-    """(W, S, X) linear layouts of a step's loads for `moe_mm_q4_mma_kernel`, BN = 16 warps
+    """(W, S, X) linear layouts of a step's loads for `moe_mm_mma_kernel`, BN = 16 warps
     m_tiles rows: W [BN, 4, 4] code words (row, chunk t, word), S [BN, 4] the chunks' scales,
     X [BT, 4, 32] x (slot column, chunk t, element). Lane l holds chunk t = l % 4 of rows
     (or slot columns) l / 4 (+ 8 in a register), as the mma.sync fragments place them; a
@@ -140,20 +163,21 @@ def _b_operand(xs, s_hi: gl.constexpr, w: gl.constexpr, B_L: gl.constexpr):
 
 
 @gluon.jit
-def _spread(v):
-    """[BN, 4] (chunk t) -> [BN, 8]: column p = 4 p4 + t takes chunk t's value (both p4)."""
-    v = gl.permute(gl.join(v, v), [0, 2, 1])
-    return gl.reshape(v, [v.shape[0], 8])
+def _spread_high(h):
+    """int16 high words (field f's 2 bits at 2f) -> int32 with fields 4..7 moved up by 8: field
+    f' < 4 at bit 2f', field f' + 4 at bit 2f' + 16, as the pairs of low codes lie."""
+    h = h.to(gl.int32) & 0xFFFF
+    return (h & 0x00FF) | ((h & 0xFF00) << 8)
 
 
 @gluon.jit
-def moe_mm_q4_mma_kernel(
+def moe_mm_mma_kernel(
     x_ptr, y_ptr, sorted_ptr, expert_ptr,
-    codes_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
     N, n_chunks, n_slots, x_div, x_stride, y_stride,
     code_stride, grp_stride, sb_stride,
-    OFF: gl.constexpr, KQUANT: gl.constexpr, HAS_MIN: gl.constexpr,
-    BN: gl.constexpr, BT: gl.constexpr, WARPS: gl.constexpr,
+    HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
+    HAS_MIN: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, WARPS: gl.constexpr,
     W_L: gl.constexpr, S_L: gl.constexpr, X_L: gl.constexpr,
 ):  # fmt: skip
     """`_moe_mm_kernel`'s contract (program (block, tile of BN rows)), 4 chunks (128 codes) a
@@ -161,7 +185,11 @@ def moe_mm_q4_mma_kernel(
     fragment over the m-tiles, which share its x fragments. Thread t of a lane quad takes chunk
     t of the step, whole: k-step (s_hi, w) of the 8 is word w of each thread's chunk shifted by
     4 (2 s_hi + p4), pair p = 4 p4 + t. Rows past N read the expert's row N - 1 and padding
-    slots x's row 0 (their sums are never stored): the loop reads without masks."""
+    slots x's row 0 (their sums are never stored): the loop reads without masks.
+
+    HB 2 (Q6_K: G 16, the high plane in the "fields" arrangement, an int16 a code word): each
+    pair's two high-bit fields are shifted next to its low codes (two more instructions a pair),
+    and the pair's halves, in the chunk's two groups of 16, take their own group's scale."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
     )
@@ -172,6 +200,7 @@ def moe_mm_q4_mma_kernel(
     MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
     BIAS: gl.constexpr = 1024.0 if FP16 else 128.0
     ONE2: gl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
+    GC: gl.constexpr = 32 // G  # groups a chunk
 
     blk = gl.program_id(0)
     e = gl.load(expert_ptr + blk)
@@ -182,16 +211,17 @@ def moe_mm_q4_mma_kernel(
     # code words [BN, 4, 4]: row r (clamped into the expert), chunk t, word
     r3 = gl.minimum(pid_n * BN + _range3(BN, 0, W_L), N - 1)
     w_off = r3 * code_stride + _range3(4, 1, W_L) * 4 + _range3(4, 2, W_L)
-    # scales [BN, 4]: row r, chunk t
+    # scales [BN, 4]: row r, chunk t (its first group)
     r2 = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, S_L)), N - 1)
     t2 = gl.arange(0, 4, layout=gl.SliceLayout(0, S_L))
-    g_off = r2[:, None] * grp_stride + t2[None, :]
+    g_off = r2[:, None] * grp_stride + GC * t2[None, :]
     sb_off = r2 * sb_stride
     # x [BT, 4, 32]: slot column n, chunk t, element
     slots = gl.load(sorted_ptr + blk * BT + _range3(BT, 0, X_L))
     xrow = gl.where(slots < n_slots, slots // x_div, 0)
     x_off = xrow * x_stride + _range3(4, 1, X_L) * 32 + _range3(32, 2, X_L)
     w_base = codes_ptr + row0 * code_stride
+    h_base = high_ptr + row0 * code_stride
     s_base = scale_ptr + row0 * grp_stride
     m_base = min_ptr + row0 * grp_stride
     d_base = d_ptr + row0 * sb_stride
@@ -201,17 +231,23 @@ def moe_mm_q4_mma_kernel(
     for c0 in range(0, n_chunks, 4):
         words = gl.load(w_base + c0 * 4 + w_off)
         xs = gl.load(x_ptr + c0 * 32 + x_off)
+        sc = gl.load(s_base + GC * c0 + g_off).to(gl.float32)
         if KQUANT:
             d = gl.load(d_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
-            a = d * gl.load(s_base + c0 + g_off).to(gl.float32)
+            a = d * sc
+            if G == 16:  # the chunk's second group
+                a_hi = d * gl.load(s_base + (GC * c0 + 1) + g_off).to(gl.float32)
             if HAS_MIN:
                 dmin = gl.load(dm_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
                 b = dmin * gl.load(m_base + c0 + g_off).to(gl.float32)
         else:
-            a = gl.load(s_base + c0 + g_off).to(gl.float32)
+            a = sc
             if HAS_MIN:
                 b = -gl.load(m_base + c0 + g_off).to(gl.float32)
-        a2 = _pack2(a, FP16)
+        if G == 16:
+            a2 = _pack2x(a, a_hi, FP16)
+        else:
+            a2 = _pack2(a, FP16)
         if HAS_MIN:
             nb2 = _pack2(-b, FP16)
         else:
@@ -221,18 +257,35 @@ def moe_mm_q4_mma_kernel(
         w1 = gl.convert_layout(w1, S_L, assert_trivial=True)
         w2 = gl.convert_layout(w2, S_L, assert_trivial=True)
         w3 = gl.convert_layout(w3, S_L, assert_trivial=True)
+        if HB > 0:
+            h0, h1, h2, h3 = _split4(_spread_high(gl.load(h_base + c0 * 4 + w_off)))
+            h0 = gl.convert_layout(h0, S_L, assert_trivial=True)
+            h1 = gl.convert_layout(h1, S_L, assert_trivial=True)
+            h2 = gl.convert_layout(h2, S_L, assert_trivial=True)
+            h3 = gl.convert_layout(h3, S_L, assert_trivial=True)
         for s_hi in gl.static_range(2):
             for w in gl.static_range(4):
                 if w == 0:
                     ww = w0
+                    if HB > 0:
+                        hh = h0
                 elif w == 1:
                     ww = w1
+                    if HB > 0:
+                        hh = h1
                 elif w == 2:
                     ww = w2
+                    if HB > 0:
+                        hh = h2
                 else:
                     ww = w3
+                    if HB > 0:
+                        hh = h3
                 q0 = ((ww >> (8 * s_hi)) & 0x000F000F) | MAGIC
                 q1 = ((ww >> (8 * s_hi + 4)) & 0x000F000F) | MAGIC
+                if HB > 0:  # field f's high bits (at 2f of hh) to bits 4, 5 of its code
+                    q0 = q0 | (_shl(hh, 4 - 2 * (2 * s_hi)) & 0x00300030)
+                    q1 = q1 | (_shl(hh, 4 - 2 * (2 * s_hi + 1)) & 0x00300030)
                 q0 = _bf16x2_fma(_bf16x2_fma(q0, ONE2, neg_bias, FP16), a2, nb2, FP16)
                 q1 = _bf16x2_fma(_bf16x2_fma(q1, ONE2, neg_bias, FP16), a2, nb2, FP16)
                 q = gl.reshape(gl.permute(gl.join(q0, q1), [0, 2, 1]), [BN, 8])  # p = 4 p4 + t

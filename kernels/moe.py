@@ -19,10 +19,35 @@ expert's slots and multiplies them (the per-expert loop of transformers' MoE blo
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
 from hetero.kernels.registry import register
+
+_ROUTING = threading.local()
+
+
+@contextmanager
+def routing_scope() -> Iterator[None]:
+    """One MoE layer's calls: an implementation may keep what it derives from a topk_ids tensor
+    (the GPU kernel's sort of the slots by expert) for the layer's other calls on that tensor.
+    Nothing outlives the block."""
+    outer = getattr(_ROUTING, "memo", None)
+    _ROUTING.memo = {}
+    try:
+        yield
+    finally:
+        _ROUTING.memo = outer
+
+
+def routing_memo() -> dict | None:
+    """The innermost routing_scope's store (None outside one)."""
+    return getattr(_ROUTING, "memo", None)
+
 
 GATINGS = ("softmax", "softmax_topk")
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp: LLM_FFN_SWIGLU_OAI_MOE)

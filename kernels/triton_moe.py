@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hetero.kernels.moe import moe_matmul_ref, slot_row_div
+from hetero.kernels.moe import moe_matmul_ref, routing_memo, slot_row_div
 from hetero.kernels.pdl import pdl_launch
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
@@ -56,14 +56,19 @@ BLOCK_N = 64
 MM_STEP = 128
 MM_WARPS = 4
 MM_STAGES: int | None = None
-# Q4_K / Q4_0 / Q4_1 blocks of 16-bit slots by the Gluon kernel (gluon_moe_kernels: the weights
-# decoded in the tensor cores' register fragments), 16 rows a warp; HETERO_MOE_MM_GLUON=0 / 1
-MM_GLUON = os.environ.get("HETERO_MOE_MM_GLUON", "0") == "1"
+# Q4_K / Q4_0 / Q4_1 / Q6_K blocks of 16-bit slots by the Gluon kernel (gluon_moe_kernels: the
+# weights decoded in the tensor cores' register fragments), 16 rows a warp, GLUON_BN rows a
+# program; HETERO_MOE_MM_GLUON=0 keeps the Triton kernel. H200, Qwen3-30B-A3B's experts, one
+# layer at 32 tokens (benchmarks/gpu_moe.py --gluon 0,64,128 --gluon-bt 16,8): Triton 276.8
+# us, Gluon 64 rows / 8 slots 165.0 (16 slots 196.0; 128 rows 181.7-183.3)
+MM_GLUON = os.environ.get("HETERO_MOE_MM_GLUON", "1") == "1"
 GLUON_WARPS = 4
-GLUON_BN = int(os.environ.get("HETERO_MOE_GLUON_BN", "128"))  # a multiple of 16 GLUON_WARPS
+GLUON_BN = int(os.environ.get("HETERO_MOE_GLUON_BN", "64"))  # a multiple of 16 GLUON_WARPS
 # The fewest slots a block for the Gluon kernel: 8 (one n-tile of mma.sync) where the experts
 # get at most 4 slots on average (a decode step of many streams), else block_rows' 16
-GLUON_MIN_BT = int(os.environ.get("HETERO_MOE_GLUON_BT", "16"))
+GLUON_MIN_BT = int(os.environ.get("HETERO_MOE_GLUON_BT", "8"))
+# Up to this many slots sort_by_expert runs its one kernel, more (long prompts) torch's sort
+ALIGN_MAX_SLOTS = 4096
 # Up to this many slots (T * k), each slot reads its expert's rows on its own (the GEMV kernel):
 # a decode step's k slots choose k distinct experts, so sorting them would only add launches and
 # pad each expert's one row to a tensor-core tile of 16
@@ -122,7 +127,39 @@ def sort_by_expert(
     topk_ids: torch.Tensor, n_experts: int, bt: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids [blocks * bt] int32, expert_ids [blocks] int32): the module docstring's
-    layout, computed on topk_ids' device without reading anything back."""
+    layout, in one launch (`moe_align_kernel`: torch's sort took about twenty small kernels,
+    5 ms of a 32-stream Qwen3-30B-A3B decode step of 20 on the H200, twice a layer). Within
+    `kernels.moe.routing_scope()` (one MoE layer's calls), one sort serves every call on the
+    same topk_ids."""
+    key = (id(topk_ids), n_experts, bt)
+    memo = routing_memo()
+    if memo is not None and key in memo and memo[key][0] is topk_ids:
+        return memo[key][1]
+    flat = topk_ids.reshape(-1)
+    s = flat.numel()
+    if s > ALIGN_MAX_SLOTS:  # (its programs count every slot: quadratic in S)
+        result = sort_by_expert_ref(topk_ids, n_experts, bt)
+        if memo is not None:
+            memo[key] = (topk_ids, result)
+        return result
+    n_blocks = -(-(min(s, n_experts) * (bt - 1) + s) // bt)
+    sorted_ids = torch.empty(n_blocks * bt, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
+    bs = 128
+    _kernels().moe_align_kernel[(-(-s // bs) + 1,)](
+        flat, sorted_ids, expert_ids, s, n_experts, n_blocks, -(-s // bt), BT=bt, BS=bs,
+        BE=max(16, 1 << (n_experts - 1).bit_length()),
+    )  # fmt: skip
+    if memo is not None:
+        memo[key] = (topk_ids, (sorted_ids, expert_ids))  # (holds topk_ids: its id stays its)
+    return sorted_ids, expert_ids
+
+
+def sort_by_expert_ref(
+    topk_ids: torch.Tensor, n_experts: int, bt: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sort_by_expert` in torch ops (the reference of its layout), without reading anything
+    back."""
     flat = topk_ids.reshape(-1).long()
     s, dev = flat.numel(), flat.device
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev)
@@ -219,22 +256,22 @@ def moe_matmul_triton(
             y = out
         return y
     bt = block_rows(s, n_experts)
-    if MM_GLUON and GLUON_MIN_BT == 8 and s <= 4 * n_experts and _gluon_runs(pw.spec, x, k, 8):
+    if MM_GLUON and GLUON_MIN_BT == 8 and s <= 4 * n_experts and _gluon_runs(pw, x, k, 8):
         bt = 8
     sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (expert_ids.shape[0], -(-n // BLOCK_N))
     stages = {} if MM_STAGES is None else {"num_stages": MM_STAGES}
-    if MM_GLUON and _gluon_runs(pw.spec, x, k, bt):
-        from hetero.kernels.gluon_moe_kernels import moe_mm_q4_mma_kernel, tile_layouts
+    if MM_GLUON and _gluon_runs(pw, x, k, bt):
+        from hetero.kernels.gluon_moe_kernels import moe_mm_mma_kernel, tile_layouts
 
         spec, mt = pw.spec, GLUON_BN // (16 * GLUON_WARPS)
         w_l, s_l, x_l = tile_layouts(GLUON_WARPS, mt, bt)
-        moe_mm_q4_mma_kernel[(grid[0], -(-n // GLUON_BN))](
-            x, y, sorted_ids, expert_ids, args[0], *args[2:6], n, k // e, s, x_div,
-            x.stride(0), y.stride(0), *args[6:9], OFF=spec.offset, KQUANT=spec.kquant,
-            HAS_MIN=spec.has_min, BN=GLUON_BN, BT=bt, WARPS=GLUON_WARPS, W_L=w_l, S_L=s_l,
-            X_L=x_l, num_warps=GLUON_WARPS,
+        moe_mm_mma_kernel[(grid[0], -(-n // GLUON_BN))](
+            x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0),
+            y.stride(0), *args[6:9], HB=spec.high_bits, G=spec.group, OFF=spec.offset,
+            KQUANT=spec.kquant, HAS_MIN=spec.has_min, BN=GLUON_BN, BT=bt, WARPS=GLUON_WARPS,
+            W_L=w_l, S_L=s_l, X_L=x_l, num_warps=GLUON_WARPS,
         )  # fmt: skip
         return _biased(y, bias, topk_ids.reshape(-1))
     _kernels()._moe_mm_kernel[grid](
@@ -245,19 +282,20 @@ def moe_matmul_triton(
     return _biased(y, bias, topk_ids.reshape(-1))
 
 
-def gluon_takes(spec: Any, dtype: torch.dtype, k: int, bt: int) -> bool:
+def gluon_takes(spec: Any, high_layout: str, dtype: torch.dtype, k: int, bt: int) -> bool:
     """Whether the Gluon kernel takes such blocks: 4-bit codes whose group is a chunk, without
-    a high plane or codebook (Q4_K, Q4_0, Q4_1), 16-bit x, K in steps of 128 codes, 8 or 16
-    slots a block (its x fragments sit in registers)."""
+    a high plane or codebook (Q4_K, Q4_0, Q4_1), or Q6_K with its high plane as fields; 16-bit
+    x, K in steps of 128 codes, 8 or 16 slots a block (its x fragments sit in registers)."""
+    q4 = spec.group == 32 and not spec.high_bits
+    q6 = spec.group == 16 and spec.high_bits == 2 and spec.kquant and high_layout == "fields"
     return (
-        spec.low_bits == 4 and spec.group == 32 and not spec.high_bits and not spec.codebook
-        and not spec.packed_min and dtype in (torch.bfloat16, torch.float16)
-        and k % 128 == 0 and bt in (8, 16)
+        spec.low_bits == 4 and (q4 or q6) and not spec.codebook and not spec.packed_min
+        and dtype in (torch.bfloat16, torch.float16) and k % 128 == 0 and bt in (8, 16)
     )  # fmt: skip
 
 
-def _gluon_runs(spec: Any, x: torch.Tensor, k: int, bt: int) -> bool:
-    return gluon_takes(spec, x.dtype, k, bt) and _gluon_ok(x.device)
+def _gluon_runs(pw: PackedWeight, x: torch.Tensor, k: int, bt: int) -> bool:
+    return gluon_takes(pw.spec, pw.high_layout, x.dtype, k, bt) and _gluon_ok(x.device)
 
 
 def _gluon_ok(device: torch.device) -> bool:

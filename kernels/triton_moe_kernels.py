@@ -2,6 +2,8 @@
 
     _moe_mm_kernel    slots sorted by expert into blocks, each block's weight tile decoded once
                       and multiplied on the tensor cores (batches: many slots an expert)
+    moe_align_kernel  the slots sorted by expert into blocks (the wrapper's sort_by_expert, one
+                      launch where torch took about twenty)
     _moe_gemv_kernel  one slot a program row, its expert's rows read straight from the ids
                       (decode: a few slots, each expert chosen once; no sort, no padded rows)
 
@@ -78,6 +80,59 @@ def _moe_mm_kernel(
         acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc, input_precision=PRECISION)
     dst = y_ptr + slots.to(tl.int64)[None, :] * y_stride + local[:, None]
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr, sorted_ptr, expert_ptr, S, E, n_blocks,
+    MAXB, BT: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(S, BS) + 1,): `triton_moe.sort_by_expert_ref`'s layout of the S slots of ids
+    (expert ids < E <= BE), exactly: each expert's slots in slot order from the first row of
+    its blocks (its count padded to BT), padding and the unused rows S, expert_ids[b] the expert
+    of block b or -1.
+
+    Every program counts all the slots (cheap: S is T k). The first cdiv(S, BS) place BS slots
+    each: slot i's row is its expert's first row plus the slots of that expert before i. The
+    last writes the padding, the unused rows and expert_ids (expert e's blocks, at most MAXB,
+    from its first row's block), so that no program waits for another."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BE)
+    j = tl.arange(0, BS)
+    counts = tl.zeros([BE], dtype=tl.int32)
+    for c0 in range(0, S, BS):
+        v = tl.load(ids_ptr + c0 + j, mask=c0 + j < S, other=-1).to(tl.int32)
+        counts += tl.sum((v[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BT - 1) // BT * BT
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    if pid < tl.num_programs(0) - 1:
+        i = pid * BS + j
+        mine = tl.load(ids_ptr + i, mask=i < S, other=-1).to(tl.int32)
+        rank = tl.zeros([BS], dtype=tl.int32)
+        for c0 in range(0, pid * BS + BS, BS):  # the slots before each of mine, block by block
+            k = c0 + j
+            v = tl.load(ids_ptr + k, mask=k < S, other=-2).to(tl.int32)
+            same = (v[None, :] == mine[:, None]) & (k[None, :] < i[:, None])
+            rank += tl.sum(same.to(tl.int32), axis=1)
+        first = tl.sum(tl.where(e[None, :] == mine[:, None], starts[None, :], 0), axis=1)
+        tl.store(sorted_ptr + first + rank, i, mask=i < S)
+    else:
+        # each expert's padding after its slots ([BE, BT]: row e, its count + t < padded)
+        t = tl.arange(0, BT)
+        pad = (starts + counts)[:, None] + t[None, :]
+        tl.store(sorted_ptr + pad, S, mask=(counts[:, None] + t[None, :]) < padded[:, None])
+        # expert e's blocks ([BE, 32] at a time: row e, its first block + m below its end)
+        for m0 in range(0, MAXB, 32):
+            m = m0 + tl.arange(0, 32)
+            blk = (starts // BT)[:, None] + m[None, :]
+            mine = (m[None, :] < (padded // BT)[:, None]) & (e < E)[:, None]
+            tl.store(expert_ptr + blk, tl.zeros([BE, 32], dtype=tl.int32) + e[:, None], mask=mine)
+        used = tl.sum(padded, axis=0)
+        for r0 in range(used, n_blocks * BT, BS):  # the rows past the used blocks
+            tl.store(sorted_ptr + r0 + j, S, mask=r0 + j < n_blocks * BT)
+        for b0 in range(used // BT, n_blocks, BS):  # and their blocks
+            tl.store(expert_ptr + b0 + j, -1, mask=b0 + j < n_blocks)
 
 
 @triton.jit(do_not_specialize=["N", "n_chunks", "x_div", "grp_stride", "sb_stride", "zero"])

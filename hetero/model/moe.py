@@ -41,7 +41,7 @@ from torch import nn
 from hetero.config import ModelConfig, RuntimeConfig
 from hetero.gguf_loader import GGUFModel, GGUFTensor
 from hetero.kernels import select
-from hetero.kernels.moe import GATINGS, activation_fn
+from hetero.kernels.moe import GATINGS, activation_fn, routing_scope
 from hetero.kernels.registry import prepare_weight
 from hetero.model.moe_qdot import QdotExperts, runs_on_qdot
 from hetero.quant import dequantize
@@ -167,15 +167,17 @@ class Experts(nn.Module):
             h, ids, w = h.to(self.device, self.dtype), ids.to(self.device), w.to(self.device)
         if self.qdot is not None:
             return self.qdot(h, ids, w).to(home, dtype)
-        if self.gate_up is not None:
-            gu = self.gate_up(h, ids)  # [S, 2F]
-            f = gu.shape[-1] // 2
-            a = self.down.quantized_input(gu[:, :f], gu[:, f:], self.activation)
-            if a is None:
-                a = self._act(gu[:, :f], gu[:, f:])  # [S, F]
-        else:
-            a = self._act(self.gate(h, ids), self.up(h, ids))
-        return self._combine(self.down(a, ids), w).to(home, dtype)  # [S, C] -> [T, C]
+        with routing_scope():  # (the kernels may sort the slots by expert once for all calls)
+            if self.gate_up is not None:
+                gu = self.gate_up(h, ids)  # [S, 2F]
+                f = gu.shape[-1] // 2
+                a = self.down.quantized_input(gu[:, :f], gu[:, f:], self.activation)
+                if a is None:
+                    a = self._act(gu[:, :f], gu[:, f:])  # [S, F]
+            else:
+                a = self._act(self.gate(h, ids), self.up(h, ids))
+            y = self.down(a, ids)
+        return self._combine(y, w).to(home, dtype)  # [S, C] -> [T, C]
 
 
 def cpu_expert_layers(cfg: ModelConfig, rt: RuntimeConfig) -> int:

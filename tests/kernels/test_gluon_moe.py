@@ -22,7 +22,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
-TYPES = ("Q4_K", "Q4_0", "Q4_1")
+TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
 LAUNCHES = ("moe_gluon", "moe_gluon_bt8", "moe_gluon_fp16")
 ARCHS = (80, 86, 89, 90, 120)  # A100, RTX 3090, RTX 4090, H100 / H200, RTX 5090
 
@@ -48,11 +48,13 @@ def test_compiles_for_each_architecture_without_shared_memory() -> None:
         timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines()]
-    seen = {(int(a), t, name) for a, t, name, *_ in rows}
-    assert seen == {(a, t, n) for a in ARCHS for t in TYPES for n in LAUNCHES}
-    assert {fn for _, _, _, fn, _ in rows} == {"moe_mm_q4_mma_kernel"}
-    assert all(shared == "0" for *_, shared in rows)
+    rows = [(int(a), t, name, fn, int(shared)) for a, t, name, fn, shared in (
+        line.split() for line in done.stdout.splitlines()
+    )]  # fmt: skip
+    want = {(a, t, n) for a in ARCHS for t in TYPES for n in LAUNCHES}
+    gluon = [row for row in rows if row[3] == "moe_mm_mma_kernel"]  # (and the slots' sort)
+    assert {row[:3] for row in gluon} == want
+    assert all(shared == 0 for *_, shared in gluon)
 
 
 def test_takes_only_the_types_and_shapes_it_reads() -> None:
@@ -61,13 +63,16 @@ def test_takes_only_the_types_and_shapes_it_reads() -> None:
     from hetero.quant import get_quant
 
     def takes(name: str, dtype=torch.bfloat16, k: int = 2048, bt: int = 16) -> bool:
-        return tm.gluon_takes(SPECS[get_quant(name).ggml_type], dtype, k, bt)
+        return tm.gluon_takes(SPECS[get_quant(name).ggml_type], layout, dtype, k, bt)
 
+    layout = "fields"
     assert all(takes(t) for t in TYPES) and takes("Q4_K", torch.float16, 768, 8)
-    assert not any(takes(t) for t in ("Q6_K", "Q5_K", "Q8_0", "IQ4_XS", "MXFP4", "Q2_K"))
+    assert not any(takes(t) for t in ("Q5_K", "Q3_K", "Q8_0", "IQ4_XS", "MXFP4", "Q2_K"))
     assert not takes("Q4_K", torch.float32)  # float32 x: the Triton kernel's exact rounding
     assert not takes("Q4_K", k=2048 + 32)  # a step is 128 codes
     assert not takes("Q4_K", bt=32)  # x's fragments of 32 slots would not fit the registers
+    layout = "bytes"  # (the integer GEMV's arrangement of a high plane)
+    assert takes("Q4_K") and not takes("Q6_K")
 
 
 def _experts(ggml_type: str, e: int, n: int, k: int, seed: int) -> torch.Tensor:

@@ -64,6 +64,31 @@ def test_sort_by_expert_puts_each_slot_once_in_a_block_of_its_expert():
     assert expert_ids.tolist()[:4] == [0, 1, 2, 5]
 
 
+@pytest.mark.parametrize(
+    "t,top,e,bt",
+    [(4, 2, 6, 4), (3, 2, 5, 16), (32, 8, 128, 8), (40, 8, 128, 16), (100, 4, 16, 64), (150, 2, 3, 8)],
+)
+def test_the_sort_kernel_gives_the_references_layout(t: int, top: int, e: int, bt: int):
+    """moe_align_kernel (one launch) against the torch ops it replaced, entry for entry: more
+    slots than a program places, experts with none, experts over several blocks."""
+    ids = routing(t, top, e, seed=t)
+    got, want = tm.sort_by_expert(ids, e, bt), tm.sort_by_expert_ref(ids, e, bt)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_one_sort_serves_a_layers_calls_within_its_scope():
+    from hetero.kernels.moe import routing_scope
+
+    ids = routing(6, 2, 5, seed=1)
+    with routing_scope():
+        first = tm.sort_by_expert(ids, 5, 16)
+        assert all(a is b for a, b in zip(tm.sort_by_expert(ids, 5, 16), first))
+        other = tm.sort_by_expert(ids.clone(), 5, 16)  # another tensor: sorted again
+        assert other[0] is not first[0] and torch.equal(other[0], first[0])
+        assert tm.sort_by_expert(ids, 5, 8)[0] is not first[0]  # another block size
+    assert tm.sort_by_expert(ids, 5, 16)[0] is not first[0]  # outside the scope: nothing kept
+
+
 # (E, T, k): the GEMV path (<= GEMV_MAX_SLOTS slots), then the sorted tensor-core path with 4.2,
 # 1.5 and 14.4 slots an expert
 PATHS = [(5, 1, 2), (5, 4, 4), (5, 7, 3), (12, 9, 2), (5, 24, 3)]

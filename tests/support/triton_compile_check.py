@@ -109,7 +109,9 @@ def moe_gluon_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]
 
     qt = get_quant(ggml_type)
     e, n, k = 8, 128, 512
-    if not packable(qt.ggml_type) or not tm.gluon_takes(SPECS[qt.ggml_type], torch.bfloat16, k, 16):
+    if not packable(qt.ggml_type) or not tm.gluon_takes(
+        SPECS[qt.ggml_type], "fields", torch.bfloat16, k, 16
+    ):
         return []
     blocks = random_blocks(ggml_type, e * n * k // qt.block_size, np.random.default_rng(0))
     packed = tm.prepare_moe(
