@@ -29,6 +29,7 @@ min(S, E) * (BT - 1) + S rows.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -299,11 +300,27 @@ def _gluon_runs(pw: PackedWeight, x: torch.Tensor, k: int, bt: int) -> bool:
 
 
 def _gluon_ok(device: torch.device) -> bool:
-    """Gluon kernels run compiled on CUDA (sm_80+: mma.sync), never under the interpreter."""
+    """Gluon kernels run compiled on CUDA (sm_80+: mma.sync), never under the interpreter, and
+    only with the Triton it is written for (3.6 on: Gluon's API still moves between releases;
+    older ones, as older torch builds bring, keep the Triton kernel)."""
     return (
         device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and torch.cuda.get_device_capability(device) >= (8, 0) and _has_gluon()
     )  # fmt: skip
+
+
+@functools.cache
+def _has_gluon() -> bool:
+    import triton
+
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 6):
+        return False
+    try:
+        import triton.experimental.gluon.language.nvidia.ampere  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:

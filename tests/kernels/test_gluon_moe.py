@@ -117,3 +117,21 @@ def test_equals_the_reference_on_the_device(ggml_type: str, monkeypatch) -> None
                 assert (err <= tol).all(), (
                     f"{ggml_type} T={t} bt>={min_bt} {dtype}: max error {err.max().item():.3e}"
                 )
+
+
+def test_an_older_triton_keeps_the_triton_kernel(monkeypatch) -> None:
+    """Gluon's API moves between releases: the kernel is written for Triton 3.6, and an older
+    Triton (older torch builds bring one) must not reach it."""
+    import triton
+
+    from hetero.kernels import triton_moe as tm
+
+    tm._has_gluon.cache_clear()
+    try:
+        monkeypatch.setattr(triton, "__version__", "3.4.0")
+        assert not tm._has_gluon()
+        tm._has_gluon.cache_clear()
+        monkeypatch.setattr(triton, "__version__", "3.6.0")
+        assert tm._has_gluon()
+    finally:
+        tm._has_gluon.cache_clear()
