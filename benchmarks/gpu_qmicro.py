@@ -5,11 +5,12 @@
 For each K-quant type and Llama-3-8B linear shape (q/o, k/v, gate/up, down), each T: the decode
 kernel (qgemv, T <= 2), the few-token decode kernel (qgemv_tokens, 2 <= T <= 16), the tensor-core
 kernel (qmm, T >= 2; mm_bn128: its 128-row, 8-warp tiles, one program an SM, as it ran at every
-T before) and `auto` (what qlinear dispatches to at that T). GB/s counts the packed
-weight bytes once per call (the activations are tiny next to them), against the device's copy
-bandwidth measured in the same run; calls rotate over copies of the weight (>= 256 MB) from a CUDA
-graph, as in benchmarks/gpu_qmatmul.py. The lowest time per T says where GEMV_MAX_T and
-GEMV_TOKENS_MAX_T (hetero.kernels.triton_qmatmul) belong.
+T before), the Gluon kernel of the MoE blocks with W as one expert (gluon8 / gluon16: 8 or 16
+rows a block, T >= 8; Q4_K, Q4_0, Q4_1, Q6_K) and `auto` (what qlinear dispatches to at that
+T). GB/s counts the packed weight bytes once per call (the activations are tiny next to them),
+against the device's copy bandwidth measured in the same run; calls rotate over copies of the
+weight (>= 256 MB) from a CUDA graph, as in benchmarks/gpu_qmatmul.py. The lowest time per T
+says where GEMV_MAX_T and GEMV_TOKENS_MAX_T (hetero.kernels.triton_qmatmul) belong.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hetero.kernels import triton_moe as tm
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.registry import implementations
 from hetero.quant import get_quant
@@ -34,8 +36,8 @@ from gpu_qmatmul import SHAPES, copy_bandwidth, graph_time, make_packed, rotated
 MICRO_SHAPES = ["q/o 4096x4096", "k/v 4096x1024", "gate/up 4096x14336", "down 14336x4096"]
 
 
-def paths(t: int) -> dict:
-    """The kernels worth timing at T = t: name -> fn(x, pw)."""
+def paths(t: int, pw) -> dict:
+    """The kernels worth timing at T = t on weight pw: name -> fn(x, pw)."""
     auto = next(i for i in implementations("qlinear") if i.name == "triton")
     out = {}
     if t <= 2:
@@ -45,6 +47,9 @@ def paths(t: int) -> dict:
     if t >= 2:
         out["mm"] = tq.qmm
         out["mm_bn128"] = lambda x, pw: tq.qmm(x, pw, block_n=128)  # the config before T <= 64
+    for bt in (8, 16):  # the Gluon kernel of the MoE blocks, W one expert
+        if t >= 8 and tm.gluon_takes(pw.spec, pw.high_layout, torch.bfloat16, pw.shape[1], bt):
+            out[f"gluon{bt}"] = lambda x, pw, bt=bt: tm.gluon_dense(x, pw, bt=bt)
     out["auto"] = lambda x, pw: auto.fn(x, pw, int(pw.ggml_type), tuple(pw.shape))
     return out
 
@@ -54,7 +59,7 @@ def _warm(ggml_type: str, tokens: list[int]) -> str:
     pw, _ = make_packed(ggml_type, 256, 4096, seed=0)
     for t in tokens:
         x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
-        for fn in paths(t).values():
+        for fn in paths(t, pw).values():
             fn(x, pw)
     torch.cuda.synchronize()
     return ggml_type
@@ -67,7 +72,7 @@ def measure(ggml_type: str, shape: str, tokens: list[int], copy_gbs: float) -> l
     for t in tokens:
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         row: dict = {"type": ggml_type, "shape": shape, "T": t, "bytes": pws[0].nbytes}
-        for name, fn in paths(t).items():
+        for name, fn in paths(t, pws[0]).items():
             sec = graph_time([lambda w=w, f=fn, x=x: f(x, w) for w in pws], 10)
             row[name] = {"us": sec * 1e6, "gbs": pws[0].nbytes / sec / 1e9}
             row[name]["frac"] = row[name]["gbs"] / copy_gbs

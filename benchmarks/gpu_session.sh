@@ -51,6 +51,8 @@
 #            0 for Triton, BN/BT for Gluon), then llama-batched-bench on the same file
 #   moefinal the issue's MoE GPU rows as shipped: hetero's 1 stream (Qwen3, gpt-oss) and 32
 #            streams, then the peer's llama-batched-bench and llama-bench on the same files
+#   densegluon the Gluon MoE kernel as a dense batched matmul (W one expert, gpu_qmicro.py's
+#            gluon8 / gluon16) against qmm at 16, 32, 64 rows: issue 23's 64 streams
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
@@ -421,6 +423,16 @@ if has moefinal; then  # the MoE rows of the issue, hetero first (while the peer
   stage peer_moe_gpu 120 $LB -m "$QM" -ngl 99 -fa 1 -p 512 -n 128
   stage peer_goss 120 $LB -m "$GO" -ngl 99 -fa 1 -p 512 -n 128
   peer_rows peer_moe_gpu peer_goss
+fi
+
+if has densegluon; then  # issue 23's 64 streams: the Gluon blocks with W as one expert against
+  # the dense tensor-core kernels, the 8B's shapes at 16-64 rows (its test first)
+  stage dense_gluon_test 200 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_gluon_moe.py -k dense
+  tail -1 "$OUT/dense_gluon_test.log"
+  stage dense_gluon 300 "$PY" benchmarks/gpu_qmicro.py --types Q4_K,Q6_K --tokens 16,32,64 \
+    --json "$OUT/dense_gluon.json"
+  grep -E "T= *(16|32|64)" "$OUT/dense_gluon.log" | head -30
 fi
 
 if has ncugluon; then  # Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: its config)

@@ -57,7 +57,7 @@ BLOCK_N = 64
 MM_STEP = 128
 MM_WARPS = 4
 MM_STAGES: int | None = None
-# Q4_K / Q4_0 / Q4_1 / Q6_K blocks of 16-bit slots by the Gluon kernel (gluon_moe_kernels: the
+# Q4_K / Q4_0 / Q4_1 / Q6_K blocks of 16-bit slots by the Gluon kernel (triton_gluon_moe: the
 # weights decoded in the tensor cores' register fragments), 16 rows a warp, GLUON_BN rows a
 # program; HETERO_MOE_MM_GLUON=0 keeps the Triton kernel. H200, Qwen3-30B-A3B's experts, one
 # layer at 32 tokens (benchmarks/gpu_moe.py --gluon 0,64,128 --gluon-bt 16,8): Triton 276.8
@@ -264,16 +264,7 @@ def moe_matmul_triton(
     grid = (expert_ids.shape[0], -(-n // BLOCK_N))
     stages = {} if MM_STAGES is None else {"num_stages": MM_STAGES}
     if MM_GLUON and _gluon_runs(pw, x, k, bt):
-        from hetero.kernels.gluon_moe_kernels import moe_mm_mma_kernel, tile_layouts
-
-        spec, mt = pw.spec, GLUON_BN // (16 * GLUON_WARPS)
-        w_l, s_l, x_l = tile_layouts(GLUON_WARPS, mt, bt)
-        moe_mm_mma_kernel[(grid[0], -(-n // GLUON_BN))](
-            x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0),
-            y.stride(0), *args[6:9], HB=spec.high_bits, G=spec.group, OFF=spec.offset,
-            KQUANT=spec.kquant, HAS_MIN=spec.has_min, BN=GLUON_BN, BT=bt, WARPS=GLUON_WARPS,
-            W_L=w_l, S_L=s_l, X_L=x_l, num_warps=GLUON_WARPS,
-        )  # fmt: skip
+        _gluon_blocks(x, y, pw, sorted_ids, expert_ids, n, k, s, x_div, bt, GLUON_BN)
         return _biased(y, bias, topk_ids.reshape(-1))
     _kernels()._moe_mm_kernel[grid](
         x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0), y.stride(0),
@@ -281,6 +272,44 @@ def moe_matmul_triton(
         num_warps=MM_WARPS, **stages,
     )  # fmt: skip
     return _biased(y, bias, topk_ids.reshape(-1))
+
+
+def _gluon_blocks(
+    x: torch.Tensor, y: torch.Tensor, pw: PackedWeight, sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor, n: int, k: int, n_slots: int, x_div: int, bt: int, bn: int,
+) -> None:  # fmt: skip
+    """`moe_mm_mma_kernel` over the sorted blocks: y's rows of the slots (module docstring)."""
+    from hetero.kernels.triton_gluon_moe import moe_mm_mma_kernel, tile_layouts
+
+    args, _ = _plane_args(pw)
+    spec, e = pw.spec, chunk_codes(pw.spec.low_bits)
+    w_l, s_l, x_l = tile_layouts(GLUON_WARPS, bn // (16 * GLUON_WARPS), bt)
+    moe_mm_mma_kernel[(expert_ids.shape[0], -(-n // bn))](
+        x, y, sorted_ids, expert_ids, *args[:6], n, k // e, n_slots, x_div, x.stride(0),
+        y.stride(0), *args[6:9], HB=spec.high_bits, G=spec.group, OFF=spec.offset,
+        KQUANT=spec.kquant, HAS_MIN=spec.has_min, BN=bn, BT=bt, WARPS=GLUON_WARPS, W_L=w_l,
+        S_L=s_l, X_L=x_l, num_warps=GLUON_WARPS,
+    )  # fmt: skip
+
+
+def gluon_dense(x: torch.Tensor, pw: PackedWeight, bt: int = 16, bn: int = 0) -> torch.Tensor:
+    """y [T, N] = x @ W^T by the Gluon blocks kernel, W as one expert and x's T rows its slots
+    in blocks of bt (each block decodes the weight again; a tile of rows' blocks are
+    neighbouring programs, so the blocks after the first read it from L2). Not dispatched:
+    benchmarks/gpu_qmicro.py times it against the dense tensor-core kernels (batched decode,
+    issue 23's 64 streams)."""
+    t, k = x.shape
+    n = pw.shape[0]
+    if not gluon_takes(pw.spec, pw.high_layout, x.dtype, k, bt):
+        raise ValueError(f"the Gluon kernel does not take {pw.ggml_type.name} at K {k}, {bt} rows")
+    blocks = -(-t // bt)
+    sorted_ids = torch.full((blocks * bt,), t, dtype=torch.int32, device=x.device)
+    sorted_ids[:t] = torch.arange(t, dtype=torch.int32, device=x.device)
+    expert_ids = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    _gluon_blocks(x, y, pw, sorted_ids, expert_ids, n, k, t, 1, bt, bn or GLUON_BN)
+    return y
 
 
 def gluon_takes(spec: Any, high_layout: str, dtype: torch.dtype, k: int, bt: int) -> bool:

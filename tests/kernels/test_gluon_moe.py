@@ -1,4 +1,4 @@
-"""The Gluon kernel of the sorted MoE blocks (kernels/gluon_moe_kernels.py).
+"""The Gluon kernel of the sorted MoE blocks (kernels/triton_gluon_moe.py).
 
 Gluon compiles but does not run under Triton's interpreter. On any machine the kernel is compiled
 for each architecture the project targets, through the real wrapper (triton_moe with MM_GLUON):
@@ -23,7 +23,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
 TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
-LAUNCHES = ("moe_gluon", "moe_gluon_bt8", "moe_gluon_fp16")
+LAUNCHES = ("dense_gluon", "moe_gluon", "moe_gluon_bt8", "moe_gluon_fp16")
 ARCHS = (80, 86, 89, 90, 120)  # A100, RTX 3090, RTX 4090, H100 / H200, RTX 5090
 
 COMPILE = """
@@ -135,3 +135,25 @@ def test_an_older_triton_keeps_the_triton_kernel(monkeypatch) -> None:
         assert tm._has_gluon()
     finally:
         tm._has_gluon.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K"])
+def test_a_dense_weight_as_one_expert_equals_the_reference(ggml_type: str) -> None:
+    from hetero.kernels import triton_moe as tm
+    from hetero.kernels.repack import repack
+    from hetero.quant import dequantize, get_quant
+
+    qt = get_quant(ggml_type).ggml_type
+    n, k = 200, 768
+    raw = _experts(ggml_type, 1, n, k, seed=5)[0]
+    pw = repack(raw, qt, (n, k))
+    w = dequantize(raw, qt, (n, k))
+    g = torch.Generator().manual_seed(2)
+    for t, bt in ((40, 16), (13, 8)):  # blocks with padding rows
+        x = torch.randn(t, k, generator=g).to("cuda", torch.bfloat16)
+        got = tm.gluon_dense(x, pw, bt=bt).float()
+        want = x.float() @ w.T
+        tol = 2.0**-6 * (x.float().abs() @ w.abs().T) + 2.0**-7 * want.abs() + 1e-3
+        assert ((got - want).abs() <= tol).all(), (ggml_type, t, bt)

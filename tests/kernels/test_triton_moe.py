@@ -66,7 +66,14 @@ def test_sort_by_expert_puts_each_slot_once_in_a_block_of_its_expert():
 
 @pytest.mark.parametrize(
     "t,top,e,bt",
-    [(4, 2, 6, 4), (3, 2, 5, 16), (32, 8, 128, 8), (40, 8, 128, 16), (100, 4, 16, 64), (150, 2, 3, 8)],
+    [
+        (4, 2, 6, 4),
+        (3, 2, 5, 16),
+        (32, 8, 128, 8),
+        (40, 8, 128, 16),
+        (100, 4, 16, 64),
+        (150, 2, 3, 8),
+    ],
 )
 def test_the_sort_kernel_gives_the_references_layout(t: int, top: int, e: int, bt: int):
     """moe_align_kernel (one launch) against the torch ops it replaced, entry for entry: more

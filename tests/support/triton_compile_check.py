@@ -101,7 +101,7 @@ def launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
 
 
 def moe_gluon_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
-    """The Gluon kernel of the sorted MoE blocks (gluon_moe_kernels), where it takes the type:
+    """The Gluon kernel of the sorted MoE blocks (triton_gluon_moe), where it takes the type:
     8 and 16 slots a block, 64 and 128 rows a program, bf16 and fp16 x."""
     from hetero.kernels import triton_moe as tm
     from hetero.kernels.repack import SPECS, packable
@@ -129,7 +129,17 @@ def moe_gluon_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]
         finally:
             tm.MM_GLUON, tm.GLUON_BN, tm.GLUON_MIN_BT, tm._gluon_ok = saved
 
+    def dense() -> object:
+        saved = tm._gluon_ok
+        tm._gluon_ok = lambda device: True
+        try:
+            pw = _weight(ggml_type, n, k)
+            return tm.gluon_dense(torch.zeros(24, k, dtype=torch.bfloat16), pw)
+        finally:
+            tm._gluon_ok = saved
+
     return [
+        ("dense_gluon", dense),
         ("moe_gluon", lambda: run(128, 16, torch.bfloat16, 40)),
         ("moe_gluon_bt8", lambda: run(64, 8, torch.bfloat16, 12)),
         ("moe_gluon_fp16", lambda: run(128, 16, torch.float16, 40)),
