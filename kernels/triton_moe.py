@@ -20,11 +20,14 @@ GEMV_INT below). Otherwise one program per (block, tile of BN output rows) decod
 expert's weight tile once and multiplies it with the block's BT rows of x on the tensor cores,
 the `_qmm_kernel` step with the rows offset to the expert (the experts' matrices are one packed
 [E * N, K] weight: kernels/repack.py, every packable type including the codebook ones, MXFP4
-for gpt-oss).
+for gpt-oss). Blocks of Q4_K, Q4_0, Q4_1 and Q6_K with 16-bit x and 8 or 16 slots take the
+Gluon kernel instead (triton_gluon_moe: the weights decoded in the tensor cores' register
+fragments; 8 slots a block where the experts average at most 4, a decode step of many streams).
 
-The sort runs on the device with shapes fixed by (T, k, E) alone (no host sync), so a decode
-step's MoE layers capture in a CUDA graph: the bound on blocks is that of vLLM,
-min(S, E) * (BT - 1) + S rows.
+The sort runs on the device in one kernel (`moe_align_kernel`) with shapes fixed by (T, k, E)
+alone (no host sync), so a decode step's MoE layers capture in a CUDA graph: the bound on blocks
+is that of vLLM, min(S, E) * (BT - 1) + S rows. Within `kernels.moe.routing_scope()` a layer's
+gate|up and down calls share one sort.
 """
 
 from __future__ import annotations
