@@ -24,10 +24,8 @@ for gpt-oss). Blocks of Q4_K, Q4_0, Q4_1 and Q6_K with 16-bit x and 8 or 16 slot
 Gluon kernel instead (triton_gluon_moe: the weights decoded in the tensor cores' register
 fragments; 8 slots a block where the experts average at most 4, a decode step of many streams).
 
-The sort runs on the device in one kernel (`moe_align_kernel`) with shapes fixed by (T, k, E)
-alone (no host sync), so a decode step's MoE layers capture in a CUDA graph: the bound on blocks
-is that of vLLM, min(S, E) * (BT - 1) + S rows. Within `kernels.moe.routing_scope()` a layer's
-gate|up and down calls share one sort.
+The sort (triton_moe_sort) runs on the device with shapes fixed by (T, k, E) alone (no host
+sync), so a decode step's MoE layers capture in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -39,11 +37,12 @@ from typing import Any
 
 import torch
 
-from hetero.kernels.moe import moe_matmul_ref, routing_memo, slot_row_div
+from hetero.kernels.moe import moe_matmul_ref, slot_row_div
 from hetero.kernels.pdl import pdl_launch
 from hetero.kernels.registry import register
 from hetero.kernels.repack import PackedWeight, chunk_codes, packable, repack
 from hetero.kernels.streamk import StreamKConfig, _asm_ok, schedule
+from hetero.kernels.triton_moe_sort import sort_by_expert
 from hetero.kernels.triton_qmatmul import (
     _GEMV_WARPS,
     _counters,
@@ -71,8 +70,6 @@ GLUON_BN = int(os.environ.get("HETERO_MOE_GLUON_BN", "64"))  # a multiple of 16 
 # The fewest slots a block for the Gluon kernel: 8 (one n-tile of mma.sync) where the experts
 # get at most 4 slots on average (a decode step of many streams), else block_rows' 16
 GLUON_MIN_BT = int(os.environ.get("HETERO_MOE_GLUON_BT", "8"))
-# Up to this many slots sort_by_expert runs its one kernel, more (long prompts) torch's sort
-ALIGN_MAX_SLOTS = 4096
 # Up to this many slots (T * k), each slot reads its expert's rows on its own (the GEMV kernel):
 # a decode step's k slots choose k distinct experts, so sorting them would only add launches and
 # pad each expert's one row to a tensor-core tile of 16
@@ -125,63 +122,6 @@ def block_rows(n_slots: int, n_experts: int) -> int:
     """BT: slots a block, from the slots an expert gets on average (16: tl.dot's least)."""
     per_expert = n_slots / n_experts
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-
-
-def sort_by_expert(
-    topk_ids: torch.Tensor, n_experts: int, bt: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_ids [blocks * bt] int32, expert_ids [blocks] int32): the module docstring's
-    layout, in one launch (`moe_align_kernel`: torch's sort took about twenty small kernels,
-    5 ms of a 32-stream Qwen3-30B-A3B decode step of 20 on the H200, twice a layer). Within
-    `kernels.moe.routing_scope()` (one MoE layer's calls), one sort serves every call on the
-    same topk_ids."""
-    key = (id(topk_ids), n_experts, bt)
-    memo = routing_memo()
-    if memo is not None and key in memo and memo[key][0] is topk_ids:
-        return memo[key][1]
-    flat = topk_ids.reshape(-1)
-    s = flat.numel()
-    if s > ALIGN_MAX_SLOTS:  # (its programs count every slot: quadratic in S)
-        result = sort_by_expert_ref(topk_ids, n_experts, bt)
-        if memo is not None:
-            memo[key] = (topk_ids, result)
-        return result
-    n_blocks = -(-(min(s, n_experts) * (bt - 1) + s) // bt)
-    sorted_ids = torch.empty(n_blocks * bt, dtype=torch.int32, device=flat.device)
-    expert_ids = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
-    bs = 128
-    _kernels().moe_align_kernel[(-(-s // bs) + 1,)](
-        flat, sorted_ids, expert_ids, s, n_experts, n_blocks, -(-s // bt), BT=bt, BS=bs,
-        BE=max(16, 1 << (n_experts - 1).bit_length()),
-    )  # fmt: skip
-    if memo is not None:
-        memo[key] = (topk_ids, (sorted_ids, expert_ids))  # (holds topk_ids: its id stays its)
-    return sorted_ids, expert_ids
-
-
-def sort_by_expert_ref(
-    topk_ids: torch.Tensor, n_experts: int, bt: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sort_by_expert` in torch ops (the reference of its layout), without reading anything
-    back."""
-    flat = topk_ids.reshape(-1).long()
-    s, dev = flat.numel(), flat.device
-    counts = torch.zeros(n_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + bt - 1) // bt * bt
-    ends = padded.cumsum(0)  # end row of each expert's blocks
-    order = torch.argsort(flat, stable=True)  # slots grouped by expert, in slot order
-    by_expert = flat[order]
-    first = counts.cumsum(0) - counts  # rank of each expert's first slot in `order`
-    rank = torch.arange(s, device=dev) - first[by_expert]
-    rows = min(s, n_experts) * (bt - 1) + s
-    n_blocks = -(-rows // bt)
-    sorted_ids = torch.full((n_blocks * bt,), s, dtype=torch.int32, device=dev)
-    sorted_ids[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
-    starts = torch.arange(n_blocks, device=dev) * bt
-    expert_ids = torch.searchsorted(ends, starts, right=True)
-    expert_ids = torch.where(expert_ids < n_experts, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids
 
 
 def int_input(qweight: Any, slots: int, dtype: torch.dtype) -> XLayout | None:

@@ -2,7 +2,7 @@
 
     _moe_mm_kernel    slots sorted by expert into blocks, each block's weight tile decoded once
                       and multiplied on the tensor cores (batches: many slots an expert)
-    moe_align_kernel  the slots sorted by expert into blocks (the wrapper's sort_by_expert, one
+    moe_align_kernel  the slots sorted by expert into blocks (triton_moe_sort.sort_by_expert, one
                       launch where torch took about twenty)
     _moe_gemv_kernel  one slot a program row, its expert's rows read straight from the ids
                       (decode: a few slots, each expert chosen once; no sort, no padded rows)
@@ -87,7 +87,7 @@ def moe_align_kernel(
     ids_ptr, sorted_ptr, expert_ptr, S, E, n_blocks,
     MAXB, BT: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(S, BS) + 1,): `triton_moe.sort_by_expert_ref`'s layout of the S slots of ids
+    """Grid (cdiv(S, BS) + 1,): `triton_moe_sort.sort_by_expert_ref`'s layout of the S slots of ids
     (expert ids < E <= BE), exactly: each expert's slots in slot order from the first row of
     its blocks (its count padded to BT), padding and the unused rows S, expert_ids[b] the expert
     of block b or -1.

@@ -13,6 +13,7 @@ import torch
 
 from hetero.kernels import implementations
 from hetero.kernels import triton_moe as tm
+from hetero.kernels import triton_moe_sort as ts
 from hetero.kernels.moe import moe_matmul_ref, slot_rows
 from hetero.kernels.registry import prepare_weight
 from hetero.kernels.repack import SPECS
@@ -48,7 +49,7 @@ def routing(t: int, top: int, e: int, seed: int) -> torch.Tensor:
 
 def test_sort_by_expert_puts_each_slot_once_in_a_block_of_its_expert():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2], [5, 2]], device=DEVICE)
-    sorted_ids, expert_ids = tm.sort_by_expert(ids, 6, 4)
+    sorted_ids, expert_ids = ts.sort_by_expert(ids, 6, 4)
     s, flat = ids.numel(), ids.flatten().tolist()
     blocks = sorted_ids.view(-1, 4).tolist()
     seen = []
@@ -79,7 +80,7 @@ def test_the_sort_kernel_gives_the_references_layout(t: int, top: int, e: int, b
     """moe_align_kernel (one launch) against the torch ops it replaced, entry for entry: more
     slots than a program places, experts with none, experts over several blocks."""
     ids = routing(t, top, e, seed=t)
-    got, want = tm.sort_by_expert(ids, e, bt), tm.sort_by_expert_ref(ids, e, bt)
+    got, want = ts.sort_by_expert(ids, e, bt), ts.sort_by_expert_ref(ids, e, bt)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -88,12 +89,12 @@ def test_one_sort_serves_a_layers_calls_within_its_scope():
 
     ids = routing(6, 2, 5, seed=1)
     with routing_scope():
-        first = tm.sort_by_expert(ids, 5, 16)
-        assert all(a is b for a, b in zip(tm.sort_by_expert(ids, 5, 16), first))
-        other = tm.sort_by_expert(ids.clone(), 5, 16)  # another tensor: sorted again
+        first = ts.sort_by_expert(ids, 5, 16)
+        assert all(a is b for a, b in zip(ts.sort_by_expert(ids, 5, 16), first))
+        other = ts.sort_by_expert(ids.clone(), 5, 16)  # another tensor: sorted again
         assert other[0] is not first[0] and torch.equal(other[0], first[0])
-        assert tm.sort_by_expert(ids, 5, 8)[0] is not first[0]  # another block size
-    assert tm.sort_by_expert(ids, 5, 16)[0] is not first[0]  # outside the scope: nothing kept
+        assert ts.sort_by_expert(ids, 5, 8)[0] is not first[0]  # another block size
+    assert ts.sort_by_expert(ids, 5, 16)[0] is not first[0]  # outside the scope: nothing kept
 
 
 # (E, T, k): the GEMV path (<= GEMV_MAX_SLOTS slots), then the sorted tensor-core path with 4.2,
