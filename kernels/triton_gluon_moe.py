@@ -34,6 +34,8 @@ target architecture on any machine and compares it with the reference where CUDA
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -97,6 +99,7 @@ def _halves(w, HT: gl.constexpr):
     return gl.reshape(gl.join(lo, hi), [w.shape[0], 2 * w.shape[1]])
 
 
+@functools.cache  # (built once a shape: a prompt's eager calls would rebuild them a layer)
 def tile_layouts(warps: int, m_tiles: int, bt: int) -> tuple:
     """(W, S, X) linear layouts of a step's loads for `moe_mm_mma_kernel`, BN = 16 warps
     m_tiles rows: W [BN, 4, 4] code words (row, chunk t, word), S [BN, 4] the chunks' scales,

@@ -203,12 +203,12 @@ def moe_matmul_triton(
     if MM_GLUON and GLUON_MIN_BT == 8 and s <= 4 * n_experts and _gluon_runs(pw, x, k, 8):
         bt = 8
     sorted_ids, expert_ids = sort_by_expert(topk_ids, n_experts, bt)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    grid = (expert_ids.shape[0], -(-n // BLOCK_N))
-    stages = {} if MM_STAGES is None else {"num_stages": MM_STAGES}
     if MM_GLUON and _gluon_runs(pw, x, k, bt):
         _gluon_blocks(x, y, pw, sorted_ids, expert_ids, n, k, s, x_div, bt, GLUON_BN)
         return _biased(y, bias, topk_ids.reshape(-1))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid = (expert_ids.shape[0], -(-n // BLOCK_N))
+    stages = {} if MM_STAGES is None else {"num_stages": MM_STAGES}
     _kernels()._moe_mm_kernel[grid](
         x, y, sorted_ids, expert_ids, *args[:6], n, k // e, s, x_div, x.stride(0), y.stride(0),
         *args[6:], **meta, BN=BLOCK_N, BT=bt, S=max(1, MM_STEP // e), PRECISION=precision,
