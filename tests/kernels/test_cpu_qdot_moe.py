@@ -4,25 +4,18 @@ the exact weights within the activations' rounding, and reading only the chosen 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from hetero.kernels import cpu_qdot, native
 from hetero.kernels.cpu_qdot_moe import grouped_matmul, pack_experts, route, runs_natively
 from hetero.kernels.cpu_qdot_ref import quantize_x_reference
-from hetero.quant import dequantize, get_quant, random_blocks
+from hetero.quant import dequantize, get_quant
+from tests.support.expert_blocks import random_experts
 
 pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler builds the kernel")
 
 TYPES = ("Q4_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K") + (("MXFP4",) if runs_natively("MXFP4") else ())
-
-
-def experts(ggml_type: str, e: int, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random GGUF blocks of W [e, n, k]: uint8 [e, n, row bytes]."""
-    qt = get_quant(ggml_type)
-    blocks = random_blocks(ggml_type, e * n * k // qt.block_size, np.random.default_rng(seed))
-    return torch.from_numpy(blocks).reshape(e, n, -1)
 
 
 def per_expert(x, raw, ggml_type, ids, gather: bool) -> torch.Tensor:
@@ -60,7 +53,7 @@ def test_routing_groups_slots_by_expert_stably():
 def test_each_slot_is_the_dense_kernel_on_its_expert(ggml_type: str):
     e, k = 8, 512
     for n, t, top, threads in ((21, 1, 2, 1), (48, 5, 3, 2), (40, 17, 4, 3)):  # N % 16 != 0
-        raw = experts(ggml_type, e, n, k, seed=n)
+        raw = random_experts(ggml_type, e, n, k, seed=n)
         gate, up = (
             pack_experts(raw, ggml_type, (e, n, k)),
             pack_experts(raw.flip(0), ggml_type, (e, n, k)),
@@ -80,7 +73,7 @@ def test_each_slot_is_the_dense_kernel_on_its_expert(ggml_type: str):
 def test_against_exact_weights_within_activation_rounding(ggml_type: str):
     """|y - x @ W_e^T| <= sum_j |w_j| * xd_j / 2 per slot, W_e the GGUF's exact weights."""
     e, n, k, t = 6, 32, 512, 9
-    raw = experts(ggml_type, e, n, k, seed=4)
+    raw = random_experts(ggml_type, e, n, k, seed=4)
     exact = dequantize(raw, get_quant(ggml_type).ggml_type, (e, n, k))
     ids = torch.stack([torch.randperm(e)[:2] for _ in range(t)])
     r = route(ids, e)
@@ -99,7 +92,7 @@ def test_only_the_chosen_experts_are_read():
     """Every byte of the experts no token chose set to 0xff (scales NaN): the outputs do not
     change, so the call never read them."""
     e, n, k = 8, 32, 256
-    raw = experts("Q4_K", e, n, k, seed=7)
+    raw = random_experts("Q4_K", e, n, k, seed=7)
     packed = pack_experts(raw, "Q4_K", (e, n, k))
     ids = torch.tensor([[2, 5], [5, 6]])
     r = route(ids, e)
@@ -112,8 +105,8 @@ def test_only_the_chosen_experts_are_read():
 
 
 def test_weights_of_a_grouped_call_must_agree():
-    a = pack_experts(experts("Q4_K", 4, 16, 256, 0), "Q4_K", (4, 16, 256))
-    b = pack_experts(experts("Q6_K", 4, 16, 256, 0), "Q6_K", (4, 16, 256))
+    a = pack_experts(random_experts("Q4_K", 4, 16, 256, 0), "Q4_K", (4, 16, 256))
+    b = pack_experts(random_experts("Q6_K", 4, 16, 256, 0), "Q6_K", (4, 16, 256))
     with pytest.raises(ValueError, match="share"):
         grouped_matmul(torch.randn(1, 256), [a, b], route(torch.tensor([[0, 1]]), 4), True)
 
@@ -125,7 +118,7 @@ def test_an_expert_with_many_slots_takes_the_amx_tiles_bit_for_bit(ggml_type, mo
     activations where they lie (the grouped call packs none): AMX's code, run in C here, equals
     the AVX-512 build's floats exactly, the experts with few slots beside it included."""
     e, n, k = 4, 48, 512
-    raw = experts(ggml_type, e, n, k, seed=11)
+    raw = random_experts(ggml_type, e, n, k, seed=11)
     w = pack_experts(raw, ggml_type, (e, n, k))
     ids = torch.zeros(70, 2, dtype=torch.long)
     ids[:, 1] = torch.arange(70) % 3 + 1  # expert 0: 70 slots; 1-3: 23-24 each

@@ -15,12 +15,13 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
+
+from tests.support.expert_blocks import random_experts  # noqa: E402
 
 TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
 LAUNCHES = ("dense_gluon", "moe_gluon", "moe_gluon_bt8", "moe_gluon_fp16")
@@ -75,14 +76,6 @@ def test_takes_only_the_types_and_shapes_it_reads() -> None:
     assert takes("Q4_K") and not takes("Q6_K")
 
 
-def _experts(ggml_type: str, e: int, n: int, k: int, seed: int) -> torch.Tensor:
-    from hetero.quant import get_quant, random_blocks
-
-    qt = get_quant(ggml_type)
-    blocks = random_blocks(ggml_type, e * n * k // qt.block_size, np.random.default_rng(seed))
-    return torch.from_numpy(blocks).reshape(e, n, -1).cuda()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @pytest.mark.parametrize("ggml_type", TYPES)
@@ -93,7 +86,7 @@ def test_equals_the_reference_on_the_device(ggml_type: str, monkeypatch) -> None
 
     qt = int(get_quant(ggml_type).ggml_type)
     e, n, k, top = 16, 200, 768, 4  # 200 rows: the last program's rows past N clamped
-    raw = _experts(ggml_type, e, n, k, seed=3)
+    raw = random_experts(ggml_type, e, n, k, seed=3, device="cuda")
     packed = tm.prepare_moe(raw, qt, (e, n, k))
     w = dequantize(raw.reshape(e * n, -1), qt, (e * n, k)).abs().view(e, n, k)
     monkeypatch.setattr(tm, "MM_GLUON", True)
@@ -147,7 +140,7 @@ def test_a_dense_weight_as_one_expert_equals_the_reference(ggml_type: str) -> No
 
     qt = get_quant(ggml_type).ggml_type
     n, k = 200, 768
-    raw = _experts(ggml_type, 1, n, k, seed=5)[0]
+    raw = random_experts(ggml_type, 1, n, k, seed=5, device="cuda")[0]
     pw = repack(raw, qt, (n, k))
     w = dequantize(raw, qt, (n, k))
     g = torch.Generator().manual_seed(2)

@@ -7,7 +7,6 @@ experts chosen by many slots, some by none), x one row a token (gate/up) or one 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,8 @@ from hetero.kernels import triton_moe_sort as ts
 from hetero.kernels.moe import moe_matmul_ref, slot_rows
 from hetero.kernels.registry import prepare_weight
 from hetero.kernels.repack import SPECS
-from hetero.quant import dequantize, get_quant, random_blocks
+from hetero.quant import dequantize, get_quant
+from tests.support.expert_blocks import random_experts
 from tests.support.triton_interp import (  # noqa: F401  (kernels_runnable: an autouse fixture)
     CUDA,
     DEVICE,
@@ -30,13 +30,6 @@ triton = pytest.importorskip("triton")
 test_in_a_fresh_interpreter_process = rerun_test(__file__)
 
 TYPES = [t.name for t in SPECS]
-
-
-def experts(ggml_type: str, e: int, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random GGUF bytes [E, N, row_bytes] on DEVICE."""
-    qt = get_quant(ggml_type)
-    blocks = random_blocks(ggml_type, e * n * k // qt.block_size, np.random.default_rng(seed))
-    return torch.from_numpy(blocks).reshape(e, n, -1).to(DEVICE)
 
 
 def routing(t: int, top: int, e: int, seed: int) -> torch.Tensor:
@@ -113,7 +106,7 @@ def test_grouped_matmul_equals_reference(ggml_type: str):
     k = 512 if get_quant(ggml_type).block_size == 256 else 352  # 11 blocks of 32: a ragged step
     qt = int(get_quant(ggml_type).ggml_type)
     for e, t, top in PATHS:
-        raw = experts(ggml_type, e, n, k, seed=len(ggml_type) + e)
+        raw = random_experts(ggml_type, e, n, k, seed=len(ggml_type) + e, device=DEVICE)
         packed = tm.prepare_moe(raw, qt, (e, n, k))
         ids = routing(t, top, e, seed=t)
         g = torch.Generator().manual_seed(t)
@@ -131,7 +124,7 @@ def test_grouped_matmul_equals_reference(ggml_type: str):
 
 def test_every_registered_implementation_equals_the_reference():
     e, n, k = 4, 24, 256
-    raw = experts("Q4_K", e, n, k, seed=7)
+    raw = random_experts("Q4_K", e, n, k, seed=7, device=DEVICE)
     qt = int(get_quant("Q4_K").ggml_type)
     ids = routing(3, 2, e, seed=3)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -148,7 +141,7 @@ def test_every_registered_implementation_equals_the_reference():
 @pytest.mark.gpu
 def test_bf16_on_the_device_and_dense_experts_fall_back():
     e, n, k = 8, 96, 512
-    raw = experts("Q4_K", e, n, k, seed=1)
+    raw = random_experts("Q4_K", e, n, k, seed=1, device=DEVICE)
     qt = int(get_quant("Q4_K").ggml_type)
     ids = routing(33, 4, e, seed=5)
     x = torch.randn(33, k, device=DEVICE, dtype=torch.bfloat16)
@@ -252,7 +245,7 @@ def test_the_gemvs_rows_a_program_leave_every_sum_as_it_was(ggml_type: str, monk
     """GEMV_BLOCK_N (what benchmarks/gpu_moe.py sweeps) only regroups rows into programs: each
     row's sum runs the same steps, so the outputs are equal bit for bit."""
     e, n, k = 6, 96, 512
-    raw = experts(ggml_type, e, n, k, seed=3)
+    raw = random_experts(ggml_type, e, n, k, seed=3, device=DEVICE)
     qt = int(get_quant(ggml_type).ggml_type)
     packed = tm.prepare_moe(raw, qt, (e, n, k))
     ids = routing(2, 2, e, seed=4)
@@ -276,7 +269,7 @@ def test_integer_gemv_of_16_bit_slots_equals_reference(ggml_type: str, monkeypat
     qt = get_quant(ggml_type)
     e, n = 5, 40
     k = 512 if qt.block_size == 256 else 352  # 352: 11 blocks of 32, a ragged unit
-    raw = experts(ggml_type, e, n, k, seed=len(ggml_type))
+    raw = random_experts(ggml_type, e, n, k, seed=len(ggml_type), device=DEVICE)
     x16 = torch.bfloat16
     packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
     assert tm._int_gemv_ok(packed.packed, x16) == bool(SPECS[qt.ggml_type].codebook)
@@ -315,7 +308,7 @@ def test_down_input_quantized_with_its_activation():
 
     qt = get_quant("MXFP4")
     e, n, k = 5, 40, 352
-    raw = experts("MXFP4", e, n, k, seed=9)
+    raw = random_experts("MXFP4", e, n, k, seed=9, device=DEVICE)
     packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
     ids = torch.tensor([[0, 3], [4, 1]], device=DEVICE)
     g = torch.Generator().manual_seed(3)
@@ -329,7 +322,7 @@ def test_down_input_quantized_with_its_activation():
     assert torch.equal(
         got, tm.moe_matmul_triton(swiglu(gate, up), packed, int(qt.ggml_type), shape, ids)
     )
-    q4 = tm.prepare_moe(experts("Q4_K", e, n, 512, seed=2), 12, (e, n, 512))
+    q4 = tm.prepare_moe(random_experts("Q4_K", e, n, 512, seed=2, device=DEVICE), 12, (e, n, 512))
     assert tm.quantize_input(q4, gate, up, "silu") is None  # (K-quants: the float GEMV)
     assert tm.quantize_input(packed, gate.float(), up.float(), "silu") is None
     with pytest.raises(ValueError, match="layout"):
@@ -347,7 +340,7 @@ def test_gemvs_over_slots_sorted_by_expert_give_each_slot_its_own_rows(ggml_type
     qt = get_quant(ggml_type)
     e, n, t, top = 6, 40, 9, 3  # 27 slots
     k = 512 if qt.block_size == 256 else 352
-    raw = experts(ggml_type, e, n, k, seed=len(ggml_type) + 3)
+    raw = random_experts(ggml_type, e, n, k, seed=len(ggml_type) + 3, device=DEVICE)
     packed = tm.prepare_moe(raw, int(qt.ggml_type), (e, n, k))
     ids = routing(t, top, e, seed=11)
     g = torch.Generator().manual_seed(6)
