@@ -33,6 +33,8 @@
 #   moecheck the tiny MoE models' greedy tokens on the GPU (and with --cpu-moe) against the
 #            references
 #   moeours  hetero on the MoE files, as the moe stage runs the peer
+#   altmoe   experts in RAM (--cpu-moe / -ncmoe 99, 16 threads): decode and prompt 512, hetero
+#            and the peer alternated ROUNDS times (3)
 #   moequick the MoE kernels' tests, hetero's single-stream rows (Qwen3-30B-A3B, gpt-oss-20b),
 #            then the peer's
 #   hop      experts in RAM beside the GPU (--cpu-moe): the host-node graphs' test and the tiny
@@ -83,7 +85,7 @@ PY=${PY:-python3}
 STAGES=${STAGES:-setup}
 PEER_SRC=${PEER_SRC:-.peer/llama.cpp}
 PEER_BIN=${PEER_BIN:-.peerbin}
-BUILD=/tmp/llbuild
+BUILD=${BUILD:-/tmp/llbuild}  # bench_out/llbuild: kept beside the files between machines
 Q4=${Q4:-bench_out/llama3-8b-q4_k_m.gguf}
 Q6=${Q6:-bench_out/llama3-8b-q6_k.gguf}
 QM=${QM:-bench_out/qwen3-30b-a3b-q4_k_m.gguf}
@@ -308,6 +310,20 @@ if has moeours; then
     --input-len 512 --output-len 64
   rows "$OUT/moe_cpu.log"
   single goss_1 "$GO"
+fi
+
+if has altmoe; then  # experts in RAM (--cpu-moe, 16 threads): hetero, then the peer, ROUNDS
+  moe_files          # times (the host drifts within a lease; a pair shares it)
+  peer_wait
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  for r in $(seq "${ROUNDS:-3}"); do
+    stage "alt_moe_cpu_$r" 240 "${BENCH[@]}" "$QM" --device cuda -ngl 99 --cpu-moe --threads 16 \
+      -c 1 -n 2 --input-len 512 --output-len 64
+    rows "$OUT/alt_moe_cpu_$r.log"
+    stage "alt_peer_moe_cpu_$r" 200 "$BUILD/bin/llama-bench" -r 2 -o json -m "$QM" -ngl 99 \
+      -ncmoe 99 -t 16 -fa 1 -p 512 -n 64
+    peer_rows "alt_peer_moe_cpu_$r"
+  done
 fi
 
 if has hop; then  # experts in RAM: the graphs' host nodes checked, then hetero and the peer
