@@ -10,10 +10,13 @@ shape [N, K], with the times it was chosen by.
                   "config": {"bn": 32, "step": 256, "ctas_per_sm": 8, "warps": 4,
                              "int_dot": true, "pdl": false}}, ...]}
 
-An entry whose config is null says that qlinear's own decode kernel won there. `lookup` takes
-the entry of the same type and shape, else the same type's entry of the nearest size (weight
-elements, on a log scale), else the architecture's default; None: qlinear's kernel. A device
-without a table gets DEFAULT: a table is measured, never assumed from another architecture.
+An entry whose config is null says that qlinear's own decode kernel won there. A config of the
+Gluon lanes kernel (`"lanes": CPL`) carries the entry's "fallback": the Triton config that
+runs where Gluon cannot (Triton before 3.6, float32 activations, HETERO_GEMV_LANES=0).
+`lookup` takes the entry of the same type and shape, else the same type's entry of the nearest
+size (weight elements, on a log scale), else the architecture's default; None: qlinear's
+kernel. A device without a table gets DEFAULT: a table is measured, never assumed from another
+architecture.
 """
 
 from __future__ import annotations
@@ -64,7 +67,11 @@ def parse_table(table: dict) -> tuple[Entry, ...]:
     for e in table.get("entries", []):
         cfg = None
         if e.get("config") is not None:  # fields a newer table may add are ignored
-            cfg = StreamKConfig(**{k: v for k, v in e["config"].items() if k in fields})
+            known = {k: v for k, v in e["config"].items() if k in fields and k != "fallback"}
+            back = e.get("fallback")  # a Gluon config's Triton one
+            if back is not None:
+                known["fallback"] = StreamKConfig(**{k: v for k, v in back.items() if k in fields})
+            cfg = StreamKConfig(**known)
         out.append((str(e["type"]), int(e["n"]), int(e["k"]), cfg))
     return tuple(out)
 

@@ -24,6 +24,12 @@ waiting with 1.2 eligible warps a scheduler. Here:
   float32 activations keep the float decode (`int_dot` off), whose rounding they need.
 - Programmatic dependent launch (`pdl`, sm_90+): the first weights load while the previous
   kernel drains.
+- A lanes config (`lanes` > 0; Q4_K, Q4_0, Q4_1) runs the Gluon kernel of triton_gluon_gemv
+  instead: lanes along K, every load of a tile issued before its use, no split-K. On the H200
+  it read the 8B's Q4_K weights at 45-69% of the copy rate where the Triton configs read
+  26-54% (BENCHMARKS.md, sixteenth session); the table's entry keeps the Triton config as its
+  `fallback` where Gluon does not run. HETERO_GEMV_LANES=R/CPL/WK forces one lanes config on
+  every weight it reads, =0 none.
 
 The packed weight must hold its high plane in the "bytes" arrangement for `int_dot`
 (`prepare_streamk` repacks so; the float decode reads either). T > 1 goes to `qlinear`'s default
@@ -67,9 +73,14 @@ class StreamKConfig:
     pdl: bool = False  # programmatic dependent launch (sm_90+)
     rows: bool = False  # a row a thread (triton_streamk_rows; int_dot, bn = 32 x warps)
     maxnreg: int = 0  # a register cap for ptxas (0: none): more programs an SM, or spills
+    lanes: int = 0  # CPL > 0: the Gluon kernel (triton_gluon_gemv): bn rows a program, warps
+    # along K, CPL chunks of 32 codes a lane a tile (int_dot; 4-bit codes in groups of 32)
+    fallback: StreamKConfig | None = None  # a lanes config's Triton one, where Gluon cannot run
 
     @property
     def name(self) -> str:
+        if self.lanes:
+            return f"lanes:bn{self.bn}:l{self.lanes}:w{self.warps}" + (":pdl" if self.pdl else "")
         mode = "rows" if self.rows else "int" if self.int_dot else "f32"
         name = f"sk_{mode}:bn{self.bn}:k{self.step}:c{self.ctas_per_sm}:w{self.warps}"
         return name + (":pdl" if self.pdl else "") + (f":r{self.maxnreg}" if self.maxnreg else "")
@@ -100,11 +111,36 @@ def config_ok(cfg: StreamKConfig, pw: PackedWeight) -> bool:
     e = chunk_codes(pw.spec.low_bits)
     if pw.spec.codebook and cfg.int_dot:
         return False
+    if cfg.lanes:
+        return lanes_take(pw) and cfg.int_dot and all(
+            0 < v <= 16 and v & (v - 1) == 0 for v in (cfg.bn, cfg.lanes, cfg.warps)
+        )  # fmt: skip
     if cfg.step % e or (pw.spec.kquant and (cfg.step > 256 or 256 % cfg.step)):
         return False
     if cfg.rows and (not cfg.int_dot or cfg.bn != 32 * cfg.warps or cfg.step // e > 16):
         return False
     return all(v > 0 and v & (v - 1) == 0 for v in (cfg.bn, cfg.step // e, cfg.warps))
+
+
+def lanes_take(pw: PackedWeight) -> bool:
+    """Whether the Gluon lanes kernel reads pw's type: 4-bit linear codes in groups of 32,
+    no high plane (Q4_K, Q4_0, Q4_1)."""
+    s = pw.spec
+    return (
+        s.low_bits == 4
+        and s.group == 32
+        and not s.high_bits
+        and not s.codebook
+        and not s.packed_min
+        and pw.shape[1] % 32 == 0
+    )
+
+
+def lanes_run(device: torch.device) -> bool:
+    """Gluon kernels run compiled on CUDA sm_80+ with Triton 3.6 (triton_moe._gluon_ok)."""
+    from hetero.kernels.triton_moe import _gluon_ok
+
+    return _gluon_ok(device)
 
 
 def _asm_ok(device: torch.device) -> bool:
@@ -124,6 +160,8 @@ def qgemv_streamk(
         raise ValueError(f"the Stream-K decode kernel takes one token, got {x.shape[0]}")
     if not config_ok(cfg, pw):
         raise ValueError(f"{cfg.name} cannot run {pw.ggml_type.name}")
+    if cfg.lanes and not lanes_run(x.device):
+        raise ValueError(f"{cfg.name} is a Gluon kernel: CUDA sm_80+ and Triton 3.6, compiled")
     int_dot = cfg.int_dot
     if int_dot and pw.spec.high_bits and pw.high_layout != "bytes":
         raise ValueError("integer dot products need the high plane in the 'bytes' arrangement")
@@ -138,11 +176,13 @@ def qgemv_streamk(
     else:
         words, floats = x if x.stride(-1) == 1 else x.contiguous(), x
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    pdl = cfg.pdl and pdl_supported(x.device)
+    if cfg.lanes:
+        return _lanes(words, floats, y, pw, cfg, pdl)
     part = torch.empty(sch.tiles, sch.max_programs, cfg.bn, dtype=torch.float32, device=x.device)
     cnt = tq._counters(x.device, sch.tiles)
     args, meta = tq._plane_args(pw)
     asm = _asm_ok(x.device)
-    pdl = cfg.pdl and pdl_supported(x.device)
     launch: dict[str, Any] = {"launch_pdl": True} if pdl else {}
     if cfg.maxnreg and asm:
         launch["maxnreg"] = cfg.maxnreg
@@ -162,11 +202,47 @@ def qgemv_streamk(
     return y
 
 
+def _lanes(words, floats, y, pw: PackedWeight, cfg: StreamKConfig, pdl: bool) -> torch.Tensor:
+    """The Gluon lanes kernel: grid cdiv(N, bn), cfg.warps warps along K."""
+    from hetero.kernels.triton_gluon_gemv import qgemv_lanes_kernel
+
+    n, k = pw.shape
+    n_chunks = k // 32
+    c = 32 * cfg.lanes * cfg.warps
+    args, meta = tq._plane_args(pw)
+    codes, _, scale, minv, d, dmin = args[:6]
+    code_stride, grp_stride, sb_stride = args[6:9]
+    qgemv_lanes_kernel[(-(-n // cfg.bn),)](
+        words, floats, y, codes, scale, minv, d, dmin, n, n_chunks, code_stride, grp_stride,
+        sb_stride, OFF=meta["OFF"], KQUANT=meta["KQUANT"], HAS_MIN=meta["HAS_MIN"], R=cfg.bn,
+        CPL=cfg.lanes, WK=cfg.warps, FULL=n_chunks % c == 0, PDL=pdl, num_warps=cfg.warps,
+        BIG=max(t.numel() for t in (codes, scale)) >= 2**31 - 2**20,
+        **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return y
+
+
 def prepare_streamk(qweight: Any, ggml_type: int, shape: tuple[int, int]) -> Any:
     """Load-time hook: GGUF bytes -> PackedWeight with the "bytes" high plane."""
     if isinstance(qweight, PackedWeight) or not packable(ggml_type):
         return qweight
     return repack(qweight, ggml_type, shape, high_layout="bytes")
+
+
+def _lanes_default() -> StreamKConfig | bool | None:
+    """HETERO_GEMV_LANES=R/CPL/WK: the Gluon lanes kernel for every weight it reads (before the
+    tuning table), with programmatic launches; =0: never (the table's lanes entries take their
+    Triton fallback); unset: None, the table decides."""
+    spec = os.environ.get("HETERO_GEMV_LANES", "")
+    if spec == "0":
+        return False
+    if not spec:
+        return None
+    r, cpl, wk = (int(v) for v in spec.split("/"))
+    return StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True)
+
+
+LANES_DEFAULT = _lanes_default()
 
 
 def choose(pw: PackedWeight, x: torch.Tensor) -> StreamKConfig | None:
@@ -176,7 +252,15 @@ def choose(pw: PackedWeight, x: torch.Tensor) -> StreamKConfig | None:
     one rounds x to 16 bits."""
     from hetero.kernels.gemv_tuning import lookup
 
+    lanes = LANES_DEFAULT
+    if lanes and x.dtype != torch.float32 and lanes_take(pw) and lanes_run(x.device):
+        return lanes
     cfg = lookup(x.device, pw.ggml_type.name, *pw.shape)
+    if cfg is not None and cfg.lanes and (
+        lanes is False or x.dtype == torch.float32 or not lanes_take(pw)
+        or not lanes_run(x.device)
+    ):  # fmt: skip
+        cfg = cfg.fallback or StreamKConfig(bn=128, warps=4, rows=True, ctas_per_sm=3)
     if cfg is None:
         return None
     if x.dtype == torch.float32 and cfg.int_dot:

@@ -11,9 +11,6 @@ it takes, in bf16 and fp16, 8 and 16 slots a block, rows that do not fill a prog
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
 from tests.support.expert_blocks import random_experts  # noqa: E402
+from tests.support.triton_compile_check import compile_in_subprocess  # noqa: E402
 
 TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
 LAUNCHES = ("dense_gluon", "moe_gluon", "moe_gluon_bt8", "moe_gluon_fp16")
@@ -42,15 +40,9 @@ for arch in map(int, sys.argv[1].split(",")):
 
 def test_compiles_for_each_architecture_without_shared_memory() -> None:
     """A process without the interpreter (the switch is read at triton's first import)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    arg = [",".join(map(str, ARCHS)), ",".join(TYPES)]
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE, *arg], env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stdout = compile_in_subprocess(COMPILE, ",".join(map(str, ARCHS)), ",".join(TYPES))
     rows = [(int(a), t, name, fn, int(shared)) for a, t, name, fn, shared in (
-        line.split() for line in done.stdout.splitlines()
+        line.split() for line in stdout.splitlines()
     )]  # fmt: skip
     want = {(a, t, n) for a in ARCHS for t in TYPES for n in LAUNCHES}
     gluon = [row for row in rows if row[3] == "moe_mm_mma_kernel"]  # (and the slots' sort)

@@ -67,6 +67,20 @@ def compiling_for(arch: int = 90, warp_size: int = 32) -> Iterator[CompileLog]:
         JITFunction.__getitem__ = saved
 
 
+def compile_in_subprocess(script: str, *args: str, timeout: float = 900) -> str:
+    """Run a compile script (`compiling_for` inside) in a fresh process without the interpreter
+    (its switch is read at triton's first import); its stdout, after it exited cleanly."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
 def _weight(ggml_type: str, n: int, k: int):
     from hetero.kernels.repack import repack
     from hetero.quant import get_quant, random_blocks
