@@ -123,17 +123,16 @@ def config_ok(cfg: StreamKConfig, pw: PackedWeight) -> bool:
 
 
 def lanes_take(pw: PackedWeight) -> bool:
-    """Whether the Gluon lanes kernel reads pw's type: 4-bit linear codes in groups of 32,
-    no high plane (Q4_K, Q4_0, Q4_1)."""
+    """Whether the Gluon lanes kernel reads pw's type: 4-bit linear codes in groups of 32
+    without a high plane (Q4_K, Q4_0, Q4_1), or Q6_K with its high plane as "bytes" (the
+    integer GEMV's arrangement, which `prepare_streamk` gives)."""
     s = pw.spec
+    q4 = s.group == 32 and not s.high_bits
+    q6 = s.group == 16 and s.high_bits == 2 and s.kquant and pw.high_layout == "bytes"
     return (
-        s.low_bits == 4
-        and s.group == 32
-        and not s.high_bits
-        and not s.codebook
-        and not s.packed_min
+        s.low_bits == 4 and (q4 or q6) and not s.codebook and not s.packed_min
         and pw.shape[1] % 32 == 0
-    )
+    )  # fmt: skip
 
 
 def lanes_run(device: torch.device) -> bool:
@@ -210,11 +209,12 @@ def _lanes(words, floats, y, pw: PackedWeight, cfg: StreamKConfig, pdl: bool) ->
     n_chunks = k // 32
     c = 32 * cfg.lanes * cfg.warps
     args, meta = tq._plane_args(pw)
-    codes, _, scale, minv, d, dmin = args[:6]
+    codes, high, scale, minv, d, dmin = args[:6]
     code_stride, grp_stride, sb_stride = args[6:9]
     qgemv_lanes_kernel[(-(-n // cfg.bn),)](
-        words, floats, y, codes, scale, minv, d, dmin, n, n_chunks, code_stride, grp_stride,
-        sb_stride, OFF=meta["OFF"], KQUANT=meta["KQUANT"], HAS_MIN=meta["HAS_MIN"], R=cfg.bn,
+        words, floats, y, codes, high, scale, minv, d, dmin, n, n_chunks, code_stride,
+        grp_stride, sb_stride, HB=meta["HB"], G=meta["G"], OFF=meta["OFF"],
+        KQUANT=meta["KQUANT"], HAS_MIN=meta["HAS_MIN"], R=cfg.bn,
         CPL=cfg.lanes, WK=cfg.warps, FULL=n_chunks % c == 0, PDL=pdl, num_warps=cfg.warps,
         BIG=max(t.numel() for t in (codes, scale)) >= 2**31 - 2**20,
         **({"launch_pdl": True} if pdl else {}),

@@ -1,5 +1,5 @@
-"""One token's GEMV over 4-bit codes in groups of 32 (Q4_K, Q4_0, Q4_1), lanes along K, in
-Gluon (Triton's language with explicit layouts).
+"""One token's GEMV over 4-bit codes (Q4_K, Q4_0, Q4_1; Q6_K with its high plane), lanes
+along K, in Gluon (Triton's language with explicit layouts).
 
 The Stream-K kernels (triton_streamk_kernels, triton_streamk_rows) leave the layout of their
 [BN, S, 4] tiles to Triton and read at 1.1-2.3 TB/s on the H200 (35-55% of the copy rate),
@@ -15,6 +15,11 @@ instructions: a thread's loads wait on each other. Here the layout says what eac
 - per chunk 8 dp4a (the low and high nibbles of 4 code words against x's hi and lo bytes) and
   one float FMA chain: A s_b (isum + OFF S) - B s_b S, as `triton_streamk_kernels._unit_value`;
 - the row sums (threads, then warps) once at the end; no split-K, no fix-up, no counters.
+- Q6_K (HB 2, two groups of 16 a chunk): the high plane in the integer GEMV's "bytes"
+  arrangement (2 words a chunk: code word c's high bits of shift j at bits 2 ((2c + j) % 4) of
+  each byte of word c // 2) is shifted beside the low nibbles, and one PRMT a group regroups
+  the bytes of both shifts so that each word holds one group of 16 (`xquant.dot_elements`);
+  16 dp4a a chunk, each group its own scale.
 
 Programmatic dependent launch (sm_90+): the first tile's codes and scales load before the wait
 for the previous kernel (x depends on it, the weights do not), and the next kernel may launch
@@ -76,65 +81,141 @@ def _pick16(v, i: gl.constexpr):
 
 
 @gluon.jit
+def _prmt(a, b, sel: gl.constexpr):
+    """Bytes of (a, b) (0-3: a's, 4-7: b's) picked by the 4 nibbles of sel, low first."""
+    return gl.inline_asm_elementwise(
+        f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [a, b], gl.int32, True, 1
+    )
+
+
+@gluon.jit
+def _shl(v, n: gl.constexpr):
+    """v << n, or v >> -n for n < 0 (a constant shift either way)."""
+    if n >= 0:
+        return v << n
+    return v >> (-n)
+
+
+@gluon.jit
 def _tile_loads(
-    codes_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr, w_off, g_off, sb_off, ch2, k0, n_chunks,
+    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr, w_off, h_off, g_off, sb_off, ch2,
+    k0, n_chunks, L2: gl.constexpr, LH: gl.constexpr, HB: gl.constexpr, G: gl.constexpr,
     KQUANT: gl.constexpr, HAS_MIN: gl.constexpr, FULL: gl.constexpr,
 ):  # fmt: skip
-    """A tile's code words [R, C, 4] and per-chunk (A, B) factors [R, C] as float32."""
+    """A tile's code words [R, C, 4], high words [R, C, 2] (HB 2: Q6_K's "bytes" plane; the
+    code words again without one) and per-chunk factors [R, C] float32: A of each group of the
+    chunk (a0, a1: one group of 32, or two of 16) and B."""
+    m2 = (k0 + ch2) < n_chunks
     if FULL:
         words = gl.load(codes_ptr + k0 * 4 + w_off)
-        sc = gl.load(scale_ptr + k0 + g_off).to(gl.float32)
-        if HAS_MIN:
-            mn = gl.load(min_ptr + k0 + g_off).to(gl.float32)
-        if KQUANT:
-            d = gl.load(d_ptr + (k0 + ch2) // 8 + sb_off).to(gl.float32)
-            if HAS_MIN:
-                dmin = gl.load(dmin_ptr + (k0 + ch2) // 8 + sb_off).to(gl.float32)
+        sc = gl.load(scale_ptr + k0 * (32 // G) + g_off)
     else:
-        m2 = (k0 + ch2) < n_chunks
-        m3 = gl.expand_dims(m2, 2)
-        words = gl.load(codes_ptr + k0 * 4 + w_off, mask=m3, other=0)
-        sc = gl.load(scale_ptr + k0 + g_off, mask=m2, other=0).to(gl.float32)
-        if HAS_MIN:
+        words = gl.load(codes_ptr + k0 * 4 + w_off, mask=gl.expand_dims(m2, 2), other=0)
+        if G == 16:
+            sc = gl.load(scale_ptr + k0 * 2 + g_off, mask=_mask_h(m2, LH), other=0)
+        else:
+            sc = gl.load(scale_ptr + k0 + g_off, mask=m2, other=0)
+    if HB > 0:
+        if FULL:
+            high = gl.load(high_ptr + k0 * 2 + h_off)
+        else:
+            high = gl.load(high_ptr + k0 * 2 + h_off, mask=_mask_h(m2, LH), other=0)
+    else:
+        high = words
+    if G == 16:  # [R, C, 2]: the chunk's two groups
+        sc0 = gl.convert_layout(_pick2(sc, 0), L2, assert_trivial=True).to(gl.float32)
+        sc1 = gl.convert_layout(_pick2(sc, 1), L2, assert_trivial=True).to(gl.float32)
+    else:
+        sc0 = sc.to(gl.float32)
+        sc1 = sc0
+    if HAS_MIN:
+        if FULL:
+            mn = gl.load(min_ptr + k0 + g_off).to(gl.float32)
+        else:
             mn = gl.load(min_ptr + k0 + g_off, mask=m2, other=0).to(gl.float32)
-        if KQUANT:
-            d = gl.load(d_ptr + (k0 + ch2) // 8 + sb_off, mask=m2, other=0).to(gl.float32)
-            if HAS_MIN:
-                dmin = gl.load(dmin_ptr + (k0 + ch2) // 8 + sb_off, mask=m2, other=0)
-                dmin = dmin.to(gl.float32)
     if KQUANT:
-        a = d * sc
+        sb = (k0 + ch2) // (256 // 32) + sb_off  # the chunk's super-block
+        if FULL:
+            d = gl.load(d_ptr + sb).to(gl.float32)
+        else:
+            d = gl.load(d_ptr + sb, mask=m2, other=0).to(gl.float32)
+        a0 = d * sc0
+        a1 = d * sc1
         if HAS_MIN:
+            if FULL:
+                dmin = gl.load(dmin_ptr + sb).to(gl.float32)
+            else:
+                dmin = gl.load(dmin_ptr + sb, mask=m2, other=0).to(gl.float32)
             b = dmin * mn
         else:
-            b = gl.zeros_like(a)
+            b = gl.zeros_like(a0)
     else:
-        a = sc
+        a0 = sc0
+        a1 = sc1
         if HAS_MIN:
             b = -mn
         else:
-            b = gl.zeros_like(a)
-    return words, a, b
+            b = gl.zeros_like(a0)
+    return words, high, a0, a1, b
+
+
+@gluon.jit
+def _mask_h(m2, LH: gl.constexpr):
+    """m2 [R, C] as the mask of [R, C, 2] offsets in layout LH (high words, scale pairs)."""
+    return gl.expand_dims(gl.convert_layout(m2, gl.SliceLayout(2, LH)), 2)
+
+
+@gluon.jit
+def _group_sums(words, high, xw, c: gl.constexpr, hi0, lo0, hi1, lo1,
+                L2: gl.constexpr, XS: gl.constexpr, HB: gl.constexpr):  # fmt: skip
+    """The dp4a sums of code word c of every chunk: one group of 32 (hi0, lo0), or Q6_K's two
+    groups of 16 (and hi1, lo1), against x's hi (signed) and lo (unsigned) bytes."""
+    wc = gl.convert_layout(_pick4(words, c), L2, assert_trivial=True)
+    if HB == 0:
+        for q in gl.static_range(2):  # bytes k of shift q: elements 4(2k + q) + c
+            qw = (wc >> (4 * q)) & 0x0F0F0F0F
+            xh = gl.convert_layout(_pick16(xw, 4 * q + c), XS, assert_trivial=True)[None, :]
+            xl = gl.convert_layout(_pick16(xw, 8 + 4 * q + c), XS, assert_trivial=True)[None, :]
+            hi0 = _dp4a(qw, xh, hi0, True)
+            lo0 = _dp4a(qw, xl, lo0, False)
+    else:  # the high bits of (c, shift j) at 2 ((2c + j) % 4) of each byte of word c // 2
+        hw = gl.convert_layout(_pick2(high, c // 2), L2, assert_trivial=True)
+        q0 = (wc & 0x0F0F0F0F) | (_shl(hw, 4 - 2 * ((2 * c) % 4)) & 0x30303030)
+        q1 = ((wc >> 4) & 0x0F0F0F0F) | (_shl(hw, 4 - 2 * ((2 * c + 1) % 4)) & 0x30303030)
+        g0 = _prmt(q0, q1, 0x5410)  # bytes 0, 1 of both shifts: the chunk's first group
+        g1 = _prmt(q0, q1, 0x7632)
+        xh = gl.convert_layout(_pick16(xw, c), XS, assert_trivial=True)[None, :]
+        xl = gl.convert_layout(_pick16(xw, 8 + c), XS, assert_trivial=True)[None, :]
+        hi0 = _dp4a(g0, xh, hi0, True)
+        lo0 = _dp4a(g0, xl, lo0, False)
+        xh = gl.convert_layout(_pick16(xw, 4 + c), XS, assert_trivial=True)[None, :]
+        xl = gl.convert_layout(_pick16(xw, 12 + c), XS, assert_trivial=True)[None, :]
+        hi1 = _dp4a(g1, xh, hi1, True)
+        lo1 = _dp4a(g1, xl, lo1, False)
+    return hi0, lo0, hi1, lo1
 
 
 @gluon.jit
 def qgemv_lanes_kernel(
-    xw_ptr, xf_ptr, y_ptr, codes_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+    xw_ptr, xf_ptr, y_ptr, codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
     N, n_chunks, code_stride, grp_stride, sb_stride,
-    OFF: gl.constexpr, KQUANT: gl.constexpr, HAS_MIN: gl.constexpr,
-    R: gl.constexpr, CPL: gl.constexpr, WK: gl.constexpr, FULL: gl.constexpr,
-    PDL: gl.constexpr, BIG: gl.constexpr,
+    HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
+    HAS_MIN: gl.constexpr, R: gl.constexpr, CPL: gl.constexpr, WK: gl.constexpr,
+    FULL: gl.constexpr, PDL: gl.constexpr, BIG: gl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, R),): y[r] = W[r] x for the program's R rows. xw: xquant's words of x
-    (int32 [n_chunks, 16]: the hi words of shifts 0 and 1, then the lo words, 4 each), xf its
-    floats (float32 [n_chunks, 2]: s_b, s_b * sum m). Rows past N read row N - 1 (never
-    stored); FULL: n_chunks is a multiple of C (no masks); BIG: offsets past 2^31 (64-bit
-    offsets, else 32-bit: fewer registers a row)."""
+    (int32 [n_chunks, 16]: the hi words of shifts (or Q6_K's groups) 0 and 1, then the lo
+    words, 4 each), xf its floats (float32 [n_chunks, 64 // G]: s_b, s_b * sum m a unit). Rows
+    past N read row N - 1 (never stored); FULL: n_chunks is a multiple of C (no masks); BIG:
+    offsets past 2^31 (64-bit offsets, else 32-bit: fewer registers a row). HB 2, G 16: Q6_K,
+    its high plane in the "bytes" arrangement (2 words a chunk)."""
     C: gl.constexpr = 32 * CPL * WK
+    NF: gl.constexpr = 64 // G  # x's floats a chunk
     L3: gl.constexpr = gl.BlockedLayout([R, 1, 4], [1, 32, 1], [1, WK, 1], [2, 1, 0])
     L2: gl.constexpr = gl.SliceLayout(2, L3)
+    LH: gl.constexpr = gl.BlockedLayout([R, 1, 2], [1, 32, 1], [1, WK, 1], [2, 1, 0])
     XL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [WK, 1], [1, 0])
-    FL: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [WK, 1], [1, 0])
+    FL: gl.constexpr = gl.BlockedLayout([1, NF], [32, 1], [WK, 1], [1, 0])
     XS: gl.constexpr = gl.SliceLayout(0, L2)
     if PDL:
         _gdc_launch_dependents()
@@ -148,47 +229,67 @@ def qgemv_lanes_kernel(
     w_off = gl.expand_dims(r2 * code_stride + ch2 * 4, 2) + gl.arange(
         0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))
     )[None, None, :]  # fmt: skip
-    g_off = r2 * grp_stride + ch2
+    two = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LH)))[None, None, :]
+    r2h = gl.convert_layout(r2, gl.SliceLayout(2, LH))
+    ch2h = gl.convert_layout(ch2, gl.SliceLayout(2, LH))
+    h_off = gl.expand_dims(r2h * (code_stride // 2) + ch2h * 2, 2) + two
+    if G == 16:  # the chunk's two scale bytes
+        g_off = gl.expand_dims(r2h * grp_stride + ch2h * 2, 2) + two
+    else:
+        g_off = r2 * grp_stride + ch2
     sb_off = r2 * sb_stride
     xc = gl.arange(0, C, layout=gl.SliceLayout(1, XL))[:, None]
     x_off = xc * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, XL))[None, :]
     fc = gl.arange(0, C, layout=gl.SliceLayout(1, FL))[:, None]
-    f_off = fc * 2 + gl.arange(0, 2, layout=gl.SliceLayout(0, FL))[None, :]
-    planes = (codes_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr, w_off, g_off, sb_off, ch2)
-    words, a, b = _tile_loads(*planes, 0, n_chunks, KQUANT, HAS_MIN, FULL)
+    f_off = fc * NF + gl.arange(0, NF, layout=gl.SliceLayout(0, FL))[None, :]
+    planes = (codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr, w_off, h_off, g_off)
+    words, high, a0, a1, b = _tile_loads(
+        *planes, sb_off, ch2, 0, n_chunks, L2, LH, HB, G, KQUANT, HAS_MIN, FULL
+    )
     if PDL:
         _gdc_wait()
     acc = gl.zeros([R, C], gl.float32, L2)
     for k0 in range(0, n_chunks, C):
         if FULL:
             xw = gl.load(xw_ptr + k0 * 16 + x_off)
-            xf = gl.load(xf_ptr + k0 * 2 + f_off)
+            xf = gl.load(xf_ptr + k0 * NF + f_off)
         else:
             xw = gl.load(xw_ptr + k0 * 16 + x_off, mask=(k0 + xc) < n_chunks, other=0)
-            xf = gl.load(xf_ptr + k0 * 2 + f_off, mask=(k0 + fc) < n_chunks, other=0.0)
+            xf = gl.load(xf_ptr + k0 * NF + f_off, mask=(k0 + fc) < n_chunks, other=0.0)
         nxt = k0 + C
         if nxt < n_chunks:  # the next tile's loads in flight during this one's arithmetic
-            n_words, n_a, n_b = _tile_loads(*planes, nxt, n_chunks, KQUANT, HAS_MIN, FULL)
+            n_words, n_high, n_a0, n_a1, n_b = _tile_loads(
+                *planes, sb_off, ch2, nxt, n_chunks, L2, LH, HB, G, KQUANT, HAS_MIN, FULL
+            )
         else:
-            n_words, n_a, n_b = words, a, b
-        hi = gl.zeros([R, C], gl.int32, L2)
-        lo = gl.zeros([R, C], gl.int32, L2)
+            n_words, n_high, n_a0, n_a1, n_b = words, high, a0, a1, b
+        hi0 = gl.zeros([R, C], gl.int32, L2)
+        lo0 = gl.zeros([R, C], gl.int32, L2)
+        hi1 = gl.zeros([R, C], gl.int32, L2)
+        lo1 = gl.zeros([R, C], gl.int32, L2)
         for c in gl.static_range(4):
-            wc = gl.convert_layout(_pick4(words, c), L2, assert_trivial=True)
-            for q in gl.static_range(2):
-                qw = (wc >> (4 * q)) & 0x0F0F0F0F
-                xh = gl.convert_layout(_pick16(xw, 4 * q + c), XS, assert_trivial=True)
-                xl = gl.convert_layout(_pick16(xw, 8 + 4 * q + c), XS, assert_trivial=True)
-                hi = _dp4a(qw, xh[None, :], hi, True)
-                lo = _dp4a(qw, xl[None, :], lo, False)
-        s_b = gl.convert_layout(_pick2(xf, 0), XS, assert_trivial=True)[None, :]
-        xs = gl.convert_layout(_pick2(xf, 1), XS, assert_trivial=True)[None, :]
-        isum = (hi * 256 + lo).to(gl.float32)
-        acc += a * (s_b * isum + OFF * xs) - b * xs
-        words, a, b = n_words, n_a, n_b
+            hi0, lo0, hi1, lo1 = _group_sums(words, high, xw, c, hi0, lo0, hi1, lo1, L2, XS, HB)
+        s_b = gl.convert_layout(_pick_f(xf, 0, NF), XS, assert_trivial=True)[None, :]
+        xs = gl.convert_layout(_pick_f(xf, 1, NF), XS, assert_trivial=True)[None, :]
+        acc += a0 * (s_b * (hi0 * 256 + lo0).to(gl.float32) + OFF * xs) - b * xs
+        if G == 16:
+            s_b1 = gl.convert_layout(_pick_f(xf, 2, NF), XS, assert_trivial=True)[None, :]
+            xs1 = gl.convert_layout(_pick_f(xf, 3, NF), XS, assert_trivial=True)[None, :]
+            acc += a1 * (s_b1 * (hi1 * 256 + lo1).to(gl.float32) + OFF * xs1)
+        words, high, a0, a1, b = n_words, n_high, n_a0, n_a1, n_b
     y = gl.sum(acc, axis=1)
     rows = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, L2))
     gl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@gluon.jit
+def _pick_f(v, i: gl.constexpr, n: gl.constexpr):
+    """[C, n] -> [C]: element i of the last dimension, n 2 or 4 (in one thread)."""
+    if n == 2:
+        out = _pick2(v, i)
+    else:
+        out = _pick4(v, i)
+    return out
 
 
 @gluon.jit

@@ -19,23 +19,24 @@ if importlib.util.find_spec("triton") is None:
 
 from tests.support.triton_compile_check import compile_in_subprocess  # noqa: E402
 
-TYPES = ("Q4_K", "Q4_0", "Q4_1")
+TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
 ARCHS = (80, 86, 89, 90, 120)
 CONFIGS = ((4, 1, 4), (2, 1, 8), (8, 1, 2), (4, 2, 4))  # rows, chunks a lane, warps
 
 COMPILE = """
 import sys
 import torch
-from tests.support.triton_compile_check import compiling_for, _weight
+from tests.kernels.test_gluon_gemv import _weight
+from tests.support.triton_compile_check import compiling_for
 from hetero.kernels import streamk as sk
 from hetero.kernels.xquant import XLayout, xquant_ref
 sk.lanes_run = lambda device: True  # CPU tensors: compiled, never launched
 for arch in map(int, sys.argv[1].split(",")):
     for t in sys.argv[2].split(","):
         for n, k in ((300, 4096), (64, 14336)):
-            pw = _weight(t, n, k)
+            pw = _weight(t, n, k)[1]
             x = torch.randn(1, k, dtype=torch.bfloat16)
-            xq = xquant_ref(x, XLayout(4, 32))
+            xq = xquant_ref(x, XLayout(4, pw.spec.group))
             for pdl in (False, True):
                 cfg = sk.StreamKConfig(bn=4, lanes=1, warps=4, pdl=pdl)
                 with compiling_for(arch) as log:
@@ -55,14 +56,16 @@ def test_compiles_for_each_architecture() -> None:
     assert all(int(shared) <= 1024 for *_, shared in rows)  # the row sums' exchange only
 
 
-def _weight(ggml_type: str, n: int, k: int, device: str = "cpu"):
+def _weight(ggml_type: str, n: int, k: int, device: str = "cpu", layout: str = "bytes"):
+    """(GGUF blocks, packed weight): the high plane in the integer GEMV's arrangement, as
+    `streamk.prepare_streamk` packs it at load."""
     from hetero.kernels.repack import repack
     from hetero.quant import get_quant, random_blocks
 
     qt = get_quant(ggml_type)
     blocks = random_blocks(ggml_type, n * k // qt.block_size, np.random.default_rng(n + k))
     raw = torch.from_numpy(blocks).reshape(n, -1)
-    return raw, repack(raw.to(device), ggml_type, (n, k))
+    return raw, repack(raw.to(device), ggml_type, (n, k), high_layout=layout)
 
 
 def test_takes_only_the_types_and_configs_it_reads() -> None:
@@ -71,8 +74,9 @@ def test_takes_only_the_types_and_configs_it_reads() -> None:
     ok = sk.StreamKConfig(bn=4, lanes=1, warps=4)
     for t in TYPES:
         assert sk.config_ok(ok, _weight(t, 8, 256)[1])
-    for t in ("Q6_K", "Q5_K", "Q8_0", "IQ4_NL", "Q5_0"):  # high planes, 8-bit, codebooks
+    for t in ("Q5_K", "Q8_0", "IQ4_NL", "Q5_0", "Q3_K"):  # 1-bit high planes, 8-bit, codebooks
         assert not sk.config_ok(ok, _weight(t, 8, 256)[1])
+    assert not sk.config_ok(ok, _weight("Q6_K", 8, 256, layout="fields")[1])
     pw = _weight("Q4_K", 8, 256)[1]
     assert not sk.config_ok(sk.StreamKConfig(bn=3, lanes=1, warps=4), pw)
     assert not sk.config_ok(sk.StreamKConfig(bn=4, lanes=1, warps=4, int_dot=False), pw)
