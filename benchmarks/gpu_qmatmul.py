@@ -136,7 +136,9 @@ def _random_blocks(ggml_type: str, count: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(random_blocks(ggml_type, count, np.random.default_rng(seed)))
 
 
-def make_packed(ggml_type: str, n: int, k: int, seed: int) -> tuple[PackedWeight, int]:
+def make_packed(
+    ggml_type: str, n: int, k: int, seed: int, high_layout: str = "fields"
+) -> tuple[PackedWeight, int]:
     """A packed random weight on the GPU and its GGUF size in bytes. Random blocks are drawn
     for up to 2^20 blocks on the CPU and tiled: the bytes, not their values, set the timing."""
     qt = get_quant(ggml_type)
@@ -144,11 +146,14 @@ def make_packed(ggml_type: str, n: int, k: int, seed: int) -> tuple[PackedWeight
     drawn = min(n_blocks, 1 << 20)
     blocks = _random_blocks(ggml_type, drawn, seed).cuda()
     blocks = blocks.repeat(math.ceil(n_blocks / drawn), 1)[:n_blocks]
-    return repack(blocks.reshape(n, -1), ggml_type, (n, k)), n_blocks * qt.type_size
+    pw = repack(blocks.reshape(n, -1), ggml_type, (n, k), high_layout=high_layout)
+    return pw, n_blocks * qt.type_size
 
 
-def rotated(ggml_type: str, n: int, k: int) -> tuple[list[PackedWeight], int]:
-    first, gguf_bytes = make_packed(ggml_type, n, k, seed=0)
+def rotated(
+    ggml_type: str, n: int, k: int, high_layout: str = "fields"
+) -> tuple[list[PackedWeight], int]:
+    first, gguf_bytes = make_packed(ggml_type, n, k, seed=0, high_layout=high_layout)
     copies = max(1, min(128, ROTATE_BYTES // first.nbytes))
     return [first] + [_clone(first) for _ in range(copies - 1)], gguf_bytes
 
@@ -156,7 +161,7 @@ def rotated(ggml_type: str, n: int, k: int) -> tuple[list[PackedWeight], int]:
 def _clone(pw: PackedWeight) -> PackedWeight:
     fields = ("codes", "scale", "high", "minv", "d", "dmin")
     cloned = {f: None if getattr(pw, f) is None else getattr(pw, f).clone() for f in fields}
-    return PackedWeight(pw.ggml_type, pw.shape, **cloned)
+    return PackedWeight(pw.ggml_type, pw.shape, **cloned, high_layout=pw.high_layout)
 
 
 def bench_shape(ggml_type: str, shape: str, copy_gbs: float, mm_tflops: float) -> dict:

@@ -75,6 +75,12 @@ def paths(t: int, pw) -> dict:
     return out
 
 
+def _layout() -> str:
+    """The high planes' arrangement: the integer GEMV's ("bytes", as the engine packs them on
+    a GPU with a tuning table) when lanes configs are timed, else the float decode's."""
+    return "bytes" if LANES else "fields"
+
+
 def _pre_quantized(pw, cfg):
     """fn(x, pw) running cfg on x quantized once (xquant's launch left out of the time)."""
     layout = XLayout(pw.spec.low_bits, pw.spec.group)
@@ -91,7 +97,7 @@ def _pre_quantized(pw, cfg):
 def _warm(ggml_type: str, tokens: list[int], lanes: list[str]) -> str:
     """Compile one type's variants (per T: the kernels paths() names) in a worker process."""
     LANES[:] = lanes
-    pw, _ = make_packed(ggml_type, 256, 4096, seed=0)
+    pw, _ = make_packed(ggml_type, 256, 4096, seed=0, high_layout=_layout())
     for t in tokens:
         x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
         for fn in paths(t, pw).values():
@@ -102,11 +108,12 @@ def _warm(ggml_type: str, tokens: list[int], lanes: list[str]) -> str:
 
 def measure(ggml_type: str, shape: str, tokens: list[int], copy_gbs: float) -> list[dict]:
     k, n = {**SHAPES, **EXTRA_SHAPES}[shape]
-    pws, _ = rotated(ggml_type, n, k)
+    pws, _ = rotated(ggml_type, n, k, high_layout=_layout())
     rows = []
     for t in tokens:
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         row: dict = {"type": ggml_type, "shape": shape, "T": t, "bytes": pws[0].nbytes}
+        row.update(n=n, k=k)
         for name, fn in paths(t, pws[0]).items():
             sec = graph_time([lambda w=w, f=fn, x=x: f(x, w) for w in pws], 10)
             row[name] = {"us": sec * 1e6, "gbs": pws[0].nbytes / sec / 1e9}

@@ -55,6 +55,9 @@
 #            streams, then the peer's llama-batched-bench and llama-bench on the same files
 #   densegluon the Gluon MoE kernel as a dense batched matmul (W one expert, gpu_qmicro.py's
 #            gluon8 / gluon16) against qmm at 16, 32, 64 rows: issue 23's 64 streams
+#   lanes    the Gluon lanes GEMV (one token): its device tests, the sweep over the 8B's weights
+#            (Q4_K, Q6_K; LANES_CFGS), the arch's GEMV table updated in place from it (copied to
+#            OUTDIR), the 8B files' one-stream rows with the Triton GEMVs and with the new table
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
@@ -126,10 +129,10 @@ if has setup; then
   # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
   has peer || has gpu || has split || has cpu || has gemv || has diag || has probe || has quick \
-    || has alt || has planrow \
+    || has alt || has planrow || has lanes \
     && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m"
-  has peer || has gpu || has gemv \
+  has peer || has gpu || has gemv || has lanes \
     && stage synth6 240 bash -c "[ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b \
     --quant q6_k"
   ls -la bench_out/*.gguf
@@ -449,6 +452,33 @@ if has densegluon; then  # issue 23's 64 streams: the Gluon blocks with W as one
   stage dense_gluon 300 "$PY" benchmarks/gpu_qmicro.py --types Q4_K,Q6_K --tokens 16,32,64 \
     --json "$OUT/dense_gluon.json"
   grep -E "T= *(16|32|64)" "$OUT/dense_gluon.log" | head -30
+fi
+
+if has lanes; then  # the Gluon lanes GEMV: its device tests, the one-token sweep over the 8B's
+  # weights (Q4_K, Q6_K: LANES_CFGS), the arch's table updated in place from it (and copied to
+  # OUT to commit), then the 8B's one-stream rows with the Triton GEMVs and with that table
+  stage lanes_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_gemv.py
+  tail -1 "$OUT/lanes_tests.log"
+  stage lanes_engine_test 150 env HETERO_GEMV_LANES=4/1/4 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/execution/test_triton_engine.py -k norms_quantized
+  tail -1 "$OUT/lanes_engine_test.log"
+  stage lanes_sweep 400 "$PY" benchmarks/gpu_qmicro.py --types "${LANES_TYPES:-Q4_K,Q6_K}" \
+    --tokens 1 --lanes "${LANES_CFGS:-2/1/4,4/1/4,8/1/4,4/1/8,4/1/2,8/1/2,16/1/2,8/1/1}" \
+    --shapes "q/o 4096x4096,k/v 4096x1024,qk 4096x5120,qkv 4096x6144,gateup 4096x28672,down 14336x4096,output 4096x128256" \
+    --json "$OUT/lanes.json"
+  TABLE=$("$PY" -c "from hetero.kernels import gemv_tuning as g; print(g.table_path(g.arch_of('cuda')))")
+  [ -f "$OUT/lanes.json" ] && "$PY" benchmarks/gemv_lanes_table.py "$OUT/lanes.json" --table "$TABLE" \
+    --write && cp "$TABLE" "$OUT/"
+  for f in "$Q4" "$Q6"; do
+    n=$(basename "$f" .gguf)
+    [ -f "$f" ] || continue
+    stage "triton_$n" 200 env HETERO_GEMV_LANES=0 "$PY" benchmarks/gpu_engine.py "$f" --batches 1 \
+      --prefill 512 --json "$OUT/triton_$n.json"
+    rows "$OUT/triton_$n.log"
+    stage "lanes_$n" 200 "$PY" benchmarks/gpu_engine.py "$f" --batches 1 --prefill 512 \
+      --json "$OUT/lanes_$n.json"
+    rows "$OUT/lanes_$n.log"
+  done
 fi
 
 if has ncugluon; then  # Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: its config)

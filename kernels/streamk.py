@@ -24,7 +24,7 @@ waiting with 1.2 eligible warps a scheduler. Here:
   float32 activations keep the float decode (`int_dot` off), whose rounding they need.
 - Programmatic dependent launch (`pdl`, sm_90+): the first weights load while the previous
   kernel drains.
-- A lanes config (`lanes` > 0; Q4_K, Q4_0, Q4_1) runs the Gluon kernel of triton_gluon_gemv
+- A lanes config (`lanes` > 0; Q4_K, Q4_0, Q4_1, Q6_K) runs the Gluon kernel of triton_gluon_gemv
   instead: lanes along K, every load of a tile issued before its use, no split-K. On the H200
   it read the 8B's Q4_K weights at 45-69% of the copy rate where the Triton configs read
   26-54% (BENCHMARKS.md, sixteenth session); the table's entry keeps the Triton config as its

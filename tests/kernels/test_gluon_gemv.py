@@ -152,3 +152,44 @@ def test_equals_the_reference_and_the_stream_k_kernel(ggml_type: str) -> None:
                     # the same integer sums as the Stream-K kernel, summed in another order
                     atol = 1e-2 + 2.0**-10 * bound.max()
                     assert torch.allclose(got, base, rtol=2.0**-7, atol=atol)
+
+
+def test_a_sweep_folds_into_the_tuning_table() -> None:
+    """benchmarks/gemv_lanes_table.py: a lanes config that beat the table's takes the entry
+    (the Triton config kept as its fallback), one that lost leaves it, a shape without an entry
+    gets one; the table then parses to those configs."""
+    import importlib.util
+    from pathlib import Path
+
+    from hetero.kernels import gemv_tuning
+
+    path = Path(__file__).parents[2] / "benchmarks" / "gemv_lanes_table.py"
+    spec = importlib.util.spec_from_file_location("gemv_lanes_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows_cfg = {"bn": 128, "warps": 4, "rows": True, "ctas_per_sm": 4}
+    table = {"entries": [
+        {"type": "Q4_K", "shape": "qo", "n": 4096, "k": 4096, "us": 8.7, "config": rows_cfg},
+        {"type": "Q6_K", "shape": "kv", "n": 1024, "k": 4096, "us": 5.5, "config": rows_cfg},
+    ]}  # fmt: skip
+
+    def cell(us: float) -> dict:
+        return {"us": us, "gbs": 1.0, "frac": 0.1}
+
+    sweep = {"copy_gbs": 4200.0, "rows": [
+        {"type": "Q4_K", "n": 4096, "k": 4096, "T": 1, "sk": cell(8.7),
+         "lanes4/1/2": cell(4.4), "lanes8/1/4": cell(5.1)},
+        {"type": "Q6_K", "n": 1024, "k": 4096, "T": 1, "sk": cell(2.0), "lanes8/1/4": cell(2.5)},
+        {"type": "Q6_K", "n": 4096, "k": 14336, "T": 1, "lanes4/1/2": cell(16.0)},
+        {"type": "Q4_K", "n": 4096, "k": 4096, "T": 16, "mm": cell(13.0)},
+    ]}  # fmt: skip
+    notes = mod.fold(table, sweep, "today")
+    assert len(notes) == 3
+    qo, kv, down = table["entries"]
+    assert qo["config"]["lanes"] == 1 and qo["config"]["bn"] == 4 and qo["us"] == 4.4
+    assert qo["fallback"] == rows_cfg and qo["fallback_us"] == 8.7
+    assert kv["config"] == rows_cfg and "fallback" not in kv
+    assert (down["type"], down["shape"], down["config"]["warps"]) == ("Q6_K", "down", 2)
+    assert "fallback" not in down  # no Triton entry there before: DEFAULT where Gluon is not
+    parsed = gemv_tuning.parse_table(table)
+    assert parsed[0][3].lanes == 1 and parsed[0][3].fallback.rows
