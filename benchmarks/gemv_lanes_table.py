@@ -25,10 +25,11 @@ NAMES = {(4096, 4096): "qo", (1024, 4096): "kv", (5120, 4096): "qk", (6144, 4096
 
 
 def lanes_config(name: str) -> dict:
-    """'lanesR/CPL/WK' -> the table's config dict (programmatic launches on)."""
-    r, cpl, wk = (int(v) for v in name.removeprefix("lanes").split("/"))
-    return {"bn": r, "step": 256, "ctas_per_sm": 0, "warps": wk, "int_dot": True, "pdl": True,
-            "rows": False, "maxnreg": 0, "lanes": cpl}  # fmt: skip
+    """'lanesR/CPL/WK[/CTAS]' -> the table's config dict (programmatic launches on; CTAS:
+    persistent programs an SM)."""
+    r, cpl, wk, *ctas = (int(v) for v in name.removeprefix("lanes").split("/"))
+    return {"bn": r, "step": 256, "ctas_per_sm": sum(ctas), "warps": wk, "int_dot": True,
+            "pdl": True, "rows": False, "maxnreg": 0, "lanes": cpl}  # fmt: skip
 
 
 def fold(table: dict, sweep: dict, when: str) -> list[str]:

@@ -45,7 +45,7 @@ EXTRA_SHAPES = {  # --shapes: the 8B's joined weights as the engine holds them (
 }
 
 
-LANES: list[str] = []  # --lanes: the Gluon lanes GEMV's configs (R/CPL/WK) timed at T = 1
+LANES: list[str] = []  # --lanes: the Gluon lanes GEMV's configs (R/CPL/WK[/CTAS]) at T = 1
 
 
 def paths(t: int, pw) -> dict:
@@ -59,9 +59,9 @@ def paths(t: int, pw) -> dict:
         if cfg is not None and sk._int_layout(pw, cfg) is not None:
             out["sk"] = _pre_quantized(pw, cfg)
         for spec in LANES if sk.lanes_take(pw) else []:
-            r, cpl, wk = (int(v) for v in spec.split("/"))
-            cfg = sk.StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True)
-            out[f"lanes{r}/{cpl}/{wk}"] = _pre_quantized(pw, cfg)
+            r, cpl, wk, *ctas = (int(v) for v in spec.split("/"))  # ctas: persistent
+            cfg = sk.StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True, ctas_per_sm=sum(ctas))
+            out[f"lanes{spec}"] = _pre_quantized(pw, cfg)
     if 2 <= t <= 16:
         out["tokens"] = tq.qgemv_tokens
     if t >= 2:
@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--json", default=None, help="write every number here")
-    ap.add_argument("--lanes", default="", help="Gluon lanes configs R/CPL/WK,...")
+    ap.add_argument("--lanes", default="", help="Gluon lanes configs R/CPL/WK[/CTAS],...")
     ap.add_argument("--shapes", default=",".join(MICRO_SHAPES), help="comma-separated names")
     args = ap.parse_args()
     LANES.extend(v for v in args.lanes.split(",") if v)

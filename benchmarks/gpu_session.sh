@@ -463,7 +463,7 @@ if has lanes; then  # the Gluon lanes GEMV: its device tests, the one-token swee
     tests/execution/test_triton_engine.py -k norms_quantized
   tail -1 "$OUT/lanes_engine_test.log"
   stage lanes_sweep 400 "$PY" benchmarks/gpu_qmicro.py --types "${LANES_TYPES:-Q4_K,Q6_K}" \
-    --tokens 1 --lanes "${LANES_CFGS:-2/1/4,4/1/4,8/1/4,4/1/8,4/1/2,8/1/2,16/1/2,8/1/1}" \
+    --tokens 1 --lanes "${LANES_CFGS:-2/1/4,4/1/4,8/1/4,4/1/2,8/1/2,8/1/1,4/1/4/4,4/1/2/8,8/1/2/4}" \
     --shapes "q/o 4096x4096,k/v 4096x1024,qk 4096x5120,qkv 4096x6144,gateup 4096x28672,down 14336x4096,output 4096x128256" \
     --json "$OUT/lanes.json"
   TABLE=$("$PY" -c "from hetero.kernels import gemv_tuning as g; print(g.table_path(g.arch_of('cuda')))")

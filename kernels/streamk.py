@@ -74,13 +74,17 @@ class StreamKConfig:
     rows: bool = False  # a row a thread (triton_streamk_rows; int_dot, bn = 32 x warps)
     maxnreg: int = 0  # a register cap for ptxas (0: none): more programs an SM, or spills
     lanes: int = 0  # CPL > 0: the Gluon kernel (triton_gluon_gemv): bn rows a program, warps
-    # along K, CPL chunks of 32 codes a lane a tile (int_dot; 4-bit codes in groups of 32)
+    # along K, CPL chunks of 32 codes a lane a tile (int_dot); ctas_per_sm > 0 there: that many
+    # persistent programs an SM, each walking every P-th block of rows (0: a program a block)
     fallback: StreamKConfig | None = None  # a lanes config's Triton one, where Gluon cannot run
 
     @property
     def name(self) -> str:
         if self.lanes:
-            return f"lanes:bn{self.bn}:l{self.lanes}:w{self.warps}" + (":pdl" if self.pdl else "")
+            grid = f":c{self.ctas_per_sm}" if self.ctas_per_sm else ""  # persistent programs
+            return f"lanes:bn{self.bn}:l{self.lanes}:w{self.warps}{grid}" + (
+                ":pdl" if self.pdl else ""
+            )
         mode = "rows" if self.rows else "int" if self.int_dot else "f32"
         name = f"sk_{mode}:bn{self.bn}:k{self.step}:c{self.ctas_per_sm}:w{self.warps}"
         return name + (":pdl" if self.pdl else "") + (f":r{self.maxnreg}" if self.maxnreg else "")
@@ -202,7 +206,8 @@ def qgemv_streamk(
 
 
 def _lanes(words, floats, y, pw: PackedWeight, cfg: StreamKConfig, pdl: bool) -> torch.Tensor:
-    """The Gluon lanes kernel: grid cdiv(N, bn), cfg.warps warps along K."""
+    """The Gluon lanes kernel: a program a block of bn rows (or ctas_per_sm an SM, each taking
+    every P-th block), cfg.warps warps along K."""
     from hetero.kernels.triton_gluon_gemv import qgemv_lanes_kernel
 
     n, k = pw.shape
@@ -211,12 +216,16 @@ def _lanes(words, floats, y, pw: PackedWeight, cfg: StreamKConfig, pdl: bool) ->
     args, meta = tq._plane_args(pw)
     codes, high, scale, minv, d, dmin = args[:6]
     code_stride, grp_stride, sb_stride = args[6:9]
-    qgemv_lanes_kernel[(-(-n // cfg.bn),)](
+    blocks = -(-n // cfg.bn)
+    if cfg.ctas_per_sm:  # fewer programs than row blocks, each walking several
+        blocks = min(blocks, cfg.ctas_per_sm * tq._sm_count(y.device))
+    qgemv_lanes_kernel[(blocks,)](
         words, floats, y, codes, high, scale, minv, d, dmin, n, n_chunks, code_stride,
         grp_stride, sb_stride, HB=meta["HB"], G=meta["G"], OFF=meta["OFF"],
         KQUANT=meta["KQUANT"], HAS_MIN=meta["HAS_MIN"], R=cfg.bn,
         CPL=cfg.lanes, WK=cfg.warps, FULL=n_chunks % c == 0, PDL=pdl, num_warps=cfg.warps,
         BIG=max(t.numel() for t in (codes, scale)) >= 2**31 - 2**20,
+        PERSIST=bool(cfg.ctas_per_sm),
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y
@@ -230,16 +239,17 @@ def prepare_streamk(qweight: Any, ggml_type: int, shape: tuple[int, int]) -> Any
 
 
 def _lanes_default() -> StreamKConfig | bool | None:
-    """HETERO_GEMV_LANES=R/CPL/WK: the Gluon lanes kernel for every weight it reads (before the
-    tuning table), with programmatic launches; =0: never (the table's lanes entries take their
-    Triton fallback); unset: None, the table decides."""
+    """HETERO_GEMV_LANES=R/CPL/WK[/CTAS]: the Gluon lanes kernel for every weight it reads
+    (before the tuning table), with programmatic launches (CTAS: persistent programs an SM);
+    =0: never (the table's lanes entries take their Triton fallback); unset: None, the table
+    decides."""
     spec = os.environ.get("HETERO_GEMV_LANES", "")
     if spec == "0":
         return False
     if not spec:
         return None
-    r, cpl, wk = (int(v) for v in spec.split("/"))
-    return StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True)
+    r, cpl, wk, *ctas = (int(v) for v in spec.split("/"))
+    return StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True, ctas_per_sm=sum(ctas))
 
 
 LANES_DEFAULT = _lanes_default()

@@ -14,7 +14,10 @@ instructions: a thread's loads wait on each other. Here the layout says what eac
   a thread's chunks of x, 64 bytes each, stay in its registers for the R rows;
 - per chunk 8 dp4a (the low and high nibbles of 4 code words against x's hi and lo bytes) and
   one float FMA chain: A s_b (isum + OFF S) - B s_b S, as `triton_streamk_kernels._unit_value`;
-- the row sums (threads, then warps) once at the end; no split-K, no fix-up, no counters.
+- the row sums (threads, then warps) once a row block; no split-K, no fix-up, no counters;
+- a program a row block, or (PERSIST: a config's ctas_per_sm) P programs each walking every
+  P-th block, the next block's first tile loading during the last tile of this one: a weight
+  of one tile a row (K 4096 at 4 warps) keeps its loads in flight across blocks too.
 - Q6_K (HB 2, two groups of 16 a chunk): the high plane in the integer GEMV's "bytes"
   arrangement (2 words a chunk: code word c's high bits of shift j at bits 2 ((2c + j) % 4) of
   each byte of word c // 2) is shifted beside the low nibbles, and one PRMT a group regroups
@@ -196,32 +199,14 @@ def _group_sums(words, high, xw, c: gl.constexpr, hi0, lo0, hi1, lo1,
 
 
 @gluon.jit
-def qgemv_lanes_kernel(
-    xw_ptr, xf_ptr, y_ptr, codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
-    N, n_chunks, code_stride, grp_stride, sb_stride,
-    HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
-    HAS_MIN: gl.constexpr, R: gl.constexpr, CPL: gl.constexpr, WK: gl.constexpr,
-    FULL: gl.constexpr, PDL: gl.constexpr, BIG: gl.constexpr,
+def _row_offsets(
+    rb, N, code_stride, grp_stride, sb_stride, ch2, R: gl.constexpr, L2: gl.constexpr,
+    L3: gl.constexpr, LH: gl.constexpr, G: gl.constexpr, BIG: gl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(N, R),): y[r] = W[r] x for the program's R rows. xw: xquant's words of x
-    (int32 [n_chunks, 16]: the hi words of shifts (or Q6_K's groups) 0 and 1, then the lo
-    words, 4 each), xf its floats (float32 [n_chunks, 64 // G]: s_b, s_b * sum m a unit). Rows
-    past N read row N - 1 (never stored); FULL: n_chunks is a multiple of C (no masks); BIG:
-    offsets past 2^31 (64-bit offsets, else 32-bit: fewer registers a row). HB 2, G 16: Q6_K,
-    its high plane in the "bytes" arrangement (2 words a chunk)."""
-    C: gl.constexpr = 32 * CPL * WK
-    NF: gl.constexpr = 64 // G  # x's floats a chunk
-    L3: gl.constexpr = gl.BlockedLayout([R, 1, 4], [1, 32, 1], [1, WK, 1], [2, 1, 0])
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
-    LH: gl.constexpr = gl.BlockedLayout([R, 1, 2], [1, 32, 1], [1, WK, 1], [2, 1, 0])
-    XL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [WK, 1], [1, 0])
-    FL: gl.constexpr = gl.BlockedLayout([1, NF], [32, 1], [WK, 1], [1, 0])
-    XS: gl.constexpr = gl.SliceLayout(0, L2)
-    if PDL:
-        _gdc_launch_dependents()
-    pid = gl.program_id(0)
-    r2 = gl.minimum(pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, L2)), N - 1)
-    ch2 = gl.arange(0, C, layout=XS)[None, :]  # [1, C]
+    """The planes' offsets of row block rb's R rows (rows past N read row N - 1) at chunk 0:
+    code words [R, C, 4], high words [R, C, 2], scales [R, C] (or [R, C, 2]: Q6_K's two
+    groups a chunk), super-blocks [R, 1]."""
+    r2 = gl.minimum(rb * R + gl.arange(0, R, layout=gl.SliceLayout(1, L2)), N - 1)
     if BIG:
         r2 = r2.to(gl.int64)[:, None]
     else:
@@ -237,49 +222,130 @@ def qgemv_lanes_kernel(
         g_off = gl.expand_dims(r2h * grp_stride + ch2h * 2, 2) + two
     else:
         g_off = r2 * grp_stride + ch2
-    sb_off = r2 * sb_stride
+    return w_off, h_off, g_off, r2 * sb_stride
+
+
+@gluon.jit
+def _x_loads(xw_ptr, xf_ptr, x_off, f_off, xc, fc, k0, n_chunks,
+             NF: gl.constexpr, FULL: gl.constexpr):  # fmt: skip
+    """x's integer words [C, 16] and floats [C, NF] of the tile at chunk k0."""
+    if FULL:
+        xw = gl.load(xw_ptr + k0 * 16 + x_off)
+        xf = gl.load(xf_ptr + k0 * NF + f_off)
+    else:
+        xw = gl.load(xw_ptr + k0 * 16 + x_off, mask=(k0 + xc) < n_chunks, other=0)
+        xf = gl.load(xf_ptr + k0 * NF + f_off, mask=(k0 + fc) < n_chunks, other=0.0)
+    return xw, xf
+
+
+@gluon.jit
+def _tile_acc(
+    acc, words, high, a0, a1, b, xw, xf, OFF: gl.constexpr, NF: gl.constexpr, G: gl.constexpr,
+    HB: gl.constexpr, L2: gl.constexpr, XS: gl.constexpr,
+):  # fmt: skip
+    """acc [R, C] + each chunk's share of W x: A s_b (isum + OFF S) - B S a group."""
+    hi0 = gl.zeros(acc.shape, gl.int32, L2)
+    lo0 = gl.zeros(acc.shape, gl.int32, L2)
+    hi1 = gl.zeros(acc.shape, gl.int32, L2)
+    lo1 = gl.zeros(acc.shape, gl.int32, L2)
+    for c in gl.static_range(4):
+        hi0, lo0, hi1, lo1 = _group_sums(words, high, xw, c, hi0, lo0, hi1, lo1, L2, XS, HB)
+    s_b = gl.convert_layout(_pick_f(xf, 0, NF), XS, assert_trivial=True)[None, :]
+    xs = gl.convert_layout(_pick_f(xf, 1, NF), XS, assert_trivial=True)[None, :]
+    acc += a0 * (s_b * (hi0 * 256 + lo0).to(gl.float32) + OFF * xs) - b * xs
+    if G == 16:
+        s_b1 = gl.convert_layout(_pick_f(xf, 2, NF), XS, assert_trivial=True)[None, :]
+        xs1 = gl.convert_layout(_pick_f(xf, 3, NF), XS, assert_trivial=True)[None, :]
+        acc += a1 * (s_b1 * (hi1 * 256 + lo1).to(gl.float32) + OFF * xs1)
+    return acc
+
+
+@gluon.jit
+def qgemv_lanes_kernel(
+    xw_ptr, xf_ptr, y_ptr, codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+    N, n_chunks, code_stride, grp_stride, sb_stride,
+    HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
+    HAS_MIN: gl.constexpr, R: gl.constexpr, CPL: gl.constexpr, WK: gl.constexpr,
+    FULL: gl.constexpr, PDL: gl.constexpr, BIG: gl.constexpr, PERSIST: gl.constexpr,
+):  # fmt: skip
+    """y[r] = W[r] x. Grid (cdiv(N, R),): a program a row block of R rows; PERSIST: grid (P,),
+    program p takes row blocks p, p + P, ..., a unit = (block, tile of C chunks), the next
+    unit's weights (the next block's too) loading while this one's arithmetic runs. Either way
+    the next tile's loads are in flight during this one's dp4a. xw: xquant's words of x (int32
+    [n_chunks, 16]: the hi words of shifts (or Q6_K's groups) 0 and 1, then the lo words, 4
+    each), xf its floats (float32 [n_chunks, 64 // G]: s_b, s_b * sum m a unit). Rows past N
+    read row N - 1 (never stored); FULL: n_chunks is a multiple of C (no masks); BIG: offsets
+    past 2^31 (64-bit offsets, else 32-bit: fewer registers a row). HB 2, G 16: Q6_K, its high
+    plane in the "bytes" arrangement (2 words a chunk)."""
+    C: gl.constexpr = 32 * CPL * WK
+    NF: gl.constexpr = 64 // G  # x's floats a chunk
+    L3: gl.constexpr = gl.BlockedLayout([R, 1, 4], [1, 32, 1], [1, WK, 1], [2, 1, 0])
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    LH: gl.constexpr = gl.BlockedLayout([R, 1, 2], [1, 32, 1], [1, WK, 1], [2, 1, 0])
+    XL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [WK, 1], [1, 0])
+    FL: gl.constexpr = gl.BlockedLayout([1, NF], [32, 1], [WK, 1], [1, 0])
+    XS: gl.constexpr = gl.SliceLayout(0, L2)
+    if PDL:
+        _gdc_launch_dependents()
+    pid = gl.program_id(0)
+    ch2 = gl.arange(0, C, layout=XS)[None, :]  # [1, C]
+    strides = (N, code_stride, grp_stride, sb_stride, ch2)
+    w_off, h_off, g_off, sb_off = _row_offsets(pid, *strides, R, L2, L3, LH, G, BIG)
+    ptrs = (codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr)
     xc = gl.arange(0, C, layout=gl.SliceLayout(1, XL))[:, None]
     x_off = xc * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, XL))[None, :]
     fc = gl.arange(0, C, layout=gl.SliceLayout(1, FL))[:, None]
     f_off = fc * NF + gl.arange(0, NF, layout=gl.SliceLayout(0, FL))[None, :]
-    planes = (codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr, w_off, h_off, g_off)
+    xargs = (xw_ptr, xf_ptr, x_off, f_off, xc, fc)
     words, high, a0, a1, b = _tile_loads(
-        *planes, sb_off, ch2, 0, n_chunks, L2, LH, HB, G, KQUANT, HAS_MIN, FULL
-    )
+        *ptrs, w_off, h_off, g_off, sb_off, ch2, 0, n_chunks, L2, LH, HB, G, KQUANT, HAS_MIN,
+        FULL,
+    )  # fmt: skip
     if PDL:
         _gdc_wait()
     acc = gl.zeros([R, C], gl.float32, L2)
-    for k0 in range(0, n_chunks, C):
-        if FULL:
-            xw = gl.load(xw_ptr + k0 * 16 + x_off)
-            xf = gl.load(xf_ptr + k0 * NF + f_off)
-        else:
-            xw = gl.load(xw_ptr + k0 * 16 + x_off, mask=(k0 + xc) < n_chunks, other=0)
-            xf = gl.load(xf_ptr + k0 * NF + f_off, mask=(k0 + fc) < n_chunks, other=0.0)
-        nxt = k0 + C
-        if nxt < n_chunks:  # the next tile's loads in flight during this one's arithmetic
-            n_words, n_high, n_a0, n_a1, n_b = _tile_loads(
-                *planes, sb_off, ch2, nxt, n_chunks, L2, LH, HB, G, KQUANT, HAS_MIN, FULL
-            )
-        else:
-            n_words, n_high, n_a0, n_a1, n_b = words, high, a0, a1, b
-        hi0 = gl.zeros([R, C], gl.int32, L2)
-        lo0 = gl.zeros([R, C], gl.int32, L2)
-        hi1 = gl.zeros([R, C], gl.int32, L2)
-        lo1 = gl.zeros([R, C], gl.int32, L2)
-        for c in gl.static_range(4):
-            hi0, lo0, hi1, lo1 = _group_sums(words, high, xw, c, hi0, lo0, hi1, lo1, L2, XS, HB)
-        s_b = gl.convert_layout(_pick_f(xf, 0, NF), XS, assert_trivial=True)[None, :]
-        xs = gl.convert_layout(_pick_f(xf, 1, NF), XS, assert_trivial=True)[None, :]
-        acc += a0 * (s_b * (hi0 * 256 + lo0).to(gl.float32) + OFF * xs) - b * xs
-        if G == 16:
-            s_b1 = gl.convert_layout(_pick_f(xf, 2, NF), XS, assert_trivial=True)[None, :]
-            xs1 = gl.convert_layout(_pick_f(xf, 3, NF), XS, assert_trivial=True)[None, :]
-            acc += a1 * (s_b1 * (hi1 * 256 + lo1).to(gl.float32) + OFF * xs1)
-        words, high, a0, a1, b = n_words, n_high, n_a0, n_a1, n_b
-    y = gl.sum(acc, axis=1)
-    rows = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, L2))
-    gl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    if PERSIST:
+        n_prog = gl.num_programs(0)
+        kt_count = gl.cdiv(n_chunks, C)
+        units = gl.cdiv(gl.cdiv(N, R) - pid, n_prog) * kt_count  # this program's
+        for i in range(units):
+            kt = i % kt_count
+            rb = pid + (i // kt_count) * n_prog
+            xw, xf = _x_loads(*xargs, kt * C, n_chunks, NF, FULL)
+            if i + 1 < units:
+                kt_n = (i + 1) % kt_count
+                if kt_n == 0:  # the next row block
+                    w_off, h_off, g_off, sb_off = _row_offsets(
+                        rb + n_prog, *strides, R, L2, L3, LH, G, BIG
+                    )
+                n_words, n_high, n_a0, n_a1, n_b = _tile_loads(
+                    *ptrs, w_off, h_off, g_off, sb_off, ch2, kt_n * C, n_chunks, L2, LH, HB,
+                    G, KQUANT, HAS_MIN, FULL,
+                )  # fmt: skip
+            else:
+                n_words, n_high, n_a0, n_a1, n_b = words, high, a0, a1, b
+            acc = _tile_acc(acc, words, high, a0, a1, b, xw, xf, OFF, NF, G, HB, L2, XS)
+            if kt == kt_count - 1:  # the row block's last tile: its sums out
+                rows = rb * R + gl.arange(0, R, layout=gl.SliceLayout(1, L2))
+                y = gl.sum(acc, axis=1)
+                gl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+                acc = gl.zeros([R, C], gl.float32, L2)
+            words, high, a0, a1, b = n_words, n_high, n_a0, n_a1, n_b
+    else:
+        for k0 in range(0, n_chunks, C):
+            xw, xf = _x_loads(*xargs, k0, n_chunks, NF, FULL)
+            if k0 + C < n_chunks:
+                n_words, n_high, n_a0, n_a1, n_b = _tile_loads(
+                    *ptrs, w_off, h_off, g_off, sb_off, ch2, k0 + C, n_chunks, L2, LH, HB, G,
+                    KQUANT, HAS_MIN, FULL,
+                )  # fmt: skip
+            else:
+                n_words, n_high, n_a0, n_a1, n_b = words, high, a0, a1, b
+            acc = _tile_acc(acc, words, high, a0, a1, b, xw, xf, OFF, NF, G, HB, L2, XS)
+            words, high, a0, a1, b = n_words, n_high, n_a0, n_a1, n_b
+        rows = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, L2))
+        y = gl.sum(acc, axis=1)
+        gl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 @gluon.jit

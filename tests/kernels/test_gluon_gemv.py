@@ -21,7 +21,8 @@ from tests.support.triton_compile_check import compile_in_subprocess  # noqa: E4
 
 TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
 ARCHS = (80, 86, 89, 90, 120)
-CONFIGS = ((4, 1, 4), (2, 1, 8), (8, 1, 2), (4, 2, 4))  # rows, chunks a lane, warps
+# rows, chunks a lane, warps, persistent programs an SM (0: a program a row block)
+CONFIGS = ((4, 1, 4, 0), (2, 1, 8, 0), (8, 1, 2, 0), (4, 2, 4, 0), (4, 1, 4, 1), (2, 1, 2, 2))
 
 COMPILE = """
 import sys
@@ -37,12 +38,12 @@ for arch in map(int, sys.argv[1].split(",")):
             pw = _weight(t, n, k)[1]
             x = torch.randn(1, k, dtype=torch.bfloat16)
             xq = xquant_ref(x, XLayout(4, pw.spec.group))
-            for pdl in (False, True):
-                cfg = sk.StreamKConfig(bn=4, lanes=1, warps=4, pdl=pdl)
+            for pdl, ctas in ((False, 0), (True, 0), (True, 2)):
+                cfg = sk.StreamKConfig(bn=4, lanes=1, warps=4, pdl=pdl, ctas_per_sm=ctas)
                 with compiling_for(arch) as log:
                     sk.qgemv_streamk(x, pw, cfg, xq=xq)
                 for fn, c in zip(log.compiled, log.kernels):
-                    print(arch, t, k, pdl, fn[0], c.metadata.shared)
+                    print(arch, t, k, f"{pdl}/{ctas}", fn[0], c.metadata.shared)
 """
 
 
@@ -52,7 +53,7 @@ def test_compiles_for_each_architecture() -> None:
     rows = [line.split() for line in stdout.splitlines()]
     got = {(int(a), t, int(k), pdl) for a, t, k, pdl, fn, _ in rows if fn == "qgemv_lanes_kernel"}
     assert got == {(a, t, k, p) for a in ARCHS for t in TYPES for k in (4096, 14336)
-                   for p in ("False", "True")}  # fmt: skip
+                   for p in ("False/0", "True/0", "True/2")}  # fmt: skip
     assert all(int(shared) <= 1024 for *_, shared in rows)  # the row sums' exchange only
 
 
@@ -71,7 +72,7 @@ def _weight(ggml_type: str, n: int, k: int, device: str = "cpu", layout: str = "
 def test_takes_only_the_types_and_configs_it_reads() -> None:
     from hetero.kernels import streamk as sk
 
-    ok = sk.StreamKConfig(bn=4, lanes=1, warps=4)
+    ok = sk.StreamKConfig(bn=4, lanes=1, warps=4, ctas_per_sm=0)
     for t in TYPES:
         assert sk.config_ok(ok, _weight(t, 8, 256)[1])
     for t in ("Q5_K", "Q8_0", "IQ4_NL", "Q5_0", "Q3_K"):  # 1-bit high planes, 8-bit, codebooks
@@ -80,7 +81,9 @@ def test_takes_only_the_types_and_configs_it_reads() -> None:
     pw = _weight("Q4_K", 8, 256)[1]
     assert not sk.config_ok(sk.StreamKConfig(bn=3, lanes=1, warps=4), pw)
     assert not sk.config_ok(sk.StreamKConfig(bn=4, lanes=1, warps=4, int_dot=False), pw)
-    assert sk.StreamKConfig(bn=4, lanes=2, warps=8, pdl=True).name == "lanes:bn4:l2:w8:pdl"
+    cfg = sk.StreamKConfig(bn=4, lanes=2, warps=8, pdl=True, ctas_per_sm=0)
+    assert cfg.name == "lanes:bn4:l2:w8:pdl"
+    assert sk.StreamKConfig(bn=4, lanes=1, warps=2, ctas_per_sm=8).name == "lanes:bn4:l1:w2:c8"
 
 
 def test_a_table_entry_falls_back_where_gluon_does_not_run(monkeypatch) -> None:
@@ -141,9 +144,9 @@ def test_equals_the_reference_and_the_stream_k_kernel(ggml_type: str) -> None:
             want = x.float() @ w.T
             base = sk.qgemv_streamk(x, pw, sk.StreamKConfig()).float()
             bound = x.float().abs() @ w.abs().T
-            for r, cpl, wk in CONFIGS:
+            for r, cpl, wk, ctas in CONFIGS:
                 for pdl in (False, True):
-                    cfg = sk.StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=pdl)
+                    cfg = sk.StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=pdl, ctas_per_sm=ctas)
                     got = sk.qgemv_streamk(x, pw, cfg).float()
                     # x in 16-bit fixed point (2^-15 of each block's largest), y rounded
                     tol = 2.0**-12 * bound + 2.0**-7 * want.abs() + 1e-3
