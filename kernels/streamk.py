@@ -248,7 +248,10 @@ def _lanes_default() -> StreamKConfig | bool | None:
         return False
     if not spec:
         return None
-    r, cpl, wk, *ctas = (int(v) for v in spec.split("/"))
+    try:
+        r, cpl, wk, *ctas = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"HETERO_GEMV_LANES={spec!r}: give R/CPL/WK[/CTAS] or 0") from None
     return StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True, ctas_per_sm=sum(ctas))
 
 
