@@ -55,9 +55,10 @@
 #            streams, then the peer's llama-batched-bench and llama-bench on the same files
 #   densegluon the Gluon MoE kernel as a dense batched matmul (W one expert, gpu_qmicro.py's
 #            gluon8 / gluon16) against qmm at 16, 32, 64 rows: issue 23's 64 streams
-#   lanes    the Gluon lanes GEMV (one token): its device tests, the sweep over the 8B's weights
-#            (Q4_K, Q6_K; LANES_CFGS), the arch's GEMV table updated in place from it (copied to
-#            OUTDIR), the 8B files' one-stream rows with the Triton GEMVs and with the new table
+#   lanes    the Gluon lanes GEMV (one token), in LANES_PARTS: "tests" (its device tests),
+#            "sweep" (the 8B's weights, Q4_K and Q6_K, LANES_CFGS; the arch's GEMV table updated
+#            in place from it and copied to OUTDIR), "rows" (the 8B files' one-stream rows with
+#            the Triton GEMVs and with the table, then the peer's llama-bench on them)
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
@@ -454,31 +455,48 @@ if has densegluon; then  # issue 23's 64 streams: the Gluon blocks with W as one
   grep -E "T= *(16|32|64)" "$OUT/dense_gluon.log" | head -30
 fi
 
-if has lanes; then  # the Gluon lanes GEMV: its device tests, the one-token sweep over the 8B's
-  # weights (Q4_K, Q6_K: LANES_CFGS), the arch's table updated in place from it (and copied to
-  # OUT to commit), then the 8B's one-stream rows with the Triton GEMVs and with that table
-  stage lanes_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_gemv.py
-  tail -1 "$OUT/lanes_tests.log"
-  stage lanes_engine_test 150 env HETERO_GEMV_LANES=4/1/4 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/execution/test_triton_engine.py -k norms_quantized
-  tail -1 "$OUT/lanes_engine_test.log"
-  stage lanes_sweep 400 "$PY" benchmarks/gpu_qmicro.py --types "${LANES_TYPES:-Q4_K,Q6_K}" \
-    --tokens 1 --lanes "${LANES_CFGS:-2/1/4,4/1/4,8/1/4,4/1/2,8/1/2,8/1/1,4/1/4/4,4/1/2/8,8/1/2/4}" \
-    --shapes "q/o 4096x4096,k/v 4096x1024,qk 4096x5120,qkv 4096x6144,gateup 4096x28672,down 14336x4096,output 4096x128256" \
-    --json "$OUT/lanes.json"
-  TABLE=$("$PY" -c "from hetero.kernels import gemv_tuning as g; print(g.table_path(g.arch_of('cuda')))")
-  [ -f "$OUT/lanes.json" ] && "$PY" benchmarks/gemv_lanes_table.py "$OUT/lanes.json" --table "$TABLE" \
-    --write && cp "$TABLE" "$OUT/"
-  for f in "$Q4" "$Q6"; do
-    n=$(basename "$f" .gguf)
-    [ -f "$f" ] || continue
-    stage "triton_$n" 200 env HETERO_GEMV_LANES=0 "$PY" benchmarks/gpu_engine.py "$f" --batches 1 \
-      --prefill 512 --json "$OUT/triton_$n.json"
-    rows "$OUT/triton_$n.log"
-    stage "lanes_$n" 200 "$PY" benchmarks/gpu_engine.py "$f" --batches 1 --prefill 512 \
-      --json "$OUT/lanes_$n.json"
-    rows "$OUT/lanes_$n.log"
-  done
+if has lanes; then  # the Gluon lanes GEMV, in parts (LANES_PARTS, all three by default; split
+  # them across calls when the machine is warm): "tests" its device tests, "sweep" the one-token
+  # sweep over the 8B's weights (LANES_TYPES, LANES_CFGS) with the arch's table updated in place
+  # from it (and copied to OUT to commit), "rows" the 8B files' one-stream rows with the Triton
+  # GEMVs and with the table as it stands, then the peer's on the same files
+  parts=" ${LANES_PARTS:-tests sweep rows} "
+  if [[ $parts == *" tests "* ]]; then
+    stage lanes_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_gemv.py
+    tail -1 "$OUT/lanes_tests.log"
+    stage lanes_engine_test 150 env HETERO_GEMV_LANES=4/1/4 "$PY" -m pytest -q \
+      -p no:cacheprovider tests/execution/test_triton_engine.py -k norms_quantized
+    tail -1 "$OUT/lanes_engine_test.log"
+  fi
+  if [[ $parts == *" sweep "* ]]; then
+    stage lanes_sweep 400 "$PY" benchmarks/gpu_qmicro.py --types "${LANES_TYPES:-Q4_K,Q6_K}" \
+      --tokens 1 --lanes "${LANES_CFGS:-2/1/4,4/1/4,8/1/4,4/1/2,8/1/2,8/1/1,4/1/4/4,4/1/2/8,8/1/2/4}" \
+      --shapes "q/o 4096x4096,k/v 4096x1024,qk 4096x5120,qkv 4096x6144,gateup 4096x28672,down 14336x4096,output 4096x128256" \
+      --json "$OUT/lanes.json"
+    TABLE=$("$PY" -c "from hetero.kernels import gemv_tuning as g; print(g.table_path(g.arch_of('cuda')))")
+    [ -f "$OUT/lanes.json" ] && "$PY" benchmarks/gemv_lanes_table.py "$OUT/lanes.json" \
+      --table "$TABLE" --write && cp "$TABLE" "$OUT/"
+  fi
+  if [[ $parts == *" rows "* ]]; then
+    for f in "$Q4" "$Q6"; do
+      n=$(basename "$f" .gguf)
+      [ -f "$f" ] || continue
+      stage "triton_$n" 200 env HETERO_GEMV_LANES=0 "$PY" benchmarks/gpu_engine.py "$f" \
+        --batches 1 --prefill 512 --json "$OUT/triton_$n.json"
+      rows "$OUT/triton_$n.log"
+      stage "lanes_$n" 200 "$PY" benchmarks/gpu_engine.py "$f" --batches 1 --prefill 512 \
+        --json "$OUT/lanes_$n.json"
+      rows "$OUT/lanes_$n.log"
+    done
+    peer_wait
+    [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+    for f in "$Q4" "$Q6"; do
+      n=$(basename "$f" .gguf)
+      stage "peer_$n" 150 "$BUILD/bin/llama-bench" -r 3 -o json -m "$f" -ngl 99 -fa 1 -p 512 \
+        -n 128
+      peer_rows "peer_$n"
+    done
+  fi
 fi
 
 if has ncugluon; then  # Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: its config)
