@@ -35,6 +35,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from hetero.kernels.triton_gluon_moe import _shl, _split4
 
 
 @gluon.jit
@@ -50,37 +53,10 @@ def _dp4a(a, b, acc, SIGNED_B: gl.constexpr):
 
 
 @gluon.jit
-def _gdc_wait():
-    """Wait for the kernel before this one (programmatic dependent launch; a no-op without)."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    """Let the next kernel launch now (its programs wait for this one's end to read)."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _pick4(v, i: gl.constexpr):
-    """[..., 4] -> [...]: element i of the last dimension (held in one thread: no data moves)."""
-    v = gl.reshape(v, v.shape[:-1] + [2, 2])
-    a, b = gl.split(v)
-    v = b if i % 2 == 1 else a
-    a, b = gl.split(v)
-    return b if i // 2 == 1 else a
-
-
-@gluon.jit
 def _pick16(v, i: gl.constexpr):
     """[..., 16] -> [...]: element i of the last dimension (in one thread)."""
-    v = _pick4(gl.reshape(v, v.shape[:-1] + [4, 4]), i % 4)
-    return _pick4(v, i // 4)
+    v = _split4(gl.reshape(v, v.shape[:-1] + [4, 4]))[i % 4]
+    return _split4(v)[i // 4]
 
 
 @gluon.jit
@@ -89,14 +65,6 @@ def _prmt(a, b, sel: gl.constexpr):
     return gl.inline_asm_elementwise(
         f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [a, b], gl.int32, True, 1
     )
-
-
-@gluon.jit
-def _shl(v, n: gl.constexpr):
-    """v << n, or v >> -n for n < 0 (a constant shift either way)."""
-    if n >= 0:
-        return v << n
-    return v >> (-n)
 
 
 @gluon.jit
@@ -109,47 +77,30 @@ def _tile_loads(
     code words again without one) and per-chunk factors [R, C] float32: A of each group of the
     chunk (a0, a1: one group of 32, or two of 16) and B."""
     m2 = (k0 + ch2) < n_chunks
-    if FULL:
-        words = gl.load(codes_ptr + k0 * 4 + w_off)
-        sc = gl.load(scale_ptr + k0 * (32 // G) + g_off)
+    words = _load(codes_ptr + k0 * 4 + w_off, gl.expand_dims(m2, 2), FULL)
+    if G == 16:  # [R, C, 2]: the chunk's two groups
+        sc = _load(scale_ptr + k0 * 2 + g_off, _mask_h(m2, LH), FULL)
     else:
-        words = gl.load(codes_ptr + k0 * 4 + w_off, mask=gl.expand_dims(m2, 2), other=0)
-        if G == 16:
-            sc = gl.load(scale_ptr + k0 * 2 + g_off, mask=_mask_h(m2, LH), other=0)
-        else:
-            sc = gl.load(scale_ptr + k0 + g_off, mask=m2, other=0)
+        sc = _load(scale_ptr + k0 + g_off, m2, FULL)
     if HB > 0:
-        if FULL:
-            high = gl.load(high_ptr + k0 * 2 + h_off)
-        else:
-            high = gl.load(high_ptr + k0 * 2 + h_off, mask=_mask_h(m2, LH), other=0)
+        high = _load(high_ptr + k0 * 2 + h_off, _mask_h(m2, LH), FULL)
     else:
         high = words
-    if G == 16:  # [R, C, 2]: the chunk's two groups
+    if G == 16:
         sc0 = gl.convert_layout(_pick2(sc, 0), L2, assert_trivial=True).to(gl.float32)
         sc1 = gl.convert_layout(_pick2(sc, 1), L2, assert_trivial=True).to(gl.float32)
     else:
         sc0 = sc.to(gl.float32)
         sc1 = sc0
     if HAS_MIN:
-        if FULL:
-            mn = gl.load(min_ptr + k0 + g_off).to(gl.float32)
-        else:
-            mn = gl.load(min_ptr + k0 + g_off, mask=m2, other=0).to(gl.float32)
+        mn = _load(min_ptr + k0 + g_off, m2, FULL).to(gl.float32)
     if KQUANT:
         sb = (k0 + ch2) // (256 // 32) + sb_off  # the chunk's super-block
-        if FULL:
-            d = gl.load(d_ptr + sb).to(gl.float32)
-        else:
-            d = gl.load(d_ptr + sb, mask=m2, other=0).to(gl.float32)
+        d = _load(d_ptr + sb, m2, FULL).to(gl.float32)
         a0 = d * sc0
         a1 = d * sc1
         if HAS_MIN:
-            if FULL:
-                dmin = gl.load(dmin_ptr + sb).to(gl.float32)
-            else:
-                dmin = gl.load(dmin_ptr + sb, mask=m2, other=0).to(gl.float32)
-            b = dmin * mn
+            b = _load(dmin_ptr + sb, m2, FULL).to(gl.float32) * mn
         else:
             b = gl.zeros_like(a0)
     else:
@@ -163,6 +114,16 @@ def _tile_loads(
 
 
 @gluon.jit
+def _load(ptr, mask, FULL: gl.constexpr):
+    """gl.load, unmasked where the tiles fill K (FULL), else masked (0 past it)."""
+    if FULL:
+        out = gl.load(ptr)
+    else:
+        out = gl.load(ptr, mask=mask, other=0)
+    return out
+
+
+@gluon.jit
 def _mask_h(m2, LH: gl.constexpr):
     """m2 [R, C] as the mask of [R, C, 2] offsets in layout LH (high words, scale pairs)."""
     return gl.expand_dims(gl.convert_layout(m2, gl.SliceLayout(2, LH)), 2)
@@ -173,7 +134,7 @@ def _group_sums(words, high, xw, c: gl.constexpr, hi0, lo0, hi1, lo1,
                 L2: gl.constexpr, XS: gl.constexpr, HB: gl.constexpr):  # fmt: skip
     """The dp4a sums of code word c of every chunk: one group of 32 (hi0, lo0), or Q6_K's two
     groups of 16 (and hi1, lo1), against x's hi (signed) and lo (unsigned) bytes."""
-    wc = gl.convert_layout(_pick4(words, c), L2, assert_trivial=True)
+    wc = gl.convert_layout(_split4(words)[c], L2, assert_trivial=True)
     if HB == 0:
         for q in gl.static_range(2):  # bytes k of shift q: elements 4(2k + q) + c
             qw = (wc >> (4 * q)) & 0x0F0F0F0F
@@ -229,12 +190,8 @@ def _row_offsets(
 def _x_loads(xw_ptr, xf_ptr, x_off, f_off, xc, fc, k0, n_chunks,
              NF: gl.constexpr, FULL: gl.constexpr):  # fmt: skip
     """x's integer words [C, 16] and floats [C, NF] of the tile at chunk k0."""
-    if FULL:
-        xw = gl.load(xw_ptr + k0 * 16 + x_off)
-        xf = gl.load(xf_ptr + k0 * NF + f_off)
-    else:
-        xw = gl.load(xw_ptr + k0 * 16 + x_off, mask=(k0 + xc) < n_chunks, other=0)
-        xf = gl.load(xf_ptr + k0 * NF + f_off, mask=(k0 + fc) < n_chunks, other=0.0)
+    xw = _load(xw_ptr + k0 * 16 + x_off, (k0 + xc) < n_chunks, FULL)
+    xf = _load(xf_ptr + k0 * NF + f_off, (k0 + fc) < n_chunks, FULL)
     return xw, xf
 
 
@@ -286,7 +243,7 @@ def qgemv_lanes_kernel(
     FL: gl.constexpr = gl.BlockedLayout([1, NF], [32, 1], [WK, 1], [1, 0])
     XS: gl.constexpr = gl.SliceLayout(0, L2)
     if PDL:
-        _gdc_launch_dependents()
+        gdc_launch_dependents()
     pid = gl.program_id(0)
     ch2 = gl.arange(0, C, layout=XS)[None, :]  # [1, C]
     strides = (N, code_stride, grp_stride, sb_stride, ch2)
@@ -302,7 +259,7 @@ def qgemv_lanes_kernel(
         FULL,
     )  # fmt: skip
     if PDL:
-        _gdc_wait()
+        gdc_wait()
     acc = gl.zeros([R, C], gl.float32, L2)
     if PERSIST:
         n_prog = gl.num_programs(0)
@@ -354,7 +311,7 @@ def _pick_f(v, i: gl.constexpr, n: gl.constexpr):
     if n == 2:
         out = _pick2(v, i)
     else:
-        out = _pick4(v, i)
+        out = _split4(v)[i]
     return out
 
 
