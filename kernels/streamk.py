@@ -169,9 +169,6 @@ def qgemv_streamk(
     if int_dot and pw.spec.high_bits and pw.high_layout != "bytes":
         raise ValueError("integer dot products need the high plane in the 'bytes' arrangement")
     n, k = pw.shape
-    e = chunk_codes(pw.spec.low_bits)
-    s = cfg.step // e
-    sch = schedule(n, k // e, s, cfg.ctas_per_sm * tq._sm_count(x.device), cfg.bn)
     if int_dot:
         words, floats = (
             xq if xq is not None else xquant(x, XLayout(pw.spec.low_bits, pw.spec.group))
@@ -182,6 +179,9 @@ def qgemv_streamk(
     pdl = cfg.pdl and pdl_supported(x.device)
     if cfg.lanes:
         return _lanes(words, floats, y, pw, cfg, pdl)
+    e = chunk_codes(pw.spec.low_bits)
+    s = cfg.step // e
+    sch = schedule(n, k // e, s, cfg.ctas_per_sm * tq._sm_count(x.device), cfg.bn)
     part = torch.empty(sch.tiles, sch.max_programs, cfg.bn, dtype=torch.float32, device=x.device)
     cnt = tq._counters(x.device, sch.tiles)
     args, meta = tq._plane_args(pw)
@@ -263,17 +263,17 @@ def choose(pw: PackedWeight, x: torch.Tensor) -> StreamKConfig | None:
     (None: qlinear's own decode kernel, where it won or where no Stream-K mode of that kind runs
     the type: bf16 / fp16 x of a codebook type). float32 x takes the float decode: the integer
     one rounds x to 16 bits."""
-    from hetero.kernels.gemv_tuning import lookup
+    from hetero.kernels.gemv_tuning import DEFAULT, lookup
+
+    def gluon() -> bool:  # whether the lanes kernel runs this weight and x here
+        return x.dtype != torch.float32 and lanes_take(pw) and lanes_run(x.device)
 
     lanes = LANES_DEFAULT
-    if lanes and x.dtype != torch.float32 and lanes_take(pw) and lanes_run(x.device):
+    if lanes and gluon():
         return lanes
     cfg = lookup(x.device, pw.ggml_type.name, *pw.shape)
-    if cfg is not None and cfg.lanes and (
-        lanes is False or x.dtype == torch.float32 or not lanes_take(pw)
-        or not lanes_run(x.device)
-    ):  # fmt: skip
-        cfg = cfg.fallback or StreamKConfig(bn=128, warps=4, rows=True, ctas_per_sm=3)
+    if cfg is not None and cfg.lanes and (lanes is False or not gluon()):
+        cfg = cfg.fallback or DEFAULT
     if cfg is None:
         return None
     if x.dtype == torch.float32 and cfg.int_dot:
