@@ -8,8 +8,8 @@ SWEEP.json is `gpu_qmicro.py --tokens 1 --lanes ... --json` from one device: for
 lanes config was fastest, the table's entry for that type and shape takes it (added if the
 table had no entry of that shape), its Triton config kept as the entry's `fallback` (Gluon does
 not run everywhere); where `sk` won, the entry stays. Prints each decision; --write saves the
-table (else a dry run). The shapes' short names follow the table's (qo, kv, qk, qkv, gateup2,
-down, lmhead).
+table (else a dry run). A new entry takes the short name the table gives that shape for other
+types (qo, kv, qk, qkv, gateup2, down, lmhead).
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-
-NAMES = {(4096, 4096): "qo", (1024, 4096): "kv", (5120, 4096): "qk", (6144, 4096): "qkv",
-         (14336, 4096): "gateup", (28672, 4096): "gateup2", (4096, 14336): "down",
-         (128256, 4096): "lmhead"}  # fmt: skip
 
 
 def lanes_config(name: str) -> dict:
@@ -50,8 +46,9 @@ def fold(table: dict, sweep: dict, when: str) -> list[str]:
             notes.append(f"{t} {n}x{k}: kept ({sk['us']:.1f} us; best lanes {best} "
                          f"{timed[best]['us']:.1f})")  # fmt: skip
             continue
-        if entry is None:
-            entry = {"type": t, "shape": NAMES.get((n, k), f"{n}x{k}"), "n": n, "k": k}
+        if entry is None:  # named as the table names that shape for other types
+            name = next((e["shape"] for e in entries if (e["n"], e["k"]) == (n, k)), f"{n}x{k}")
+            entry = {"type": t, "shape": name, "n": n, "k": k}
             entries.append(entry)
         old = entry.get("config")
         if old is not None and not old.get("lanes"):

@@ -174,6 +174,7 @@ def test_a_sweep_folds_into_the_tuning_table() -> None:
     table = {"entries": [
         {"type": "Q4_K", "shape": "qo", "n": 4096, "k": 4096, "us": 8.7, "config": rows_cfg},
         {"type": "Q6_K", "shape": "kv", "n": 1024, "k": 4096, "us": 5.5, "config": rows_cfg},
+        {"type": "Q4_K", "shape": "down", "n": 4096, "k": 14336, "us": 18.0, "config": rows_cfg},
     ]}  # fmt: skip
 
     def cell(us: float) -> dict:
@@ -188,7 +189,7 @@ def test_a_sweep_folds_into_the_tuning_table() -> None:
     ]}  # fmt: skip
     notes = mod.fold(table, sweep, "today")
     assert len(notes) == 3
-    qo, kv, down = table["entries"]
+    qo, kv, _, down = table["entries"]  # a new entry named as the table names its shape
     assert qo["config"]["lanes"] == 1 and qo["config"]["bn"] == 4 and qo["us"] == 4.4
     assert qo["fallback"] == rows_cfg and qo["fallback_us"] == 8.7
     assert kv["config"] == rows_cfg and "fallback" not in kv
