@@ -15,17 +15,19 @@ types (qo, kv, qk, qkv, gateup2, down, lmhead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
+from hetero.kernels.streamk import lanes_config as lanes_spec
+
 
 def lanes_config(name: str) -> dict:
-    """'lanesR/CPL/WK[/CTAS]' -> the table's config dict (programmatic launches on; CTAS:
-    persistent programs an SM)."""
-    r, cpl, wk, *ctas = (int(v) for v in name.removeprefix("lanes").split("/"))
-    return {"bn": r, "step": 256, "ctas_per_sm": sum(ctas), "warps": wk, "int_dot": True,
-            "pdl": True, "rows": False, "maxnreg": 0, "lanes": cpl}  # fmt: skip
+    """'lanesR/CPL/WK[/CTAS]' -> the table's config dict (streamk.lanes_config's fields)."""
+    cfg = dataclasses.asdict(lanes_spec(name.removeprefix("lanes")))
+    cfg.pop("fallback")  # the entry's own key
+    return cfg
 
 
 def fold(table: dict, sweep: dict, when: str) -> list[str]:

@@ -59,9 +59,7 @@ def paths(t: int, pw) -> dict:
         if cfg is not None and sk._int_layout(pw, cfg) is not None:
             out["sk"] = _pre_quantized(pw, cfg)
         for spec in LANES if sk.lanes_take(pw) else []:
-            r, cpl, wk, *ctas = (int(v) for v in spec.split("/"))  # ctas: persistent
-            cfg = sk.StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True, ctas_per_sm=sum(ctas))
-            out[f"lanes{spec}"] = _pre_quantized(pw, cfg)
+            out[f"lanes{spec}"] = _pre_quantized(pw, sk.lanes_config(spec))
     if 2 <= t <= 16:
         out["tokens"] = tq.qgemv_tokens
     if t >= 2:

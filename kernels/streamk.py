@@ -249,9 +249,15 @@ def _lanes_default() -> StreamKConfig | bool | None:
     if not spec:
         return None
     try:
-        r, cpl, wk, *ctas = (int(v) for v in spec.split("/"))
+        return lanes_config(spec)
     except ValueError:
         raise ValueError(f"HETERO_GEMV_LANES={spec!r}: give R/CPL/WK[/CTAS] or 0") from None
+
+
+def lanes_config(spec: str) -> StreamKConfig:
+    """ "R/CPL/WK[/CTAS]" -> that lanes config, with programmatic launches (CTAS: persistent
+    programs an SM, else a program a row block)."""
+    r, cpl, wk, *ctas = (int(v) for v in spec.split("/"))
     return StreamKConfig(bn=r, lanes=cpl, warps=wk, pdl=True, ctas_per_sm=sum(ctas))
 
 
