@@ -1,11 +1,19 @@
 """Triton paged decode attention and KV write on the GPU: time per call against copy bandwidth.
 
     python benchmarks/gpu_paged.py [--batches 1,8,64] [--contexts 512,4096] [--kv fp8,fp16]
+        [--max-len 8192] [--variants all] [--min-splits 64]
 
 Llama-3-8B attention (32 query heads over 8 KV heads, D = 128, blocks of 16), one layer. Decode
 reads each sequence's K and V once (plus fp8 scales): GB/s = those bytes / time, as a fraction of
-the device-to-device copy bandwidth measured in the same run. Calls replay from a CUDA graph
-(device time, not launch overhead). The fused KV write of the step's new tokens is timed too.
+the device-to-device copy bandwidth measured in the same run. Calls replay from a CUDA graph, 32
+in a row as a step's layers run them (device time and the gaps between launches, not the host's
+launch overhead). The fused KV write of the step's new tokens is timed too.
+
+--max-len sizes the grid as a CUDA graph captured for that context does (the engine's graphs
+take the model's context; default: each row's own). --variants: "merge" (the default path:
+fp8 by the conversion instruction where the GPU has it, the splits merged in the decode
+kernel), "reduce" (merged by the reduce kernel after it), "int" (fp8 decoded with integers, as
+sm_80/86 do), "int-reduce"; "all" for the four. --min-splits: the fewest keys a split takes.
 """
 
 from __future__ import annotations
@@ -50,17 +58,38 @@ def kv_bytes(batch: int, ctx: int, kv_dtype: str) -> int:
     return 2 * batch * ctx * KV * per
 
 
-def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float) -> str:
+VARIANTS = {
+    "merge": (True, True),
+    "reduce": (True, False),
+    "int": (False, True),
+    "int-reduce": (False, False),
+}  # (fp8 by the instruction, merged in the kernel)
+
+
+def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float, max_len: int, variant: str,
+        min_split: int) -> str:  # fmt: skip
     q, caches, meta = setup(batch, ctx, kv_dtype)
+    meta.max_seq_len = max_len or ctx
+    hw, merge = VARIANTS[variant]
     scale = D**-0.5
-    sec = graph_time([lambda: tp.paged_decode(q, *caches, meta, scale)], 50)
+    saved = tp.hw_fp8, tp.MIN_SPLIT
+    tp.hw_fp8 = lambda device: hw and saved[0](device)
+    tp.MIN_SPLIT = min_split
+    try:
+        call = lambda: tp.paged_decode(q, *caches, meta, scale, merge=merge)  # noqa: E731
+        sec = graph_time([call] * 32, 50)
+    finally:
+        tp.hw_fp8, tp.MIN_SPLIT = saved
     gbs = kv_bytes(batch, ctx, kv_dtype) / sec / 1e9
     k_new = torch.randn(batch, KV, D, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(batch, device="cuda") * BS
-    wsec = graph_time([lambda: tp.kv_write_triton(*caches, slots, k_new, k_new)], 50)
+    wsec = graph_time([lambda: tp.kv_write_triton(*caches, slots, k_new, k_new)] * 32, 50)
+    grid = tp.decode_splits(batch, KV, meta.max_seq_len, torch.cuda.get_device_properties(0)
+                            .multi_processor_count)  # fmt: skip
     return (
-        f"{kv_dtype:4s} B={batch:3d} ctx={ctx:5d}: decode {sec * 1e6:8.1f} us, {gbs:7.0f} GB/s "
-        f"({gbs / copy_gbs:4.0%} of copy); kv write {wsec * 1e6:6.1f} us"
+        f"{kv_dtype:4s} B={batch:3d} ctx={ctx:5d} grid splits {grid:2d} min {min_split:3d} "
+        f"{variant:10s}: decode {sec * 1e6:8.2f} us, {gbs:7.0f} GB/s ({gbs / copy_gbs:4.0%} of "
+        f"copy); kv write {wsec * 1e6:6.2f} us"
     )
 
 
@@ -69,13 +98,19 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--kv", default="fp8,fp16")
+    ap.add_argument("--max-len", type=int, default=0)
+    ap.add_argument("--variants", default="merge")
+    ap.add_argument("--min-splits", default=str(tp.MIN_SPLIT))
     args = ap.parse_args()
+    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     copy_gbs = copy_bandwidth()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; {H} heads over {KV}, D {D}, blocks of {BS}")
     for kv_dtype in args.kv.split(","):
         for ctx in (int(c) for c in args.contexts.split(",")):
             for b in (int(x) for x in args.batches.split(",")):
-                print(row(b, ctx, kv_dtype, copy_gbs))
+                for v in variants:
+                    for ms in (int(m) for m in args.min_splits.split(",")):
+                        print(row(b, ctx, kv_dtype, copy_gbs, args.max_len, v, ms), flush=True)
 
 
 if __name__ == "__main__":

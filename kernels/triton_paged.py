@@ -14,8 +14,9 @@ new values in the same tensors). A meta without block_tables goes to the referen
 
 Decode (every sequence one query) is flash-decoding: the context is cut into splits, one program
 per (sequence, KV head, split) over all G = H / KV query heads of that KV head (GQA: each K/V tile
-is read once for the group), then a reduce kernel merges the splits. Prefill is one program per
-(query tile, sequence, head) walking the sequence's pages causally.
+is read once for the group), and the last split of each to finish merges them (one launch a
+layer; a short context takes fewer splits than the grid has, one split writes its output itself).
+Prefill is one program per (query tile, sequence, head) walking the sequence's pages causally.
 
 FP8 caches are read and written as uint8 with integer e4m3 conversion (triton_paged_kernels), so
 the kernels need no fp8 hardware: any device of compute capability >= 8.0 runs them.
@@ -24,6 +25,7 @@ the kernels need no fp8 hardware: any device of compute capability >= 8.0 runs t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -32,10 +34,11 @@ from hetero.kernels.paged import FP8, paged_attention_ref
 from hetero.kernels.paged_sinks import paged_attention_sinks_ref
 from hetero.kernels.pdl import pdl_launch
 from hetero.kernels.registry import register
-from hetero.kernels.triton_qmatmul import _sm_count, triton_supported
+from hetero.kernels.triton_qmatmul import _counters, _sm_count, triton_supported
 
 DECODE_BN = 32  # keys a decode loop step
-MIN_SPLIT = 128  # shortest context a decode split takes: shorter splits cost more to merge
+MIN_SPLIT = 64  # fewest keys a decode split takes (each sequence's own, in the kernel)
+MERGE_SPLITS = 8  # splits a merge loads at once
 _CTAS_PER_SM = 2
 PREFILL_BM, PREFILL_BN = 64, 32
 
@@ -75,19 +78,43 @@ def kv_write_triton(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
 
 
 def decode_splits(batch: int, kv: int, max_len: int, sm_count: int) -> int:
-    """Splits a sequence's context is cut into: enough programs to fill the SMs, each split at
-    least MIN_SPLIT of the longest context long. Depends on shapes and max_len only, so a CUDA
-    graph (max_len = its longest context) keeps one grid."""
+    """The decode grid's splits: enough programs to fill the SMs, each split at least MIN_SPLIT
+    of the longest context long. Depends on shapes and max_len only, so a CUDA graph (max_len =
+    its longest context) keeps one grid; each sequence takes as many of them as its own length
+    gives (at least MIN_SPLIT keys a split), the rest return at once."""
     want = max(1, (_CTAS_PER_SM * sm_count) // max(1, batch * kv))
     return max(1, min(want, -(-max_len // MIN_SPLIT)))
 
 
+@functools.cache
+def hw_fp8(device: torch.device) -> bool:
+    """Whether the attention kernels decode fp8 codes by the GPU's conversion instruction (CUDA
+    sm_89+; under the interpreter too, which converts them itself), else with integers."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _cache_args(q, k_cache, v_cache, k_scale, v_scale) -> tuple[list, dict[str, Any]]:
+    """The caches as the attention kernels take them (fp8 as uint8, a 16-bit cache's scales
+    unused) and the constexprs of their dtypes: FP8, HW, DT, IEEE."""
+    kc, vc = _bits(k_cache), _bits(v_cache)
+    fp8 = k_cache.dtype == FP8
+    consts = dict(
+        FP8=fp8, HW=fp8 and hw_fp8(q.device), DT=_kernels().tile_dtype(q.dtype, fp8),
+        IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    return [kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc], consts
+
+
 def paged_decode(
-    q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None, window=0, sinks=None
+    q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None, window=0, sinks=None,
+    merge=True,
 ):  # fmt: skip
     """q [B, H, D], one query a sequence -> [B, H, D]. n_splits: tests force it; by default
     decode_splits picks it from the shapes and meta.max_seq_len (the window, when shorter).
-    window, sinks: kernels/paged_sinks.py."""
+    window, sinks: kernels/paged_sinks.py. One launch: with several splits the last of each
+    KV head's merges them (merge=False: a reduce kernel after, as the benchmarks compare)."""
     b, h, d = q.shape
     kv = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -95,22 +122,26 @@ def paged_decode(
         return out
     longest = max(1, int(meta.max_seq_len) if not window else min(window, int(meta.max_seq_len)))
     n = n_splits or decode_splits(b, kv, longest, _sm_count(q.device))
-    kc, vc = _bits(k_cache), _bits(v_cache)
-    fp8 = k_cache.dtype == FP8
-    part_o = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
+    caches, consts = _cache_args(q, k_cache, v_cache, k_scale, v_scale)
+    part_o = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)  # (one split: unused)
     part_ml = torch.empty(b, h, n, 2, dtype=torch.float32, device=q.device)
+    cnt = _counters(q.device, b * kv)
     bt = meta.block_tables
     kern = _kernels()
+    sink_ptr = q if sinks is None else sinks
     kern.decode_split_kernel[(b, kv, n)](
-        q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens, part_o,
-        part_ml, scale, q.stride(0), q.stride(1), bt.stride(0), n, window,
-        H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d), BS=meta.block_size,
-        BN=DECODE_BN, FP8=fp8, IEEE=q.dtype == torch.float32, **pdl_launch(q),
+        q, *caches, bt, meta.seq_lens, part_o, part_ml, out, sink_ptr, cnt, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), n, MIN_SPLIT,
+        window, H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d),
+        BS=meta.block_size, BN=DECODE_BN, SINKS=sinks is not None, MERGE=merge,
+        BH=_pow2(h // kv), MC=MERGE_SPLITS, **consts, **pdl_launch(q),
     )  # fmt: skip
-    kern.decode_reduce_kernel[(b, h)](
-        part_o, part_ml, out, q if sinks is None else sinks, out.stride(0), out.stride(1), n,
-        H=h, D=d, BD=_pow2(d), BSP=_pow2(n), SINKS=sinks is not None, **pdl_launch(q),
-    )  # fmt: skip
+    if n > 1 and not merge:
+        kern.decode_reduce_kernel[(b, h)](
+            part_o, part_ml, out, sink_ptr, meta.seq_lens, out.stride(0), out.stride(1), n,
+            MIN_SPLIT, window, H=h, D=d, BD=_pow2(d), BN=DECODE_BN, MC=MERGE_SPLITS,
+            SINKS=sinks is not None, **pdl_launch(q),
+        )  # fmt: skip
     return out
 
 
@@ -125,16 +156,14 @@ def paged_prefill(
     if t == 0 or b == 0:
         return out
     bm, bn = bm or PREFILL_BM, bn or PREFILL_BN
-    kc, vc = _bits(k_cache), _bits(v_cache)
-    fp8 = k_cache.dtype == FP8
+    caches, consts = _cache_args(q, k_cache, v_cache, k_scale, v_scale)
     bt = meta.block_tables
     grid = (-(-int(meta.max_q_len) // bm), b, h)
     _kernels().prefill_kernel[grid](
-        q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, meta.seq_lens,
-        meta.q_start_loc, out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        bt.stride(0), window, q if sinks is None else sinks,
-        KV=kv, G=h // kv, D=d, BD=_pow2(d), BS=meta.block_size, BM=bm, BN=bn, FP8=fp8,
-        IEEE=q.dtype == torch.float32, SINKS=sinks is not None,
+        q, *caches, bt, meta.seq_lens, meta.q_start_loc, out, scale, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), bt.stride(0), window, q if sinks is None else sinks,
+        KV=kv, G=h // kv, D=d, BD=_pow2(d), BS=meta.block_size, BM=bm, BN=bn,
+        SINKS=sinks is not None, **consts,
     )  # fmt: skip
     return out
 
@@ -153,16 +182,14 @@ def paged_rows(
     )
     if b == 0:
         return out
-    kc, vc = _bits(k_cache), _bits(v_cache)
-    fp8 = k_cache.dtype == FP8
+    caches, consts = _cache_args(q, k_cache, v_cache, k_scale, v_scale)
     kv = k_cache.shape[1]
     bt = meta.block_tables
     _kernels().row_tile_kernel[(-(-b // tiles.rows), h)](
-        q, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, bt, tiles.tile_lens, out,
-        scale, b, q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
-        window, q if sinks is None else sinks,
+        q, *caches, bt, tiles.tile_lens, out, scale, b, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), bt.stride(0), window, q if sinks is None else sinks,
         KV=kv, G=h // kv, D=d, BD=_pow2(d), BS=meta.block_size, BM=tiles.rows,
-        BN=bn or PREFILL_BN, FP8=fp8, IEEE=q.dtype == torch.float32, SINKS=sinks is not None,
+        BN=bn or PREFILL_BN, SINKS=sinks is not None, **consts,
     )  # fmt: skip
     return out
 

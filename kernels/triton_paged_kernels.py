@@ -4,12 +4,15 @@ Imported on first use only (it imports triton); the wrappers and registrations a
 kernels/triton_paged.py. Cache layout as kernels/paged.py draws it: k/v [num_slots, KV, D], slot =
 block * BS + offset, fp8 scales [num_slots, KV] float32.
 
-FP8 e4m3 is read and written as uint8 bits with integer arithmetic, so the same kernels run on
-sm_80 (no fp8 type), sm_89/90 and under the interpreter:
+FP8 e4m3 is stored and loaded as uint8 bits, so the same kernels run on sm_80 (no fp8 type),
+sm_89+ and under the interpreter. The attention decodes a tile's codes by the conversion
+instruction where the GPU has one (HW: sm_89+, `cvt.rn.f16x2.e4m3x2`), else with integers; the
+write encodes with integers (bit for bit torch's rounding):
 
     e4m3fn   s eeee mmm        bias 7, no inf, 0x7f/0xff NaN, subnormals m/8 * 2^-6
     decode   s -> bit 15, eeee mmm -> bits 13..7 of a float16, times 2^(15-7): exact, subnormals
-             included (an e4m3 subnormal lands on a float16 subnormal of the same value).
+             included (an e4m3 subnormal lands on a float16 subnormal of the same value); the
+             2^8 joins the row's scale, applied to the scores and probabilities (`_kv_tile`).
     encode   round to nearest even as torch's .to(float8_e4m3fn): normals from the float32 bits
              (add 0x7ffff + lsb, shift out 20 mantissa bits, rebias the exponent: a carry rolls
              into the exponent), subnormals (|v| < 2^-6) by rounding |v| * 2^9 to an integer
@@ -26,12 +29,14 @@ from hetero.kernels.triton_pdl import pdl_wait
 FP8_MAX = tl.constexpr(448.0)  # a global a jitted kernel reads must be constexpr
 
 
-@triton.jit
-def fp8_decode(u):
-    """uint8 e4m3fn bits (any int type) -> float32 values."""
-    u = u.to(tl.int32)
-    bits = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+def tile_dtype(q_dtype, fp8: bool):
+    """The attention kernels' DT (`_kv_tile`): the dtype their K / V tiles take for the dots,
+    float32 for float32 q, float16 for fp8 codes, else q's own."""
+    import torch
+
+    if q_dtype == torch.float32:
+        return tl.float32
+    return tl.float16 if fp8 or q_dtype == torch.float16 else tl.bfloat16
 
 
 @triton.jit
@@ -83,18 +88,45 @@ def kv_write_kernel(
 
 
 @triton.jit
-def _load_kv(
+def _kv_tile(
     cache, scale_ptr, slot, h, pm,
-    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FP8: tl.constexpr,
+    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FP8: tl.constexpr, HW: tl.constexpr,
+    DT: tl.constexpr,
 ):  # fmt: skip
-    """Rows `slot` [BN] of head h -> [BN, BD] float32 (masked rows and dims are 0)."""
+    """Rows `slot` [BN] of head h as (tile [BN, BD] of DT, scale [BN] float32): the rows' values
+    are tile * scale[:, None] (masked rows and dims are 0; scale 1 without fp8). An fp8 tile is
+    its codes' values unscaled, exact in float16: by the conversion instruction (HW, sm_89+) or
+    as float16 bits from integer operations, which hold the value / 256 (the scale takes the
+    256). The scale is applied to the tile's scores and probabilities, [M, BN] products, where
+    it was [BN, BD] products a tile."""
     d = tl.arange(0, BD)
     m = pm[:, None] & (d[None, :] < D)
     x = tl.load(cache + (slot[:, None] * KV + h) * D + d[None, :], mask=m, other=0)
     if FP8:
         s = tl.load(scale_ptr + slot * KV + h, mask=pm, other=0.0)
-        return fp8_decode(x) * s[:, None]
-    return x.to(tl.float32)
+        if HW:
+            return x.to(tl.float8e4nv, bitcast=True).to(DT), s
+        u = x.to(tl.int32)
+        bits = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(DT), s * 256.0
+    return x.to(DT), tl.where(pm, 1.0, 0.0)
+
+
+@triton.jit
+def _q_operand(qv, FP8: tl.constexpr, IEEE: tl.constexpr):
+    """(q as the dots' operand, its row scale [M] float32). Against fp8 tiles (float16) the
+    rows of a 16-bit q go to float16 divided by a power of two at most their largest |q| (exact
+    for bf16 values within 2^-24 of it: float16's range does not hold bf16's); float32 q
+    (IEEE) and the 16-bit caches' tiles take q as it is."""
+    qs = tl.full([qv.shape[0]], 1.0, tl.float32)
+    if FP8:
+        if not IEEE:
+            qf = qv.to(tl.float32)
+            big = tl.max(tl.abs(qf), axis=1)
+            p2 = (big.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            qs = tl.where(p2 > 0, p2, 1.0)  # a row of zeros (padding) or subnormals: as it is
+            qv = (qf * (1.0 / qs)[:, None]).to(tl.float16)
+    return qv, qs
 
 
 @triton.jit
@@ -111,18 +143,23 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr):
-    """One key tile of flash attention: q [M, BD], k/v [BN, BD], keep [M, BN]; running max
+def _online_softmax(qv, qs, kt, ks, vt, vs, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key tile of flash attention: q [M, BD] with its row scales qs [M] (`_q_operand`),
+    k/v [BN, BD] with their row scales ks / vs [BN] (`_kv_tile`), keep [M, BN]; running max
     m_i [M], sum l_i [M] and unnormalized output acc [M, BD] in float32, updated. A row that
-    has kept no key yet (a sliding window starts past the tile) keeps m_i = -inf, l_i = 0."""
-    sc = _dot(qv, tl.trans(kt), IEEE) * scale  # [M, BN]
+    has kept no key yet (a sliding window starts past the tile) keeps m_i = -inf, l_i = 0.
+    The probabilities meet V's scales before the dot, divided by the tile's largest (so they
+    stay in [0, 1], V's dtype holding them), which multiplies the product."""
+    sc = _dot(qv, tl.trans(kt), IEEE) * (qs * scale)[:, None] * ks[None, :]  # [M, BN]
     sc = tl.where(keep, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(-inf - 0) = 0, never NaN
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(qv.dtype), vt, IEEE)
+    vmax = tl.max(vs, axis=0)
+    pv = p * (vs * tl.where(vmax > 0, 1.0 / vmax, 0.0))[None, :]
+    acc = acc * alpha[:, None] + _dot(pv.to(vt.dtype), vt, IEEE) * vmax
     return m_new, l_i, acc
 
 
@@ -134,28 +171,47 @@ def _window_start(first_limit, window, BN: tl.constexpr):
 
 
 @triton.jit
+def _keys(
+    qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi, limit, first,
+    scale,
+    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    FP8: tl.constexpr, HW: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Flash attention's (m, l, acc) [M], [M], [M, BD] of query rows qv [M, BD] over keys
+    lo .. hi - 1 of sequence b's pages (KV head h), row i seeing keys first[i] .. limit[i] - 1.
+    """
+    m_i = tl.full([qv.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([qv.shape[0]], tl.float32)
+    acc = tl.zeros([qv.shape[0], BD], tl.float32)
+    qv, qs = _q_operand(qv, FP8, IEEE)
+    for n0 in range(lo, hi, BN):
+        pos = n0 + tl.arange(0, BN)
+        pm = pos < hi
+        slot = _slots(block_tables, b, stride_bt, pos, pm, BS)
+        kt, ks = _kv_tile(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8, HW, DT)
+        vt, vs = _kv_tile(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8, HW, DT)
+        keep = pm[None, :] & (pos[None, :] < limit[:, None]) & (pos[None, :] >= first[:, None])
+        m_i, l_i, acc = _online_softmax(qv, qs, kt, ks, vt, vs, keep, scale, m_i, l_i, acc, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attend(
     qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi, limit,
     window, sink, scale,
     KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr,
+    FP8: tl.constexpr, HW: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     """softmax(q K^T) V [M, BD] of query rows qv [M, BD] over keys lo .. hi - 1 of sequence b's
     pages (KV head h), row i seeing the keys below limit[i] (causal: its position + 1) and, with
     window > 0, from limit[i] - window on. SINKS: sink [M] joins each row's softmax without a
     value (kernels/paged_sinks.py). A row that sees no key gives 0."""
-    m_i = tl.full([qv.shape[0]], float("-inf"), tl.float32)
-    l_i = tl.zeros([qv.shape[0]], tl.float32)
-    acc = tl.zeros([qv.shape[0], BD], tl.float32)
     first = tl.where(window > 0, limit - window, -1)  # [M]: keys below it are out of the window
-    for n0 in range(lo, hi, BN):
-        pos = n0 + tl.arange(0, BN)
-        pm = pos < hi
-        slot = _slots(block_tables, b, stride_bt, pos, pm, BS)
-        kt = _load_kv(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        vt = _load_kv(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        keep = pm[None, :] & (pos[None, :] < limit[:, None]) & (pos[None, :] >= first[:, None])
-        m_i, l_i, acc = _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE)
+    m_i, l_i, acc = _keys(
+        qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi, limit,
+        first, scale, KV, D, BD, BS, BN, FP8, HW, DT, IEEE,
+    )  # fmt: skip
     if SINKS:  # exp(sink - m_i) joins the sum; a row without keys: exp(+inf) -> 0 output
         l_i = l_i + tl.exp(sink - m_i)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -170,24 +226,39 @@ def _sink_of(sinks, hq, BM: tl.constexpr, SINKS: tl.constexpr):
 
 
 @triton.jit
+def _splits_of(length, lo, n_splits, min_split, BN: tl.constexpr):
+    """(splits, keys a split) of a sequence whose keys are lo .. length - 1: at most n_splits
+    (the grid's), at least min_split keys each, whole BN tiles. At least one split (a length
+    of 0 gives one empty split: m = -inf, l = 0, output 0)."""
+    n = tl.maximum(tl.minimum(n_splits, tl.cdiv(length - lo, min_split)), 1)
+    return n, tl.cdiv(tl.cdiv(length - lo, n), BN) * BN
+
+
+@triton.jit
 def decode_split_kernel(
-    q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part_o, part_ml,
-    scale, stride_qt, stride_qh, stride_bt, n_splits, window,
+    q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part_o, part_ml, out, sinks,
+    cnt, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, n_splits, min_split,
+    window,
     H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
     BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
-    IEEE: tl.constexpr,
+    HW: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr,
+    MERGE: tl.constexpr, BH: tl.constexpr, MC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (B, KV, splits): the G query heads of KV head h over split s of the sequence's
-    context. Each sequence cuts its own length into n_splits runs of whole BN tiles (so a graph
-    captured for the longest context splits a short one as finely; splits past the end stay
-    empty: m = -inf, l = 0).
+    """Grid (B, KV, n_splits): the G query heads of KV head h over split s of the sequence's
+    context. Each sequence cuts its own keys into its own number of splits (`_splits_of`: a
+    graph is captured with the grid of its longest context, and a short context takes fewer
+    splits, at least min_split keys each); the grid's splits past them return at once.
 
-    Flash-decoding: each split keeps a running max m, sum l and unnormalized output acc; it
-    stores acc [BG, D] and (m, l) to part_o [B, H, splits, D], part_ml [B, H, splits, 2] for
-    decode_reduce_kernel. The G heads share each K/V tile (GQA): q is [BG, D] (BG >= 16, padded
-    rows 0) so both products are tensor-core dots. With a sliding window (window > 0) the splits
-    cut the window's keys, length - window .. length - 1, instead of the whole context.
+    Flash-decoding: each split keeps a running max m, sum l and unnormalized output acc. A
+    sequence of one split writes softmax(qK) V to out itself. Else each split stores acc
+    [G, D] and (m, l) to part_o [B, H, n_splits, D], part_ml [B, H, n_splits, 2], and with
+    MERGE the last of the sequence's splits to finish (a counter a KV head, `cnt`, reset by
+    it) merges them into out (`_merge`): one launch; without MERGE decode_reduce_kernel does.
+    The G heads share each K/V tile (GQA): q is [BG, D] (BG >= 16, padded rows 0) so both
+    products are tensor-core dots. With a sliding window (window > 0) the splits cut the
+    window's keys, length - window .. length - 1, instead of the whole context. SINKS: head
+    hq's sink logit (sinks [H] float32) joins each softmax's sum.
     """
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -195,64 +266,110 @@ def decode_split_kernel(
     s = tl.program_id(2)
     length = tl.load(seq_lens + b)
     lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
-    split_len = tl.cdiv(tl.cdiv(length - lo, n_splits), BN) * BN
-    start = lo + s * split_len
-    end = tl.minimum(start + split_len, length)
-    g = tl.arange(0, BG)
+    n, split_len = _splits_of(length, lo, n_splits, min_split, BN)
+    if s < n:
+        start = lo + s * split_len
+        end = tl.minimum(start + split_len, length)
+        g = tl.arange(0, BG)
+        d = tl.arange(0, BD)
+        gm = g < G
+        qm = gm[:, None] & (d[None, :] < D)
+        # masked lanes must be 0: a padded dim of q meets a 0 of k, a padded head row is dropped
+        qv = tl.load(q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qm,
+                     other=0.0)  # fmt: skip
+        m_i, l_i, acc = _keys(
+            qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, start, end,
+            tl.full([BG], end, tl.int32), tl.full([BG], -1, tl.int32), scale,
+            KV, D, BD, BS, BN, FP8, HW, DT, IEEE,
+        )  # fmt: skip
+        hq = h * G + g  # [BG]
+        if n == 1:  # the whole context here: normalize and store
+            if SINKS:
+                l_i = l_i + tl.exp(tl.load(sinks + hq, mask=gm, other=0.0) - m_i)
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            dst = out + b * stride_ot + hq[:, None] * stride_oh + d[None, :]
+            tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
+        else:
+            row = (b * H + hq) * n_splits + s  # [BG]
+            tl.store(part_o + row[:, None] * D + d[None, :], acc, mask=qm)
+            tl.store(part_ml + row * 2, m_i, mask=gm)
+            tl.store(part_ml + row * 2 + 1, l_i, mask=gm)
+            if MERGE:  # every thread's partials stored before one thread bumps the counter
+                tl.debug_barrier()
+                arrived = tl.atomic_add(cnt + b * KV + h, 1, sem="acq_rel", scope="gpu")
+                if arrived == n - 1:
+                    _merge(
+                        part_o, part_ml, out, sinks, b, h * G, n, stride_ot, stride_oh,
+                        n_splits, H, G, BH, D, BD, MC, SINKS,
+                    )  # fmt: skip
+                    tl.atomic_xchg(cnt + b * KV + h, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge(
+    part_o, part_ml, out, sinks, b, h0, n, stride_ot, stride_oh, n_splits,
+    H: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    MC: tl.constexpr, SINKS: tl.constexpr,
+):  # fmt: skip
+    """Query heads h0 .. h0 + NH - 1 of sequence b (BH: NH to a power of two): their first n
+    splits' (m, l, acc) merged into softmax(qK) V and stored to out. The heads' partials load
+    together, MC splits at a time, merged as they come (a running max, as the splits' own
+    loops): one round trip to L2 for up to MC splits (other programs wrote them: the loads
+    skip L1). A sequence without keys gives 0, not NaN."""
+    hh = tl.arange(0, BH)
+    hm = hh < NH
     d = tl.arange(0, BD)
-    gm = g < G
-    qm = gm[:, None] & (d[None, :] < D)
-    # masked lanes must be 0: a padded dim of q meets a 0 of k, a padded head row is dropped
-    qv = tl.load(q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qm,
-                 other=0.0)  # fmt: skip
-    m_i = tl.full([BG], float("-inf"), tl.float32)
-    l_i = tl.zeros([BG], tl.float32)
-    acc = tl.zeros([BG, BD], tl.float32)
-    for n0 in range(start, end, BN):
-        pos = n0 + tl.arange(0, BN)
-        pm = pos < end
-        slot = _slots(block_tables, b, stride_bt, pos, pm, BS)
-        kt = _load_kv(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        vt = _load_kv(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8).to(qv.dtype)
-        keep = pm[None, :] & (g[:, None] >= 0)  # [BG, BN]
-        m_i, l_i, acc = _online_softmax(qv, kt, vt, keep, scale, m_i, l_i, acc, IEEE)
-    row = (b * H + h * G + g) * n_splits + s  # [BG]
-    tl.store(part_o + row[:, None] * D + d[None, :], acc, mask=qm)
-    tl.store(part_ml + row * 2, m_i, mask=gm)
-    tl.store(part_ml + row * 2 + 1, l_i, mask=gm)
+    base = (b * H + h0 + hh) * n_splits  # [BH]
+    m_run = tl.full([BH], float("-inf"), tl.float32)
+    den = tl.zeros([BH], tl.float32)
+    num = tl.zeros([BH, BD], tl.float32)
+    for c in range(0, n, MC):
+        sc = c + tl.arange(0, MC)
+        r = base[:, None] + sc[None, :]  # [BH, MC]
+        sm = hm[:, None] & (sc[None, :] < n)
+        m = tl.load(part_ml + r * 2, mask=sm, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml + r * 2 + 1, mask=sm, other=0.0, cache_modifier=".cg")
+        om = sm[:, :, None] & (d[None, None, :] < D)
+        acc = tl.load(part_o + r[:, :, None] * D + d[None, None, :], mask=om, other=0.0,
+                      cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_use)  # 0 while nothing was kept
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_use[:, None]))  # [BH, MC]
+        den = den * alpha + tl.sum(l_s * w, axis=1)
+        num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], axis=1)
+        m_run = m_new
+    if SINKS:  # the sink joins the sum, both rescaled to the larger of it and the max
+        sink = tl.load(sinks + h0 + hh, mask=hm, other=0.0).to(tl.float32)
+        m_fin = tl.maximum(m_run, sink)
+        f = tl.exp(m_run - m_fin)  # 0 where nothing was kept
+        den = den * f + tl.exp(sink - m_fin)
+        num = num * f[:, None]
+    o = num / tl.where(den > 0, den, 1.0)[:, None]
+    dst = out + b * stride_ot + (h0 + hh)[:, None] * stride_oh + d[None, :]
+    tl.store(dst, o.to(out.dtype.element_ty), mask=hm[:, None] & (d[None, :] < D))
 
 
 @triton.jit
 def decode_reduce_kernel(
-    part_o, part_ml, out, sinks, stride_ot, stride_oh, n_splits,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr, SINKS: tl.constexpr,
+    part_o, part_ml, out, sinks, seq_lens, stride_ot, stride_oh, n_splits, min_split, window,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (B, H): combine the splits' (m, l, acc) into softmax(qK) V; SINKS: head hq's sink
-    logit joins the denominator. A sequence of length 0 (padding) gives 0, not NaN."""
+    """Grid (B, H): a query head's splits (as many as decode_split_kernel cut its sequence
+    into) merged (`_merge`), for decode_split_kernel without MERGE; a sequence of one split was
+    written by it."""
     pdl_wait(PDL)
     b = tl.program_id(0)
-    hq = tl.program_id(1)
-    sp = tl.arange(0, BSP)
-    d = tl.arange(0, BD)
-    sm = sp < n_splits
-    row = (b * H + hq) * n_splits + sp
-    m = tl.load(part_ml + row * 2, mask=sm, other=float("-inf"))
-    l_s = tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
-    m_all = tl.max(m, axis=0)
-    if SINKS:
-        sink = tl.load(sinks + hq).to(tl.float32)
-        m_all = tl.maximum(m_all, sink)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # [BSP]
-    om = sm[:, None] & (d[None, :] < D)
-    acc = tl.load(part_o + row[:, None] * D + d[None, :], mask=om, other=0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l_s * w, axis=0)
-    if SINKS:
-        den += tl.exp(sink - m_all)
-    o = num / tl.where(den > 0, den, 1.0)
-    tl.store(out + b * stride_ot + hq * stride_oh + d, o.to(out.dtype.element_ty), mask=d < D)
+    length = tl.load(seq_lens + b)
+    lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    n, _ = _splits_of(length, lo, n_splits, min_split, BN)
+    if n > 1:
+        _merge(
+            part_o, part_ml, out, sinks, b, tl.program_id(1), n, stride_ot, stride_oh, n_splits,
+            H, 1, 1, D, BD, MC, SINKS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -260,8 +377,8 @@ def prefill_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q_starts, out,
     scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, window, sinks,
     KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-    SINKS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, HW: tl.constexpr,
+    DT: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     """Grid (query tiles, B, H): causal attention of a sequence's new queries (the last q_len of
     its seq_len positions: a cached prefix, then the new tokens, already written) over its pages.
@@ -286,7 +403,7 @@ def prefill_kernel(
     sink = _sink_of(sinks, hq, BM, SINKS)
     o = _attend(
         qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi,
-        pos_q + 1, window, sink, scale, KV, D, BD, BS, BN, FP8, IEEE, SINKS,
+        pos_q + 1, window, sink, scale, KV, D, BD, BS, BN, FP8, HW, DT, IEEE, SINKS,
     )  # fmt: skip
     dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
@@ -297,8 +414,8 @@ def row_tile_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, tile_lens, out,
     scale, n_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, window, sinks,
     KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-    SINKS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, HW: tl.constexpr,
+    DT: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     """Grid (row tiles, H): the one-query rows r0 .. r0 + BM - 1 (r0 = BM * program_id(0)) of a
     CUDA-graph step whose tile_lens > 0 (their context lengths) are consecutive rows of one
@@ -321,7 +438,7 @@ def row_tile_kernel(
     sink = _sink_of(sinks, hq, BM, SINKS)
     o = _attend(
         qv, k_cache, v_cache, k_scale, v_scale, block_tables, r0, stride_bt, h, lo, hi, lens,
-        window, sink, scale, KV, D, BD, BS, BN, FP8, IEEE, SINKS,
+        window, sink, scale, KV, D, BD, BS, BN, FP8, HW, DT, IEEE, SINKS,
     )  # fmt: skip
     dst = out + tok[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=qm)

@@ -65,13 +65,15 @@ def make_step(pool: Pool, ctx_lens: list[int], q_lens: list[int], h: int, dtype,
     return q, meta
 
 
-def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_attention_close(got: torch.Tensor, want: torch.Tensor, values: float = 1.0) -> None:
     """Within the query dtype's rounding: the kernels multiply in it (tensor cores), the
-    reference in float32; both round the output once (bf16: one ulp is 2^-8 relative)."""
+    reference in float32; both round the output once (bf16: one ulp is 2^-8 relative).
+    values: the magnitude of the values averaged (an output that cancels down from them keeps
+    their absolute rounding)."""
     tol = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[got.dtype]
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.isfinite(got).all()
-    excess = (got.float() - want.float()).abs() - tol * (1 + want.float().abs())
+    excess = (got.float() - want.float()).abs() - tol * (values + want.float().abs())
     assert excess.max().item() <= 0, f"max error past the bound by {excess.max().item()}"
 
 
@@ -117,6 +119,44 @@ def test_decode_attention(kv_dtype: str, case: tuple[int, int, int, int]) -> Non
         got = tp.paged_decode(q, *pool.caches(), meta.tensors, d**-0.5, n_splits=4)
         assert_attention_close(got, want)
     assert_attention_close(tp.paged_attention_triton(q, *pool.caches(), meta, d**-0.5), want)
+
+
+@pytest.mark.parametrize("hw", [True, False], ids=["fp8-instruction", "fp8-integers"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fine", [False, True], ids=["splits-of-64", "splits-of-4"])
+def test_decode_paths_and_magnitudes(hw: bool, dtype: torch.dtype, fine: bool, monkeypatch):
+    """fp8 codes decoded by the conversion (sm_89+) or with integers, one split (written
+    directly), several merged by the last split of each KV head (one launch) or by the reduce
+    kernel: all equal the reference, over rows of keys and values whose magnitudes span 1e-6
+    .. 1 and 1e-2 .. 1e4 (their rows' scales meet the scores and probabilities, not the
+    tiles) and queries
+    from 1e-6 to 1e6 (a 16-bit query goes to float16 divided by a power of two; the keys
+    shrink as the queries grow, keeping the softmax's conditioning); the merge's counters are
+    left at 0 for the next launch. fine: splits of 4 keys or more, merged 2 at a time (the
+    97-key row in 8 splits of whole 32-key tiles: 4 of them empty)."""
+    monkeypatch.setattr(tp, "hw_fp8", lambda device: hw)
+    if fine:
+        monkeypatch.setattr(tp, "MIN_SPLIT", 4)
+        monkeypatch.setattr(tp, "MERGE_SPLITS", 2)
+    kv, g, d, bs = 2, 4, 32, 4
+    gen = torch.Generator().manual_seed(5)
+    pool = Pool(64, bs, kv, d, "fp8")
+    ctx = [0, 1, 45, 97]
+    q, meta = make_step(pool, ctx, [1] * len(ctx), kv * g, torch.float32, gen)
+    slots = torch.cat(meta.ctx_slots)
+    mags = torch.logspace(-6, 0, len(slots))[torch.randperm(len(slots), generator=gen)]
+    k = torch.randn(len(slots), kv, d, generator=gen) * mags[:, None, None]
+    v = torch.randn(len(slots), kv, d, generator=gen) * (1e4 * mags.flip(0) ** 0.5)[:, None, None]
+    top = 6e4 if dtype == torch.float16 else 1e6
+    for q_mag in (1e-6, 1.0, top):
+        kv_write_ref(*pool.caches(), slots, (k * 4 / q_mag).to(DEVICE), v.to(DEVICE))
+        qs = (q * q_mag / q.abs().amax(-1, keepdim=True)).to(dtype)
+        want = paged_attention_ref(qs, *pool.caches(), meta, d**-0.5)
+        for n, merge in ((1, True), (3, True), (3, False), (8, True)):
+            got = tp.paged_decode(qs, *pool.caches(), meta.tensors, d**-0.5, n, merge=merge)
+            assert torch.equal(got[0], torch.zeros_like(got[0]))  # length 0
+            assert_attention_close(got[1:], want[1:], values=1e4)
+            assert not tp._counters(DEVICE, 1).any()
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
@@ -200,6 +240,65 @@ def test_registered_with_device_support() -> None:
         assert not impl.supports(torch.device("cpu"))
         if CUDA:
             assert impl.supports(DEVICE) == (torch.cuda.get_device_capability()[0] >= 8)
+
+
+COMPILE = """
+import sys
+import torch
+from tests.support.triton_compile_check import compiling_for
+from hetero.execution.paged_meta import RowTiles, TensorMeta
+from hetero.kernels import triton_paged as tp
+from hetero.kernels.paged import FP8
+tp._sm_count = lambda device: 132
+kv, h, d, bs, b = 8, 32, 128, 16, 4
+for arch in map(int, sys.argv[1].split(",")):
+    tp.hw_fp8 = lambda device: arch >= 89  # what that GPU's caps give
+    for kv_dtype in (FP8, torch.bfloat16):
+        kc = torch.zeros(256 * bs, kv, d, dtype=kv_dtype)
+        sc = torch.ones(256 * bs, kv)
+        caches = (kc, kc.clone(), sc, sc.clone())
+        lens = torch.full((b,), 100, dtype=torch.int32)
+        tm = TensorMeta(torch.zeros(b, 64, dtype=torch.int32), lens,
+                        torch.arange(b + 1, dtype=torch.int32), 1, 1024, bs)
+        q = torch.zeros(b, h, d, dtype=torch.bfloat16)
+        runs = {
+            "decode": lambda: tp.paged_decode(q, *caches, tm, 0.1),
+            "decode_reduce": lambda: tp.paged_decode(q, *caches, tm, 0.1, merge=False),
+            "decode_one": lambda: tp.paged_decode(q, *caches, tm, 0.1, n_splits=1),
+            "prefill": lambda: tp.paged_prefill(q, *caches, tm, 0.1),
+            "rows": lambda: tp.paged_rows(q, *caches, TensorMeta(
+                tm.block_tables, lens, tm.q_start_loc, 1, 1024, bs,
+                RowTiles(lens, lens, 4)), 0.1),
+        }
+        for name, run in runs.items():
+            with compiling_for(arch) as log:
+                run()
+            for (fn, _), c in zip(log.compiled, log.kernels):
+                hw = "cvt.rn.f16x2.e4m3x2" in c.asm["ptx"]
+                print(arch, kv_dtype == FP8, name, fn, hw)
+"""
+
+
+def test_compiles_for_each_architecture() -> None:
+    """Every attention launch compiled for sm_80 .. sm_120 (a process without the
+    interpreter): fp8 tiles decoded by the conversion instruction from sm_89 on, with integers
+    before; the merge in the decode kernel, the reduce kernel only where asked for."""
+    from tests.support.triton_compile_check import compile_in_subprocess
+
+    archs = (80, 89, 90, 120)
+    rows = [line.split() for line in compile_in_subprocess(COMPILE, ",".join(map(str, archs)))
+            .splitlines()]  # fmt: skip
+    kernels = {(run, fn) for _, _, run, fn, _ in rows}
+    assert kernels == {
+        ("decode", "decode_split_kernel"), ("decode_one", "decode_split_kernel"),
+        ("decode_reduce", "decode_split_kernel"), ("decode_reduce", "decode_reduce_kernel"),
+        ("prefill", "prefill_kernel"), ("rows", "decode_split_kernel"),
+        ("rows", "row_tile_kernel"),
+    }  # fmt: skip
+    assert len(rows) == len(archs) * 2 * 7
+    for arch, fp8, _, fn, hw in rows:
+        reads = fn != "decode_reduce_kernel" and fp8 == "True"
+        assert (hw == "True") == (reads and int(arch) >= 89), (arch, fp8, fn, hw)
 
 
 # ----------------------------------------------------------------------------- on the device

@@ -67,7 +67,13 @@ def test_reference_equals_a_plain_softmax():
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
 @pytest.mark.parametrize("use_sinks", [False, True])
-def test_decode(kv_dtype: str, use_sinks: bool):
+@pytest.mark.parametrize("fine", [False, True], ids=["splits-of-64", "splits-of-4"])
+def test_decode(kv_dtype: str, use_sinks: bool, fine: bool, monkeypatch):
+    """fine: splits of 4 keys or more (the 100-key row cut in 3 of 32, 37 of them), merged 2
+    at a time, in the decode kernel and by the reduce kernel."""
+    if fine:
+        monkeypatch.setattr(tp, "MIN_SPLIT", 4)
+        monkeypatch.setattr(tp, "MERGE_SPLITS", 2)
     kv, g, d, bs = 2, 3, 32, 4
     gen = torch.Generator().manual_seed(5 + use_sinks)
     pool = Pool(64, bs, kv, d, kv_dtype)
@@ -75,10 +81,12 @@ def test_decode(kv_dtype: str, use_sinks: bool):
     sinks = sinks_for(kv * g, use_sinks, gen)
     for window in WINDOWS:
         want = paged_attention_sinks_ref(q, *pool.caches(), meta, d**-0.5, window, sinks)
-        got = tp.paged_decode(
-            q, *pool.caches(), meta.tensors, d**-0.5, n_splits=3, window=window, sinks=sinks
-        )
-        assert_attention_close(got, want)
+        for merge in (True, False):
+            got = tp.paged_decode(
+                q, *pool.caches(), meta.tensors, d**-0.5, n_splits=3, window=window,
+                sinks=sinks, merge=merge,
+            )  # fmt: skip
+            assert_attention_close(got, want)
     entry = tp.paged_attention_sinks_triton(q, *pool.caches(), meta, d**-0.5, 5, sinks)
     assert_attention_close(
         entry, paged_attention_sinks_ref(q, *pool.caches(), meta, d**-0.5, 5, sinks)
