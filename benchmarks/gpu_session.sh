@@ -55,6 +55,9 @@
 #            streams, then the peer's llama-batched-bench and llama-bench on the same files
 #   densegluon the Gluon MoE kernel as a dense batched matmul (W one expert, gpu_qmicro.py's
 #            gluon8 / gluon16) against qmm at 16, 32, 64 rows: issue 23's 64 streams
+#   attn     the decode attention: its tests, then gpu_paged.py's variants (fp8 by the conversion
+#            instruction or with integers; splits merged in the kernel or by the reduce kernel)
+#            at 1 stream on a graph's grid and at 64 streams
 #   lanes    the Gluon lanes GEMV (one token), in LANES_PARTS: "tests" (its device tests),
 #            "sweep" (the 8B's weights, Q4_K and Q6_K, LANES_CFGS; the arch's GEMV table updated
 #            in place from it and copied to OUTDIR), "rows" (the 8B files' one-stream rows with
@@ -453,6 +456,20 @@ if has densegluon; then  # issue 23's 64 streams: the Gluon blocks with W as one
   stage dense_gluon 300 "$PY" benchmarks/gpu_qmicro.py --types Q4_K,Q6_K --tokens 16,32,64 \
     --json "$OUT/dense_gluon.json"
   grep -E "T= *(16|32|64)" "$OUT/dense_gluon.log" | head -30
+fi
+
+if has attn; then  # the decode attention: its tests compiled here (both fp8 decodes, merged and
+  # reduced splits), then each variant timed (gpu_paged.py: a graph of 32 calls) at 1 stream on a
+  # graph's grid (--max-len 8192) and at 64 streams, splits of at least 32 / 64 / 128 keys
+  stage attn_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged.py \
+    tests/kernels/test_triton_paged_sinks.py
+  tail -1 "$OUT/attn_tests.log"
+  stage attn_1 200 "$PY" benchmarks/gpu_paged.py --batches 1 --contexts 512,4096 --kv fp8 \
+    --max-len 8192 --variants all --min-splits 32,64,128
+  grep -E "^fp8" "$OUT/attn_1.log"
+  stage attn_64 200 "$PY" benchmarks/gpu_paged.py --batches 64 --contexts 512,4096 --kv fp8 \
+    --variants all
+  grep -E "^fp8" "$OUT/attn_64.log"
 fi
 
 if has lanes; then  # the Gluon lanes GEMV, in parts (LANES_PARTS, all three by default; split
