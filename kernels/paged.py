@@ -60,6 +60,17 @@ def kv_read(cache: torch.Tensor, scale: torch.Tensor | None, idx: torch.Tensor, 
     return cache[idx].to(dtype)
 
 
+@register("rope_kv_write", "torch")
+def rope_kv_write_ref(q, k, v, cos, sin, style: str, k_cache, v_cache, k_scale, v_scale, slots):
+    """Rotate q [T, H, D] and k [T, KV, D] (the "rope" op), store the rotated k and v at
+    `slots` (kv_write_ref); returns the rotated q. One launch where a kernel fuses the three
+    (a decode step's rotation and KV write)."""
+    from hetero.kernels.reference import rope_ref
+
+    kv_write_ref(k_cache, v_cache, k_scale, v_scale, slots, rope_ref(k, cos, sin, style), v)
+    return rope_ref(q, cos, sin, style)
+
+
 @register("paged_attention", "torch")
 def paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale: float):
     """Causal attention of each sequence's new queries over its paged context.

@@ -77,6 +77,33 @@ def kv_write_triton(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
     )  # fmt: skip
 
 
+@register("rope_kv_write", "triton", priority=10, supports=triton_supported)
+def rope_kv_write_triton(q, k, v, cos, sin, style: str, k_cache, v_cache, k_scale, v_scale, slots):
+    """rope_kv_write_ref's contract in one launch: q [T, H, D], k and v [T, KV, D] with any row
+    and head strides (views of one q|k|v matmul output), unit stride along D; cos, sin
+    [T, R]. Returns the rotated q [T, H, D]."""
+    if style not in ("normal", "neox"):
+        raise ValueError(f"rope style {style!r} is not one of normal, neox")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    t, h, d = q.shape
+    kv = k.shape[1]
+    r = cos.shape[-1]
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    qo = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return qo
+    ko = torch.empty(t, kv, d, dtype=k.dtype, device=k.device)
+    kc, vc = _bits(k_cache), _bits(v_cache)
+    fp8 = k_cache.dtype == FP8
+    _kernels().rope_kv_write_kernel[(t, h + kv)](
+        q, k, v, cos, sin, qo, ko, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc,
+        slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), h, r, KV=kv, D=d, BD=_pow2(d), BR=_pow2(r), NEOX=style == "neox",
+        FP8=fp8, **pdl_launch(q),
+    )  # fmt: skip
+    return qo
+
+
 def decode_splits(batch: int, kv: int, max_len: int, sm_count: int) -> int:
     """The decode grid's splits: enough programs to fill the SMs, each split at least MIN_SPLIT
     of the longest context long. Depends on shapes and max_len only, so a CUDA graph (max_len =

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hetero.kernels.triton_fused_kernels import _rotate_pairs
 from hetero.kernels.triton_pdl import pdl_wait
 
 FP8_MAX = tl.constexpr(448.0)  # a global a jitted kernel reads must be constexpr
@@ -85,6 +86,42 @@ def kv_write_kernel(
     if slot >= 0:
         _kv_write_one(k, k_cache, k_scale, t, h, slot, sk_t, sk_h, KV, D, BD, FP8)
         _kv_write_one(v, v_cache, v_scale, t, h, slot, sv_t, sv_h, KV, D, BD, FP8)
+
+
+@triton.jit
+def rope_kv_write_kernel(
+    q, k, v, cos, sin, qo, ko, k_cache, v_cache, k_scale, v_scale, slots,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc, H, R,
+    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, NEOX: tl.constexpr,
+    FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (T, H + KV): head j < H of q rotated into qo [T, H, D], or KV head j - H: k's
+    rotated into ko [T, KV, D] (rounded to its dtype, as the rope kernel stores it), then
+    it and v quantized and stored at slots[t] (< 0: skipped) as kv_write_kernel does. The
+    rope kernel's and the KV write's work in one launch, bit for bit theirs."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    d = tl.arange(0, BD)
+    rest = (d >= 2 * R) & (d < D)  # dims past the rotated ones: copied
+    cs, sn = cos + t * sc, sin + t * sc
+    if j < H:
+        src = q + t * sq_t + j * sq_h
+        dst = qo + (t * H + j) * D
+        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
+        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+    else:
+        h = j - H
+        src = k + t * sk_t + h * sk_h
+        dst = ko + (t * KV + h) * D
+        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
+        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+        tl.debug_barrier()  # the rotated row, stored by all threads, read back by all
+        slot = tl.load(slots + t).to(tl.int64)
+        if slot >= 0:
+            _kv_write_one(ko, k_cache, k_scale, t, h, slot, KV * D, D, KV, D, BD, FP8)
+            _kv_write_one(v, v_cache, v_scale, t, h, slot, sv_t, sv_h, KV, D, BD, FP8)
 
 
 @triton.jit

@@ -45,6 +45,8 @@ class PagedAttention:
         self._group = pool.layout.groups if len(self.meta) > 1 else None
         self._attend = select("paged_attention", pool.k.device).fn
         self._native: bool | None = None  # whether native_layer() serves (known at first ask)
+        fused = select("rope_kv_write", pool.k.device)
+        self._rope_write = None if fused.is_reference else fused.fn
 
     def native_layer(self, layer: int):
         """(k_cache, v_cache, new slots, the C attention's arrays, scale) of `layer`, for a kernel
@@ -62,6 +64,17 @@ class PagedAttention:
             return None
         k_cache, v_cache, _, _ = self.pool.layer(i)
         return k_cache, v_cache, slots.contiguous(), flat_meta(meta), self.scale
+
+    def rope_attend(self, layer: int, q, k, v, cos, sin, style: str) -> torch.Tensor | None:
+        """Rotate q and k (the "rope" op's contract), store k and v, attend: the rotation and
+        the KV write in one launch where a kernel fuses them (else None: the caller rotates and
+        calls the backend as usual)."""
+        if self._rope_write is None:
+            return None
+        i = layer - self.first
+        g = 0 if self._group is None else self._group[i]
+        q = self._rope_write(q, k, v, cos, sin, style, *self.pool.layer(i), self.slots[g])
+        return self._attend(q, *self.pool.layer(i), self.meta[g], self.scale)
 
     def __call__(self, layer: int, q, k, v, window: int = 0, sinks=None) -> torch.Tensor:
         i = layer - self.first

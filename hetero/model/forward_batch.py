@@ -25,7 +25,11 @@ class AttentionBackend(Protocol):
         """Store k/v [T, KV, D] of the new tokens, attend q [T, H, D]; returns [T, H, D].
 
         window > 0: each query sees only itself and the window - 1 keys before it; sinks [H]:
-        a logit per head that joins the softmax without a value (kernels/paged_sinks.py)."""
+        a logit per head that joins the softmax without a value (kernels/paged_sinks.py).
+
+        A backend may also have `rope_attend(layer, q, k, v, cos, sin, style)`: q and k not yet
+        rotated, the rotation fused with its KV write (None where it does not fuse them: the
+        model rotates and calls the backend)."""
         ...
 
 

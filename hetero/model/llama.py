@@ -52,8 +52,14 @@ class Attention(nn.Module):
         qkv = self.wqkv(h)  # [T, (H + 2 KV) * D]
         if self.q_norm is None:  # q and k rotate in one call: [T, H + KV, D]
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
-            q, k = rotary(qk, cos, sin).split([cfg.n_heads, cfg.n_kv_heads], dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.n_kv_heads, cfg.head_dim)
+            fused = getattr(batch.attention, "rope_attend", None)  # rotation + KV write: one op
+            if fused is not None:
+                q, k = qk.split([cfg.n_heads, cfg.n_kv_heads], dim=1)
+                o = fused(self.layer, q, k, v, cos, sin, rotary.style)
+                if o is not None:
+                    return self.wo(o.reshape(t, cfg.q_size))
+            q, k = rotary(qk, cos, sin).split([cfg.n_heads, cfg.n_kv_heads], dim=1)
         else:
             q, k, v = self.wqkv.split(qkv)
             q = q.reshape(t, cfg.n_heads, cfg.head_dim)

@@ -16,7 +16,7 @@ from hetero.execution.paged_meta import RowTiles, split_row_tiles, tensor_meta
 from hetero.execution.runner import PagedMeta
 from hetero.kernels import implementations
 from hetero.kernels import triton_paged as tp
-from hetero.kernels.paged import FP8, kv_write_ref, paged_attention_ref
+from hetero.kernels.paged import FP8, kv_write_ref, paged_attention_ref, rope_kv_write_ref
 from tests.support.triton_interp import CUDA, DEVICE, kernels_runnable, rerun_test  # noqa: F401 (autouse)
 
 triton = pytest.importorskip("triton")
@@ -95,6 +95,35 @@ def test_kv_write_matches_reference_bits(kv_dtype: str) -> None:
         if a is not None:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert not tri.k.view(torch.uint8).bool().all(-1).all(-1).all()  # some slots untouched
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
+@pytest.mark.parametrize("style", ["normal", "neox"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kv_write_matches_reference_bits(kv_dtype: str, style: str, dtype) -> None:
+    """The rotation and the KV write in one launch: q, k and v views of one q|k|v row (the
+    matmul's output), every dim rotated or the first 2 x 12 of 40 (the rest copied); the
+    rotated q and the caches' codes and scales equal the reference's (the rope, then the
+    write) bit for bit; a slot of -1 (padding) writes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    t, h, kv, d = 5, 6, 2, 40
+    qkv = (torch.randn(t, (h + 2 * kv) * d, generator=gen) * 3).to(DEVICE, dtype)
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + kv) * d].view(t, kv, d)
+    v = qkv[:, (h + kv) * d :].view(t, kv, d)
+    slots = torch.tensor([7, 2, -1, 30, 11], device=DEVICE)
+    for r in (d // 2, 12):
+        ang = torch.rand(t, r, generator=gen) * 6.3
+        cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+        ref, tri = Pool(8, 4, kv, d, kv_dtype), Pool(8, 4, kv, d, kv_dtype)
+        want = rope_kv_write_ref(q, k, v, cos, sin, style, *ref.caches(), slots)
+        got = tp.rope_kv_write_triton(q, k, v, cos, sin, style, *tri.caches(), slots)
+        assert torch.equal(got, want)
+        for a, b in zip(tri.caches(), ref.caches()):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        written = tri.v.view(torch.uint8).flatten(1).any(-1).nonzero().flatten().tolist()
+        assert written == sorted(s for s in slots.tolist() if s >= 0)
 
 
 CASES = [  # (kv heads, group, head dim, block size)
@@ -235,7 +264,7 @@ def test_padding_rows_give_zeros_and_reference_fallback() -> None:
 
 
 def test_registered_with_device_support() -> None:
-    for op in ("paged_attention", "kv_write"):
+    for op in ("paged_attention", "kv_write", "rope_kv_write"):
         impl = next(i for i in implementations(op) if i.name == "triton")
         assert not impl.supports(torch.device("cpu"))
         if CUDA:
@@ -269,6 +298,9 @@ for arch in map(int, sys.argv[1].split(",")):
             "rows": lambda: tp.paged_rows(q, *caches, TensorMeta(
                 tm.block_tables, lens, tm.q_start_loc, 1, 1024, bs,
                 RowTiles(lens, lens, 4)), 0.1),
+            "rope_write": lambda: tp.rope_kv_write_triton(
+                q, q[:, :kv], q[:, kv:2 * kv], torch.ones(b, d // 2), torch.zeros(b, d // 2),
+                "normal", *caches, torch.arange(b)),
         }
         for name, run in runs.items():
             with compiling_for(arch) as log:
@@ -280,9 +312,10 @@ for arch in map(int, sys.argv[1].split(",")):
 
 
 def test_compiles_for_each_architecture() -> None:
-    """Every attention launch compiled for sm_80 .. sm_120 (a process without the
-    interpreter): fp8 tiles decoded by the conversion instruction from sm_89 on, with integers
-    before; the merge in the decode kernel, the reduce kernel only where asked for."""
+    """Every attention launch (and the rotation fused with the KV write) compiled for sm_80 ..
+    sm_120 (a process without the interpreter): fp8 tiles decoded by the conversion
+    instruction from sm_89 on, with integers before; the merge in the decode kernel, the
+    reduce kernel only where asked for."""
     from tests.support.triton_compile_check import compile_in_subprocess
 
     archs = (80, 89, 90, 120)
@@ -293,11 +326,11 @@ def test_compiles_for_each_architecture() -> None:
         ("decode", "decode_split_kernel"), ("decode_one", "decode_split_kernel"),
         ("decode_reduce", "decode_split_kernel"), ("decode_reduce", "decode_reduce_kernel"),
         ("prefill", "prefill_kernel"), ("rows", "decode_split_kernel"),
-        ("rows", "row_tile_kernel"),
+        ("rows", "row_tile_kernel"), ("rope_write", "rope_kv_write_kernel"),
     }  # fmt: skip
-    assert len(rows) == len(archs) * 2 * 7
+    assert len(rows) == len(archs) * 2 * 8
     for arch, fp8, _, fn, hw in rows:
-        reads = fn != "decode_reduce_kernel" and fp8 == "True"
+        reads = fn not in ("decode_reduce_kernel", "rope_kv_write_kernel") and fp8 == "True"
         assert (hw == "True") == (reads and int(arch) >= 89), (arch, fp8, fn, hw)
 
 
