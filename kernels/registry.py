@@ -37,6 +37,11 @@ class KernelImpl:
     # Optional: (prepared weight, x, residual or None, norm weight, eps) -> (the RMSNorm of
     # x + residual in that form, x + residual) in one launch, or None: the norm before the linear
     quantize_norm: Callable | None = None
+    # Optional: (prepared weight, like [T, K]) -> the layout (xquant.XLayout) in which this
+    # implementation's integer kernel reads x of like's rows and dtype pre-quantized, or None:
+    # for an op that makes x and can quantize it in its own launch (the attention before the
+    # output projection)
+    input_layout: Callable | None = None
 
     @property
     def is_reference(self) -> bool:
@@ -49,7 +54,7 @@ _FORCED: dict[str, str] = {}  # op -> implementation name, while `forcing` is ac
 
 def register(
     op: str, name: str, priority: int = 0, supports=any_device, prepare=None, quantize_input=None,
-    quantize_norm=None,
+    quantize_norm=None, input_layout=None,
 ):  # fmt: skip
     """Decorator: register `fn` as an implementation of `op` (priority 0 marks the reference)."""
 
@@ -60,7 +65,17 @@ def register(
         if priority == 0 and any(i.is_reference for i in impls):
             raise ValueError(f"op {op!r} already has a reference implementation")
         impls.append(
-            KernelImpl(op, name, fn, priority, supports, prepare, quantize_input, quantize_norm)
+            KernelImpl(
+                op,
+                name,
+                fn,
+                priority,
+                supports,
+                prepare,
+                quantize_input,
+                quantize_norm,
+                input_layout,
+            )  # fmt: skip
         )
         impls.sort(key=lambda i: -i.priority)
         return fn

@@ -339,9 +339,18 @@ def quantize_norm(
     return QuantizedRows(words, floats, layout, x.dtype), total
 
 
+def input_layout(qweight: Any, like: torch.Tensor) -> XLayout | None:
+    """The layout in which this weight reads one token of x (like's dtype and device) by
+    integer dot products, pre-quantized by the op that makes x; None where it reads x plain."""
+    if like.shape[0] != 1 or not isinstance(qweight, PackedWeight):
+        return None
+    cfg = choose(qweight, like)
+    return None if cfg is None else _int_layout(qweight, cfg)
+
+
 @register(
     "qlinear", "triton_streamk", priority=15, supports=streamk_supported, prepare=prepare_streamk,
-    quantize_input=quantize_input, quantize_norm=quantize_norm,
+    quantize_input=quantize_input, quantize_norm=quantize_norm, input_layout=input_layout,
 )  # fmt: skip
 def qlinear_streamk(
     x: torch.Tensor, qweight: Any, ggml_type: int, shape: tuple[int, int]

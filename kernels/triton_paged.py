@@ -136,12 +136,14 @@ def _cache_args(q, k_cache, v_cache, k_scale, v_scale) -> tuple[list, dict[str, 
 
 def paged_decode(
     q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None, window=0, sinks=None,
-    merge=True,
+    merge=True, xq=None,
 ):  # fmt: skip
     """q [B, H, D], one query a sequence -> [B, H, D]. n_splits: tests force it; by default
     decode_splits picks it from the shapes and meta.max_seq_len (the window, when shorter).
     window, sinks: kernels/paged_sinks.py. One launch: with several splits the last of each
-    KV head's merges them (merge=False: a reduce kernel after, as the benchmarks compare)."""
+    KV head's merges them (merge=False: a reduce kernel after, as the benchmarks compare).
+    xq (words, floats, layout): the output also quantized into them for an integer GEMV, by
+    the programs that write it (`paged_decode_xquant`)."""
     b, h, d = q.shape
     kv = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -156,10 +158,16 @@ def paged_decode(
     bt = meta.block_tables
     kern = _kernels()
     sink_ptr = q if sinks is None else sinks
+    words, floats = (xq[0], xq[1]) if xq is not None else (cnt, part_o)
+    if xq is not None:
+        if not merge:
+            raise ValueError("the output's quantization is the merging programs' (merge=True)")
+        lay = xq[2]
+        consts.update(XQ=True, LB=lay.low_bits, GU=lay.unit, REGROUP=lay.regroup)
     kern.decode_split_kernel[(b, kv, n)](
-        q, *caches, bt, meta.seq_lens, part_o, part_ml, out, sink_ptr, cnt, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), n, MIN_SPLIT,
-        window, H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d),
+        q, *caches, bt, meta.seq_lens, part_o, part_ml, out, sink_ptr, cnt, words, floats,
+        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), n,
+        MIN_SPLIT, window, H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d),
         BS=meta.block_size, BN=DECODE_BN, SINKS=sinks is not None, MERGE=merge,
         BH=_pow2(h // kv), MC=MERGE_SPLITS, **consts, **pdl_launch(q),
     )  # fmt: skip
@@ -170,6 +178,35 @@ def paged_decode(
             SINKS=sinks is not None, **pdl_launch(q),
         )  # fmt: skip
     return out
+
+
+def xquant_fuses(h: int, kv: int, d: int, layout) -> bool:
+    """Whether the decode kernel quantizes its output in `layout`: a KV head's G * D output
+    elements must be whole chunks (a power of two, for the kernel's tiles)."""
+    span = h // kv * d
+    return span & (span - 1) == 0 and span % max(layout.chunk, 32) == 0
+
+
+@register("paged_attention_xquant", "triton", priority=10, supports=triton_supported)
+def paged_attention_xquant_triton(q, k_cache, v_cache, k_scale, v_scale, meta, scale, layout):
+    """paged_attention_xquant_ref's contract where one launch does it (a decode step of 16-bit
+    q whose head groups are whole chunks of the layout), else None: the caller attends and
+    quantizes as usual."""
+    tm = getattr(meta, "tensors", None)
+    b, h, d = q.shape
+    if (
+        tm is None or tm.tiles is not None or tm.max_q_len != 1 or b != tm.seq_lens.shape[0]
+        or q.dtype == torch.float32 or not xquant_fuses(h, k_cache.shape[1], d, layout)
+    ):  # fmt: skip
+        return None
+    from hetero.kernels.xquant import xquant_buffers
+
+    words, floats = xquant_buffers(b, h * d, layout, q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = paged_decode(
+        q, k_cache, v_cache, k_scale, v_scale, tm, scale, xq=(words, floats, layout)
+    )  # fmt: skip
+    return out, words, floats
 
 
 def paged_prefill(

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from hetero.kernels.triton_fused_kernels import _rotate_pairs
 from hetero.kernels.triton_pdl import pdl_wait
+from hetero.kernels.triton_xquant_kernels import _dot_element, _store_span
 
 FP8_MAX = tl.constexpr(448.0)  # a global a jitted kernel reads must be constexpr
 
@@ -274,12 +275,14 @@ def _splits_of(length, lo, n_splits, min_split, BN: tl.constexpr):
 @triton.jit
 def decode_split_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part_o, part_ml, out, sinks,
-    cnt, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, n_splits, min_split,
-    window,
+    cnt, words, floats, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, n_splits,
+    min_split, window,
     H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
     BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
     HW: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr,
     MERGE: tl.constexpr, BH: tl.constexpr, MC: tl.constexpr,
+    XQ: tl.constexpr = False, LB: tl.constexpr = 4, GU: tl.constexpr = 32,
+    REGROUP: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B, KV, n_splits): the G query heads of KV head h over split s of the sequence's
@@ -295,7 +298,10 @@ def decode_split_kernel(
     The G heads share each K/V tile (GQA): q is [BG, D] (BG >= 16, padded rows 0) so both
     products are tensor-core dots. With a sliding window (window > 0) the splits cut the
     window's keys, length - window .. length - 1, instead of the whole context. SINKS: head
-    hq's sink logit (sinks [H] float32) joins each softmax's sum.
+    hq's sink logit (sinks [H] float32) joins each softmax's sum. XQ (with MERGE): the program
+    that writes a KV head's G output heads also quantizes them for the linear after
+    (`_xquant_heads`: xquant's words and floats in layout LB, GU, REGROUP), so that no launch
+    of its own does.
     """
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -326,6 +332,9 @@ def decode_split_kernel(
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             dst = out + b * stride_ot + hq[:, None] * stride_oh + d[None, :]
             tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
+            if XQ:
+                _xquant_heads(out, words, floats, b, h * G, stride_ot, stride_oh, H, G, D, LB,
+                              GU, REGROUP)  # fmt: skip
         else:
             row = (b * H + hq) * n_splits + s  # [BG]
             tl.store(part_o + row[:, None] * D + d[None, :], acc, mask=qm)
@@ -339,7 +348,29 @@ def decode_split_kernel(
                         part_o, part_ml, out, sinks, b, h * G, n, stride_ot, stride_oh,
                         n_splits, H, G, BH, D, BD, MC, SINKS,
                     )  # fmt: skip
+                    if XQ:
+                        _xquant_heads(out, words, floats, b, h * G, stride_ot, stride_oh, H, G,
+                                      D, LB, GU, REGROUP)  # fmt: skip
                     tl.atomic_xchg(cnt + b * KV + h, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _xquant_heads(
+    out, words, floats, b, h0, stride_ot, stride_oh,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, GU: tl.constexpr,
+    REGROUP: tl.constexpr,
+):  # fmt: skip
+    """Heads h0 .. h0 + G - 1 of out's row b (just stored by this program, read back in the
+    integer dot's order: the values the next linear's own quantization would read) to xquant's
+    words and floats for a row of H * D elements: the G * D elements are whole chunks and
+    blocks of 32 (`paged_decode` checks)."""
+    E: tl.constexpr = 128 // LB
+    SPAN: tl.constexpr = G * D
+    tl.debug_barrier()  # every thread's stores of the heads before any thread reads them
+    idx = tl.arange(0, SPAN)
+    el = (idx // E) * E + _dot_element(idx % E, LB, GU, REGROUP)  # head-group-local element
+    x = tl.load(out + b * stride_ot + (h0 + el // D) * stride_oh + el % D).to(tl.float32)
+    _store_span(x, words, floats, b, h0 * D, H * D, E, GU, SPAN)
 
 
 @triton.jit

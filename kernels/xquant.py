@@ -149,7 +149,7 @@ def xquant(x: torch.Tensor, layout: XLayout) -> tuple[torch.Tensor, torch.Tensor
     t, k = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    words, floats = _buffers(t, k, layout, x.device)
+    words, floats = xquant_buffers(t, k, layout, x.device)
     span = 256 if layout.chunk <= 256 else layout.chunk  # a program: whole chunks and blocks
     xquant_kernel[(t, -(-k // span))](
         x, words, floats, k, x.stride(0),
@@ -159,7 +159,8 @@ def xquant(x: torch.Tensor, layout: XLayout) -> tuple[torch.Tensor, torch.Tensor
     return words, floats
 
 
-def _buffers(t: int, k: int, layout: XLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+def xquant_buffers(t: int, k: int, layout: XLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words, floats) for t rows of K elements in `layout`, unwritten (a kernel fills them)."""
     e = layout.chunk
     if k % e or k % BLOCK:
         raise ValueError(f"K={k} is not a multiple of {max(e, BLOCK)}")
@@ -190,7 +191,7 @@ def add_rms_norm_xquant(
     from hetero.kernels.triton_xquant_kernels import add_rms_norm_xquant_kernel
 
     t, k = x.shape
-    words, floats = _buffers(t, k, layout, x.device)
+    words, floats = xquant_buffers(t, k, layout, x.device)
     total = x if residual is None else torch.empty_like(x)
     res = x if residual is None else residual
     span = 256 if layout.chunk <= 256 else layout.chunk
@@ -228,7 +229,7 @@ def silu_mul_xquant(
     if activation not in ("silu", "swiglu_oai"):
         raise ValueError(f"activation {activation!r} is not one of silu, swiglu_oai")
     t, f = gate.shape
-    words, floats = _buffers(t, f, layout, gate.device)
+    words, floats = xquant_buffers(t, f, layout, gate.device)
     span = 256 if layout.chunk <= 256 else layout.chunk
     gated_xquant_kernel[(t, -(-f // span))](
         gate, up, words, floats, f, gate.stride(0), up.stride(0), OAI_ALPHA, OAI_LIMIT,

@@ -83,7 +83,7 @@ class QuantLinear(nn.Module):
         # never repack.
         impl = select("qlinear", torch.device(rt.device))
         self._qlinear, self._quantize_input = impl.fn, impl.quantize_input
-        self._quantize_norm = impl.quantize_norm
+        self._quantize_norm, self._input_layout = impl.quantize_norm, impl.input_layout
         runs = _same_type_runs(weights) if rt.fuse_linears else [[w] for w in weights]
         parts = []
         for run in runs:
@@ -168,12 +168,13 @@ class QuantLinear(nn.Module):
                 impl, embedding.qweight, embedding.ggml_type, embedding.shape
             )
             self._qlinear, self._quantize_input = impl.fn, impl.quantize_input
-            self._quantize_norm = impl.quantize_norm
+            self._quantize_norm, self._input_layout = impl.quantize_norm, impl.input_layout
         return self
 
     # a big step's matmul on another device (execution/offload.py sets it on a CPU segment)
     offload = None
     _quantize_norm = None  # the kernel's hook for the norm before it (quant mode only)
+    _input_layout = None  # the kernel's layout of pre-quantized x (quant mode only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.mode == "dense":
@@ -201,6 +202,15 @@ class QuantLinear(nn.Module):
             return None
         hook = self._quantize_input
         return None if hook is None else hook(self.qweight, gate, up, activation)
+
+    def input_layout(self, like: torch.Tensor):
+        """The layout (xquant.XLayout) in which this linear's kernel reads x of like's rows and
+        dtype already quantized (the op that makes x quantizing it in its own launch, then
+        handing QuantizedRows), or None where it reads x plain."""
+        hook = self._input_layout
+        if self.mode != "quant" or self.parts is not None or self.offload is not None:
+            return None
+        return None if hook is None else hook(self.qweight, like)
 
     def normed_input(self, x, residual, weight: torch.Tensor, eps: float):
         """(x + residual, rms_norm(x + residual) * weight as this linear's kernel reads it

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from hetero.config import ModelConfig, RuntimeConfig, bind_device
 from hetero.gguf_loader import GGUFModel
 from hetero.kernels import cpu_threads, select
+from hetero.kernels.xquant import QuantizedRows
 from hetero.model.forward_batch import ForwardBatch
 from hetero.model.layers import QuantEmbedding, QuantLinear, RMSNorm, Rotary
 from hetero.model.moe import cpu_expert_layers
@@ -56,7 +57,11 @@ class Attention(nn.Module):
             fused = getattr(batch.attention, "rope_attend", None)  # rotation + KV write: one op
             if fused is not None:
                 q, k = qk.split([cfg.n_heads, cfg.n_kv_heads], dim=1)
-                o = fused(self.layer, q, k, v, cos, sin, rotary.style)
+                # the output quantized in the attention's launch where wo reads it so
+                quant = self.wo.input_layout(qkv[:, : cfg.q_size])
+                o = fused(self.layer, q, k, v, cos, sin, rotary.style, quant)
+                if isinstance(o, QuantizedRows):
+                    return self.wo(o)
                 if o is not None:
                     return self.wo(o.reshape(t, cfg.q_size))
             q, k = rotary(qk, cos, sin).split([cfg.n_heads, cfg.n_kv_heads], dim=1)

@@ -208,3 +208,43 @@ def test_norms_quantized_for_the_stream_k_linears(model_file) -> None:
             o = llm.generate(prompts, GREEDY)[0].outputs[0]
             outs.append((o.token_ids, [p.logprob for p in o.logprobs]))
     assert outs[0] == outs[1]
+
+
+def test_attention_output_quantized_for_the_stream_k_linear(model_file, monkeypatch) -> None:
+    """One token a step: the decode attention's launch hands the output projection its input
+    already quantized (QuantizedRows: the rotation, the KV write and the attention fused).
+    Tokens and logprobs equal those with that hook taken away (the attention's output, then
+    the GEMV's own quantization): the same bits."""
+    from hetero.execution.runner import PagedAttention
+    from hetero.kernels.xquant import QuantizedRows
+    from hetero.model.layers import QuantLinear
+
+    dtype = "fp16" if not CUDA else "bf16"
+    rt = RuntimeConfig(device=str(DEVICE), weights="quant", dtype=dtype, allow_reference=True)
+    kinds = []
+    attend = PagedAttention.rope_attend
+
+    def spy(self, *args, **kwargs):
+        out = attend(self, *args, **kwargs)
+        kinds.append(type(out).__name__)
+        return out
+
+    monkeypatch.setattr(PagedAttention, "rope_attend", spy)
+    outs = []
+    with forcing({**TRITON, "qlinear": "triton_streamk"}):
+        for fused in (True, False):
+            kinds.clear()
+            loaded = load_model(model_file, rt)
+            if not fused:
+                for lin in loaded[1].modules():
+                    if isinstance(lin, QuantLinear):
+                        lin._input_layout = None
+            llm = LLM(loaded=loaded, kv_dtype="fp8", num_kv_blocks=16, block_size=8,
+                      max_model_len=64, enforce_eager=True, device=str(DEVICE))  # fmt: skip
+            o = llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0]
+            outs.append((o.token_ids, [p.logprob for p in o.logprobs]))
+            # the prompt's step attends plainly; each decode step's layers hand QuantizedRows
+            decode = SHAPE.n_layers * (GREEDY.max_tokens - 1)
+            want = QuantizedRows.__name__ if fused else "Tensor"
+            assert kinds[-decode:] == [want] * decode and "Tensor" in kinds[:-decode]
+    assert outs[0] == outs[1]

@@ -150,23 +150,28 @@ def test_decode_attention(kv_dtype: str, case: tuple[int, int, int, int]) -> Non
     assert_attention_close(tp.paged_attention_triton(q, *pool.caches(), meta, d**-0.5), want)
 
 
+@pytest.fixture(params=[False, True], ids=["splits-of-64", "splits-of-4"])
+def fine(request, monkeypatch) -> bool:
+    """Decode splits as shipped, or of 4 keys or more merged 2 at a time (many splits, and
+    merges over several loads, on small contexts)."""
+    if request.param:
+        monkeypatch.setattr(tp, "MIN_SPLIT", 4)
+        monkeypatch.setattr(tp, "MERGE_SPLITS", 2)
+    return request.param
+
+
 @pytest.mark.parametrize("hw", [True, False], ids=["fp8-instruction", "fp8-integers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("fine", [False, True], ids=["splits-of-64", "splits-of-4"])
 def test_decode_paths_and_magnitudes(hw: bool, dtype: torch.dtype, fine: bool, monkeypatch):
     """fp8 codes decoded by the conversion (sm_89+) or with integers, one split (written
     directly), several merged by the last split of each KV head (one launch) or by the reduce
     kernel: all equal the reference, over rows of keys and values whose magnitudes span 1e-6
     .. 1 and 1e-2 .. 1e4 (their rows' scales meet the scores and probabilities, not the
-    tiles) and queries
-    from 1e-6 to 1e6 (a 16-bit query goes to float16 divided by a power of two; the keys
-    shrink as the queries grow, keeping the softmax's conditioning); the merge's counters are
-    left at 0 for the next launch. fine: splits of 4 keys or more, merged 2 at a time (the
-    97-key row in 8 splits of whole 32-key tiles: 4 of them empty)."""
+    tiles) and queries from 1e-6 to 1e6 (a 16-bit query goes to float16 divided by a power
+    of two; the keys shrink as the queries grow, keeping the softmax's conditioning); the
+    merge's counters are left at 0 for the next launch. With `fine` splits the 97-key row
+    takes 8 splits of whole 32-key tiles, 4 of them empty."""
     monkeypatch.setattr(tp, "hw_fp8", lambda device: hw)
-    if fine:
-        monkeypatch.setattr(tp, "MIN_SPLIT", 4)
-        monkeypatch.setattr(tp, "MERGE_SPLITS", 2)
     kv, g, d, bs = 2, 4, 32, 4
     gen = torch.Generator().manual_seed(5)
     pool = Pool(64, bs, kv, d, "fp8")
@@ -186,6 +191,37 @@ def test_decode_paths_and_magnitudes(hw: bool, dtype: torch.dtype, fine: bool, m
             assert torch.equal(got[0], torch.zeros_like(got[0]))  # length 0
             assert_attention_close(got[1:], want[1:], values=1e4)
             assert not tp._counters(DEVICE, 1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_output_quantized_for_the_next_linear(fine: bool, dtype) -> None:
+    """The decode kernel's output also in xquant's layout (words and floats) for the integer
+    GEMV after it, written by the programs that write the output (one split's, or the merging
+    one's): equal to xquant_ref of that output bit for bit, for Q4_K's layout, Q6_K's
+    (regrouped, units of 16) and Q8_0's (chunks of 16); the output itself as the reference's.
+    A float32 q, a prefill step or head groups that are no whole chunks: None (not fused)."""
+    from hetero.kernels.xquant import XLayout, xquant_ref
+
+    kv, g, d, bs = 2, 4, 32, 4
+    gen = torch.Generator().manual_seed(8)
+    pool = Pool(64, bs, kv, d, "fp8")
+    ctx = [0, 7, 45, 97]
+    q, meta = make_step(pool, ctx, [1] * len(ctx), kv * g, dtype, gen)
+    want = paged_attention_ref(q, *pool.caches(), meta, d**-0.5)
+    for layout in (XLayout(4, 32), XLayout(4, 16), XLayout(8, 32)):
+        out, words, floats = tp.paged_attention_xquant_triton(
+            q, *pool.caches(), meta, d**-0.5, layout
+        )  # fmt: skip
+        assert_attention_close(out, want)
+        ref_words, ref_floats = xquant_ref(out.reshape(len(ctx), -1), layout)
+        assert torch.equal(words, ref_words) and torch.equal(floats, ref_floats)
+    lay = XLayout(4, 32)
+    assert tp.paged_attention_xquant_triton(q.float(), *pool.caches(), meta, 0.1, lay) is None
+    odd = Pool(64, bs, 2, 24, "fp8")  # 4 heads of 24: 96 elements a group
+    q3, meta3 = make_step(odd, [5], [1], 8, dtype, gen)
+    assert tp.paged_attention_xquant_triton(q3, *odd.caches(), meta3, 0.1, lay) is None
+    qp, metap = make_step(pool, [9], [3], kv * g, dtype, gen)  # three new tokens: prefill
+    assert tp.paged_attention_xquant_triton(qp, *pool.caches(), metap, 0.1, lay) is None
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
@@ -264,7 +300,7 @@ def test_padding_rows_give_zeros_and_reference_fallback() -> None:
 
 
 def test_registered_with_device_support() -> None:
-    for op in ("paged_attention", "kv_write", "rope_kv_write"):
+    for op in ("paged_attention", "kv_write", "rope_kv_write", "paged_attention_xquant"):
         impl = next(i for i in implementations(op) if i.name == "triton")
         assert not impl.supports(torch.device("cpu"))
         if CUDA:
@@ -278,6 +314,8 @@ from tests.support.triton_compile_check import compiling_for
 from hetero.execution.paged_meta import RowTiles, TensorMeta
 from hetero.kernels import triton_paged as tp
 from hetero.kernels.paged import FP8
+from hetero.kernels.xquant import XLayout
+from types import SimpleNamespace
 tp._sm_count = lambda device: 132
 kv, h, d, bs, b = 8, 32, 128, 16, 4
 for arch in map(int, sys.argv[1].split(",")):
@@ -298,6 +336,8 @@ for arch in map(int, sys.argv[1].split(",")):
             "rows": lambda: tp.paged_rows(q, *caches, TensorMeta(
                 tm.block_tables, lens, tm.q_start_loc, 1, 1024, bs,
                 RowTiles(lens, lens, 4)), 0.1),
+            "decode_xq": lambda: tp.paged_attention_xquant_triton(
+                q, *caches, SimpleNamespace(tensors=tm), 0.1, XLayout(4, 16)),
             "rope_write": lambda: tp.rope_kv_write_triton(
                 q, q[:, :kv], q[:, kv:2 * kv], torch.ones(b, d // 2), torch.zeros(b, d // 2),
                 "normal", *caches, torch.arange(b)),
@@ -312,10 +352,10 @@ for arch in map(int, sys.argv[1].split(",")):
 
 
 def test_compiles_for_each_architecture() -> None:
-    """Every attention launch (and the rotation fused with the KV write) compiled for sm_80 ..
-    sm_120 (a process without the interpreter): fp8 tiles decoded by the conversion
-    instruction from sm_89 on, with integers before; the merge in the decode kernel, the
-    reduce kernel only where asked for."""
+    """Every attention launch (the output quantized in it too, and the rotation fused with the
+    KV write) compiled for sm_80 .. sm_120 (a process without the interpreter): fp8 tiles
+    decoded by the conversion instruction from sm_89 on, with integers before; the merge in
+    the decode kernel, the reduce kernel only where asked for."""
     from tests.support.triton_compile_check import compile_in_subprocess
 
     archs = (80, 89, 90, 120)
@@ -327,8 +367,9 @@ def test_compiles_for_each_architecture() -> None:
         ("decode_reduce", "decode_split_kernel"), ("decode_reduce", "decode_reduce_kernel"),
         ("prefill", "prefill_kernel"), ("rows", "decode_split_kernel"),
         ("rows", "row_tile_kernel"), ("rope_write", "rope_kv_write_kernel"),
+        ("decode_xq", "decode_split_kernel"),
     }  # fmt: skip
-    assert len(rows) == len(archs) * 2 * 8
+    assert len(rows) == len(archs) * 2 * 9
     for arch, fp8, _, fn, hw in rows:
         reads = fn not in ("decode_reduce_kernel", "rope_kv_write_kernel") and fp8 == "True"
         assert (hw == "True") == (reads and int(arch) >= 89), (arch, fp8, fn, hw)

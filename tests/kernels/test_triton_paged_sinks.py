@@ -18,7 +18,12 @@ from hetero.execution.runner import PagedMeta
 from hetero.kernels import triton_paged as tp
 from hetero.kernels.paged import kv_read, paged_attention_ref
 from hetero.kernels.paged_sinks import paged_attention_sinks_ref
-from tests.kernels.test_triton_paged import Pool, assert_attention_close, make_step
+from tests.kernels.test_triton_paged import (
+    Pool,
+    assert_attention_close,
+    fine,  # noqa: F401 (a fixture)
+    make_step,
+)
 from tests.support.triton_interp import DEVICE, kernels_runnable, rerun_test  # noqa: F401
 
 triton = pytest.importorskip("triton")
@@ -67,13 +72,10 @@ def test_reference_equals_a_plain_softmax():
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
 @pytest.mark.parametrize("use_sinks", [False, True])
-@pytest.mark.parametrize("fine", [False, True], ids=["splits-of-64", "splits-of-4"])
-def test_decode(kv_dtype: str, use_sinks: bool, fine: bool, monkeypatch):
-    """fine: splits of 4 keys or more (the 100-key row cut in 3 of 32, 37 of them), merged 2
-    at a time, in the decode kernel and by the reduce kernel."""
-    if fine:
-        monkeypatch.setattr(tp, "MIN_SPLIT", 4)
-        monkeypatch.setattr(tp, "MERGE_SPLITS", 2)
+@pytest.mark.usefixtures("fine")
+def test_decode(kv_dtype: str, use_sinks: bool):
+    """The splits merged in the decode kernel and by the reduce kernel (`fine`: the 100-key
+    row in 3 splits of 32 keys, the 37-key row in 2)."""
     kv, g, d, bs = 2, 3, 32, 4
     gen = torch.Generator().manual_seed(5 + use_sinks)
     pool = Pool(64, bs, kv, d, kv_dtype)
