@@ -61,7 +61,8 @@
 #   lanes    the Gluon lanes GEMV (one token), in LANES_PARTS: "tests" (its device tests),
 #            "sweep" (the 8B's weights, Q4_K and Q6_K, LANES_CFGS; the arch's GEMV table updated
 #            in place from it and copied to OUTDIR), "rows" (the 8B files' one-stream rows with
-#            the Triton GEMVs and with the table, then the peer's llama-bench on them)
+#            the Triton GEMVs and with the table, Q4_K_M's also with the step unfused
+#            (gpu_engine.py --unfused), then the peer's llama-bench on them)
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
@@ -504,6 +505,10 @@ if has lanes; then  # the Gluon lanes GEMV, in parts (LANES_PARTS, all three by 
       stage "lanes_$n" 200 "$PY" benchmarks/gpu_engine.py "$f" --batches 1 --prefill 512 \
         --json "$OUT/lanes_$n.json"
       rows "$OUT/lanes_$n.log"
+      [ "$f" = "$Q4" ] || continue  # the step's fusions against their unfused launches: Q4 only
+      stage "unfused_$n" 200 "$PY" benchmarks/gpu_engine.py "$f" --batches 1 --prefill "" \
+        --unfused --json "$OUT/unfused_$n.json"
+      rows "$OUT/unfused_$n.log"
     done
     peer_wait
     [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"

@@ -35,7 +35,8 @@ class KernelImpl:
     # quantization), or None where it would not read such a form; `fn` then takes it as x.
     quantize_input: Callable | None = None
     # Optional: (prepared weight, x, residual or None, norm weight, eps) -> (the RMSNorm of
-    # x + residual in that form, x + residual) in one launch, or None: the norm before the linear
+    # x + residual in that form, x + residual) in one launch, or None: the norm before the linear.
+    # Given a list of prepared weights (a linear's parts): a list of such forms, one a part.
     quantize_norm: Callable | None = None
     # Optional: (prepared weight, like [T, K]) -> the layout (xquant.XLayout) in which this
     # implementation's integer kernel reads x of like's rows and dtype pre-quantized, or None:

@@ -322,21 +322,34 @@ def quantize_input(
 
 def quantize_norm(
     qweight: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[QuantizedRows, torch.Tensor] | None:
+) -> tuple[Any, torch.Tensor] | None:
     """The RMSNorm before a linear as this weight reads one token by integer dot products: (the
     norm of x + residual (x without one) as QuantizedRows, x + residual), the add, the norm and
     the quantization in one launch where they were two; None where the weight reads no such
-    form (the caller norms as usual)."""
-    if x.shape[0] != 1 or not isinstance(qweight, PackedWeight) or x.stride(-1) != 1:
+    form (the caller norms as usual). qweight may be a list (a linear's parts of other GGUF
+    types: Q4_K_M's q|k beside a Q6_K v): then a QuantizedRows a part, the parts' layouts (at
+    most two) made in the one launch, or None where any part reads no such form."""
+    if x.shape[0] != 1 or x.stride(-1) != 1:
         return None
     if residual is not None and residual.stride(-1) != 1:
         return None
-    cfg = choose(qweight, x)
-    layout = None if cfg is None else _int_layout(qweight, cfg)
-    if layout is None:
+    weights = qweight if isinstance(qweight, (list, tuple)) else [qweight]
+    layouts = []
+    for w in weights:
+        cfg = choose(w, x) if isinstance(w, PackedWeight) else None
+        layout = None if cfg is None else _int_layout(w, cfg)
+        if layout is None:
+            return None
+        layouts.append(layout)
+    distinct = list(dict.fromkeys(layouts))  # in order: the first part's layout first
+    if len(distinct) > 2:
         return None
-    words, floats, total = add_rms_norm_xquant(x, residual, weight, eps, layout)
-    return QuantizedRows(words, floats, layout, x.dtype), total
+    *made, total = add_rms_norm_xquant(x, residual, weight, eps, *distinct)
+    rows = {lay: QuantizedRows(made[2 * i], made[2 * i + 1], lay, x.dtype)
+            for i, lay in enumerate(distinct)}  # fmt: skip
+    if isinstance(qweight, (list, tuple)):
+        return [rows[lay] for lay in layouts], total
+    return rows[layouts[0]], total
 
 
 def input_layout(qweight: Any, like: torch.Tensor) -> XLayout | None:

@@ -89,18 +89,44 @@ def xquant_kernel(
     _store_span(x, words_ptr, floats_ptr, t, base, K, 128 // LB, GU, SPAN)
 
 
+@triton.jit
+def _norm_span(
+    x_ptr, res_ptr, w_ptr, res_out_ptr, words_ptr, floats_ptr, inv, t, K, x_stride,
+    res_stride, res_out_stride,
+    LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr, SPAN: tl.constexpr,
+    ADD: tl.constexpr, STORE: tl.constexpr,
+):  # fmt: skip
+    """The program's span of the norm (inv: the row's 1 / rms) quantized in one layout; STORE
+    (with ADD): the sum x + res stored to res_out too."""
+    base, el = _span_elements(LB, GU, REGROUP, SPAN)
+    em = el < K
+    xs = tl.load(x_ptr + t * x_stride + el, mask=em, other=0.0)
+    if ADD:
+        xs = xs + tl.load(res_ptr + t * res_stride + el, mask=em, other=0.0)
+        if STORE:
+            tl.store(res_out_ptr + t * res_out_stride + el, xs, mask=em)
+    g = tl.load(w_ptr + el, mask=em, other=0.0).to(tl.float32)
+    y = (xs.to(tl.float32) * inv * g).to(x_ptr.dtype.element_ty).to(tl.float32)
+    _store_span(y, words_ptr, floats_ptr, t, base, K, 128 // LB, GU, SPAN)
+
+
 @triton.jit(do_not_specialize=["K"])
 def add_rms_norm_xquant_kernel(
-    x_ptr, res_ptr, w_ptr, res_out_ptr, words_ptr, floats_ptr, eps, K,
+    x_ptr, res_ptr, w_ptr, res_out_ptr, words_ptr, floats_ptr, words2_ptr, floats2_ptr, eps, K,
     x_stride, res_stride, res_out_stride,
     LB: tl.constexpr, GU: tl.constexpr, REGROUP: tl.constexpr, SPAN: tl.constexpr,
     BK: tl.constexpr, ADD: tl.constexpr,
+    TWO: tl.constexpr = False, LB2: tl.constexpr = 4, GU2: tl.constexpr = 32,
+    REGROUP2: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, K / SPAN): rms_norm(x [+ res]) * w of token t, its span quantized as
     `xquant_kernel` does (the norm rounded to x's dtype first, as the unfused ops round it);
     with ADD the sum x + res (rounded to x's dtype) is stored to res_out by each span's
-    program. Every program takes the row's mean square (K elements, from L2 after the first)."""
+    program. Every program takes the row's mean square (K elements, from L2 after the first).
+    TWO: the span quantized in a second layout too (LB2, GU2, REGROUP2; chunks no longer than
+    the span) into words2 and floats2, for a linear whose parts read two (Q4_K_M's q|k beside
+    a Q6_K v)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BK)
@@ -109,15 +135,15 @@ def add_rms_norm_xquant_kernel(
         v = v + tl.load(res_ptr + t * res_stride + c, mask=c < K, other=0.0)
     v = v.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(v * v, axis=0) / K + eps)
-    base, el = _span_elements(LB, GU, REGROUP, SPAN)
-    em = el < K
-    xs = tl.load(x_ptr + t * x_stride + el, mask=em, other=0.0)
-    if ADD:
-        xs = xs + tl.load(res_ptr + t * res_stride + el, mask=em, other=0.0)
-        tl.store(res_out_ptr + t * res_out_stride + el, xs, mask=em)
-    g = tl.load(w_ptr + el, mask=em, other=0.0).to(tl.float32)
-    y = (xs.to(tl.float32) * inv * g).to(x_ptr.dtype.element_ty).to(tl.float32)
-    _store_span(y, words_ptr, floats_ptr, t, base, K, 128 // LB, GU, SPAN)
+    _norm_span(
+        x_ptr, res_ptr, w_ptr, res_out_ptr, words_ptr, floats_ptr, inv, t, K, x_stride,
+        res_stride, res_out_stride, LB, GU, REGROUP, SPAN, ADD, True,
+    )  # fmt: skip
+    if TWO:
+        _norm_span(
+            x_ptr, res_ptr, w_ptr, res_out_ptr, words2_ptr, floats2_ptr, inv, t, K, x_stride,
+            res_stride, res_out_stride, LB2, GU2, REGROUP2, SPAN, ADD, False,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["K", "alpha", "limit"])

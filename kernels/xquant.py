@@ -185,23 +185,33 @@ def add_rms_norm_xquant_ref(
 
 def add_rms_norm_xquant(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    layout: XLayout,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`add_rms_norm_xquant_ref` in one launch (x, residual [T, K] with unit stride along K)."""
+    layout: XLayout, layout2: XLayout | None = None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`add_rms_norm_xquant_ref` in one launch (x, residual [T, K] with unit stride along K):
+    (words, floats, total). layout2: the norm quantized in it too, in the same launch:
+    (words, floats, words2, floats2, total)."""
     from hetero.kernels.triton_xquant_kernels import add_rms_norm_xquant_kernel
 
     t, k = x.shape
     words, floats = xquant_buffers(t, k, layout, x.device)
     total = x if residual is None else torch.empty_like(x)
     res = x if residual is None else residual
-    span = 256 if layout.chunk <= 256 else layout.chunk
+    chunk = max(layout.chunk, layout2.chunk if layout2 else 0)
+    span = 256 if chunk <= 256 else chunk
+    two = {}
+    words2, floats2 = words, floats
+    if layout2 is not None:
+        words2, floats2 = xquant_buffers(t, k, layout2, x.device)
+        two = dict(TWO=True, LB2=layout2.low_bits, GU2=layout2.unit, REGROUP2=layout2.regroup)
     add_rms_norm_xquant_kernel[(t, -(-k // span))](
-        x, res, weight, total, words, floats, eps, k, x.stride(0), res.stride(0),
-        total.stride(0), LB=layout.low_bits, GU=layout.unit, REGROUP=layout.regroup,
-        SPAN=span, BK=1 << max(0, k - 1).bit_length(), ADD=residual is not None, num_warps=4,
-        **pdl_launch(x),
+        x, res, weight, total, words, floats, words2, floats2, eps, k, x.stride(0),
+        res.stride(0), total.stride(0), LB=layout.low_bits, GU=layout.unit,
+        REGROUP=layout.regroup, SPAN=span, BK=1 << max(0, k - 1).bit_length(),
+        ADD=residual is not None, num_warps=4, **two, **pdl_launch(x),
     )  # fmt: skip
-    return words, floats, total
+    if layout2 is None:
+        return words, floats, total
+    return words, floats, words2, floats2, total
 
 
 def silu_mul_xquant_ref(

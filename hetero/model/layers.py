@@ -191,9 +191,22 @@ class QuantLinear(nn.Module):
                 x, self.qweight, self.ggml_type, (self.out_features, self.in_features)
             )
         else:
-            xs = x if isinstance(x, PartInputs) else [x] * len(self.parts)
-            y = torch.cat([self._qlinear(xi, *part) for xi, part in zip(xs, self.parts)], dim=-1)
+            y = torch.cat(self._part_outputs(x), dim=-1)
         return y if self.bias is None else y + self.bias
+
+    def outputs(self, x) -> list[torch.Tensor]:
+        """The fused parts' outputs [T, Ni] as their matmuls give them (no launch joins them),
+        where this linear runs its parts apart (GGUF types of their own, quant mode); else
+        [forward(x)]."""
+        if self.mode != "quant" or self.parts is None or self.bias is not None:
+            return [self(x)]
+        if self.offload is not None and self.offload.runs(x):
+            return [self(x)]
+        return self._part_outputs(x)
+
+    def _part_outputs(self, x) -> list[torch.Tensor]:
+        xs = x if isinstance(x, PartInputs) else [x] * len(self.parts)
+        return [self._qlinear(xi, *part) for xi, part in zip(xs, self.parts)]
 
     def quantized_input(self, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"):
         """act(gate, up) as this linear's kernel reads it pre-quantized (the activation and the
@@ -216,26 +229,16 @@ class QuantLinear(nn.Module):
         """(x + residual, rms_norm(x + residual) * weight as this linear's kernel reads it
         pre-quantized) from one launch (the add, the norm and the integer decode GEMV's
         quantization), or None. residual None: x alone. A linear of parts of other GGUF types
-        (Q4_K_M's q|k beside a Q6_K v) gets PartInputs: the first part's launch adds and norms,
-        each other part's norms the sum again in its own layout (two launches where the norm
-        and two quantizations were three)."""
+        (Q4_K_M's q|k beside a Q6_K v) gets PartInputs, each part's layout made in the same
+        launch (where the norm and two quantizations were three launches)."""
         hook = self._quantize_norm
         if self.mode != "quant" or self.offload is not None or hook is None:
             return None
         if self.parts is None:
             out = hook(self.qweight, x, residual, weight, eps)
             return None if out is None else (out[1], out[0])
-        first = hook(self.parts[0][0], x, residual, weight, eps)
-        if first is None:
-            return None
-        rows, total = first
-        inputs = [rows]
-        for w, _, _ in self.parts[1:]:
-            out = hook(w, total, None, weight, eps)
-            if out is None:  # a part that reads plain tensors: the norm as usual
-                return None
-            inputs.append(out[0])
-        return total, PartInputs(inputs)
+        out = hook([w for w, _, _ in self.parts], x, residual, weight, eps)
+        return None if out is None else (out[1], PartInputs(out[0]))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of the fused parts: [T, N] -> ([T, N0], [T, N1], ...)."""

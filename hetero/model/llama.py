@@ -48,17 +48,28 @@ class Attention(nn.Module):
             fused = select("qk_norm_rope", torch.device(rt.device))  # one launch for the four
             self._qk_norm_rope = None if fused.is_reference else fused.fn
 
+    def _qk_v(self, h) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q|k [T, H + KV, D], v [T, KV, D]) as views of q|k|v's matmul output, or of its
+        parts' outputs where q|k and v are parts of their own (Q4_K_M's Q6_K v: no launch
+        joins them)."""
+        t, cfg = h.shape[0], self.cfg
+        outs = self.wqkv.outputs(h)
+        if len(outs) == 2 and outs[0].shape[-1] == cfg.q_size + cfg.kv_size:
+            qk, v = outs
+        else:
+            qkv = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            qk, v = qkv[:, : cfg.q_size + cfg.kv_size], qkv[:, cfg.q_size + cfg.kv_size :]
+        return qk.view(t, -1, cfg.head_dim), v.view(t, cfg.n_kv_heads, cfg.head_dim)
+
     def forward(self, h: torch.Tensor, rotary: Rotary, cos, sin, batch: ForwardBatch):
         t, cfg = h.shape[0], self.cfg
-        qkv = self.wqkv(h)  # [T, (H + 2 KV) * D]
         if self.q_norm is None:  # q and k rotate in one call: [T, H + KV, D]
-            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
-            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.n_kv_heads, cfg.head_dim)
+            qk, v = self._qk_v(h)
             fused = getattr(batch.attention, "rope_attend", None)  # rotation + KV write: one op
             if fused is not None:
                 q, k = qk.split([cfg.n_heads, cfg.n_kv_heads], dim=1)
                 # the output quantized in the attention's launch where wo reads it so
-                quant = self.wo.input_layout(qkv[:, : cfg.q_size])
+                quant = self.wo.input_layout(v[:, 0])
                 o = fused(self.layer, q, k, v, cos, sin, rotary.style, quant)
                 if isinstance(o, QuantizedRows):
                     return self.wo(o)
@@ -66,7 +77,7 @@ class Attention(nn.Module):
                     return self.wo(o.reshape(t, cfg.q_size))
             q, k = rotary(qk, cos, sin).split([cfg.n_heads, cfg.n_kv_heads], dim=1)
         else:
-            q, k, v = self.wqkv.split(qkv)
+            q, k, v = self.wqkv.split(self.wqkv(h))
             q = q.reshape(t, cfg.n_heads, cfg.head_dim)
             k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)
             v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)

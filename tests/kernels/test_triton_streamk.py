@@ -378,3 +378,23 @@ def test_norm_quantized_for_its_linear(ggml_type: str) -> None:
     assert torch.equal(y, streamk.qlinear_streamk(rms(x, w, 1e-5), pw, qt, shape))
     assert streamk.quantize_norm(pw, x.float(), res.float(), w, 1e-5) is None
     assert streamk.quantize_norm(pw, torch.cat([x, x]), torch.cat([res, res]), w, 1e-5) is None
+
+
+def test_norm_quantized_for_a_linear_of_two_types() -> None:
+    """A linear of parts of two GGUF types (Q4_K_M's q|k beside a Q6_K v): one launch makes
+    each part's layout, bit for bit what a launch a layout makes, and x + residual once; parts
+    of one layout share its rows. None where a part reads no quantized form (float32 x)."""
+    from hetero.kernels.xquant import add_rms_norm_xquant
+
+    parts = [bytes_weight(t, n, 512, seed=n)[1] for t, n in (("Q4_K", 37), ("Q6_K", 11))]
+    dtype = torch.float16 if INTERPRETED else torch.bfloat16
+    x, res = (3 * torch.randn(2, 512, device=DEVICE)).to(dtype).chunk(2)
+    w = torch.rand(512, device=DEVICE) + 0.5
+    got, total = streamk.quantize_norm([*parts, parts[0]], x, res, w, 1e-5)
+    assert [r.layout for r in got] == [XLayout(4, 32), XLayout(4, 16), XLayout(4, 32)]
+    assert got[0] is got[2]
+    for rows in got:
+        words, floats, alone = add_rms_norm_xquant(x, res, w, 1e-5, rows.layout)
+        assert torch.equal(rows.words, words) and torch.equal(rows.floats, floats)
+        assert torch.equal(total, alone)
+    assert streamk.quantize_norm(parts, x.float(), res.float(), w, 1e-5) is None

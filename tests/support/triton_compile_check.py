@@ -207,6 +207,7 @@ def streamk_launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
     return [
         ("xquant", lambda: xquant(x, lay)),
         ("xquant_norm", lambda: add_rms_norm_xquant(x, x, w, 1e-6, lay)),
+        ("xquant_norm2", lambda: add_rms_norm_xquant(x, x, w, 1e-6, lay, XLayout(4, 16))),
         ("xquant_silu", lambda: silu_mul_xquant(x, x, lay)),
         # the codebook types run the float decode only (streamk.config_ok refuses the others)
         *((name, lambda cfg=cfg: run(cfg)) for name, cfg in configs if sk.config_ok(cfg, pw)),
