@@ -1,7 +1,7 @@
 """Triton paged decode attention and KV write on the GPU: time per call against copy bandwidth.
 
     python benchmarks/gpu_paged.py [--batches 1,8,64] [--contexts 512,4096] [--kv fp8,fp16]
-        [--max-len 8192] [--variants all] [--min-splits 64]
+        [--max-len 8192] [--variants all] [--min-splits 64] [--stages 3]
 
 Llama-3-8B attention (32 query heads over 8 KV heads, D = 128, blocks of 16), one layer. Decode
 reads each sequence's K and V once (plus fp8 scales): GB/s = those bytes / time, as a fraction of
@@ -13,7 +13,9 @@ launch overhead). The fused KV write of the step's new tokens is timed too.
 take the model's context; default: each row's own). --variants: "merge" (the default path:
 fp8 by the conversion instruction where the GPU has it, the splits merged in the decode
 kernel), "reduce" (merged by the reduce kernel after it), "int" (fp8 decoded with integers, as
-sm_80/86 do), "int-reduce"; "all" for the four. --min-splits: the fewest keys a split takes.
+sm_80/86 do), "int-reduce"; "all" for the four. --min-splits: the fewest keys a split takes;
+--stages: the decode loop's software pipeline (ptxas, sm_90: 96-128 registers at 1 stage, 140
+at 2, 143-145 at 3 or 4).
 """
 
 from __future__ import annotations
@@ -67,19 +69,19 @@ VARIANTS = {
 
 
 def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float, max_len: int, variant: str,
-        min_split: int) -> str:  # fmt: skip
+        min_split: int, stages: int) -> str:  # fmt: skip
     q, caches, meta = setup(batch, ctx, kv_dtype)
     meta.max_seq_len = max_len or ctx
     hw, merge = VARIANTS[variant]
     scale = D**-0.5
-    saved = tp.hw_fp8, tp.MIN_SPLIT
+    saved = tp.hw_fp8, tp.MIN_SPLIT, tp.DECODE_STAGES
     tp.hw_fp8 = lambda device: hw and saved[0](device)
-    tp.MIN_SPLIT = min_split
+    tp.MIN_SPLIT, tp.DECODE_STAGES = min_split, stages
     try:
         call = lambda: tp.paged_decode(q, *caches, meta, scale, merge=merge)  # noqa: E731
         sec = graph_time([call] * 32, 50)
     finally:
-        tp.hw_fp8, tp.MIN_SPLIT = saved
+        tp.hw_fp8, tp.MIN_SPLIT, tp.DECODE_STAGES = saved
     gbs = kv_bytes(batch, ctx, kv_dtype) / sec / 1e9
     k_new = torch.randn(batch, KV, D, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(batch, device="cuda") * BS
@@ -88,8 +90,8 @@ def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float, max_len: int, vari
                             .multi_processor_count)  # fmt: skip
     return (
         f"{kv_dtype:4s} B={batch:3d} ctx={ctx:5d} grid splits {grid:2d} min {min_split:3d} "
-        f"{variant:10s}: decode {sec * 1e6:8.2f} us, {gbs:7.0f} GB/s ({gbs / copy_gbs:4.0%} of "
-        f"copy); kv write {wsec * 1e6:6.2f} us"
+        f"stages {stages} {variant:10s}: decode {sec * 1e6:8.2f} us, {gbs:7.0f} GB/s "
+        f"({gbs / copy_gbs:4.0%} of copy); kv write {wsec * 1e6:6.2f} us"
     )
 
 
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=0)
     ap.add_argument("--variants", default="merge")
     ap.add_argument("--min-splits", default=str(tp.MIN_SPLIT))
+    ap.add_argument("--stages", default=str(tp.DECODE_STAGES))
     args = ap.parse_args()
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     copy_gbs = copy_bandwidth()
@@ -110,7 +113,9 @@ def main() -> None:
             for b in (int(x) for x in args.batches.split(",")):
                 for v in variants:
                     for ms in (int(m) for m in args.min_splits.split(",")):
-                        print(row(b, ctx, kv_dtype, copy_gbs, args.max_len, v, ms), flush=True)
+                        for st in (int(x) for x in args.stages.split(",")):
+                            line = row(b, ctx, kv_dtype, copy_gbs, args.max_len, v, ms, st)
+                            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -461,15 +461,16 @@ fi
 
 if has attn; then  # the decode attention: its tests compiled here (both fp8 decodes, merged and
   # reduced splits), then each variant timed (gpu_paged.py: a graph of 32 calls) at 1 stream on a
-  # graph's grid (--max-len 8192) and at 64 streams, splits of at least 32 / 64 / 128 keys
+  # graph's grid (--max-len 8192), splits of at least 32 / 64 / 128 keys, pipelines of 1 or 3
+  # stages, and at 64 streams, pipelines of 1 / 2 / 3 stages
   stage attn_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged.py \
     tests/kernels/test_triton_paged_sinks.py
   tail -1 "$OUT/attn_tests.log"
   stage attn_1 200 "$PY" benchmarks/gpu_paged.py --batches 1 --contexts 512,4096 --kv fp8 \
-    --max-len 8192 --variants all --min-splits 32,64,128
+    --max-len 8192 --variants all --min-splits 32,64,128 --stages 1,3
   grep -E "^fp8" "$OUT/attn_1.log"
   stage attn_64 200 "$PY" benchmarks/gpu_paged.py --batches 64 --contexts 512,4096 --kv fp8 \
-    --variants all
+    --variants all --stages 1,2,3
   grep -E "^fp8" "$OUT/attn_64.log"
 fi
 

@@ -39,6 +39,7 @@ from hetero.kernels.triton_qmatmul import _counters, _sm_count, triton_supported
 DECODE_BN = 32  # keys a decode loop step
 MIN_SPLIT = 64  # fewest keys a decode split takes (each sequence's own, in the kernel)
 MERGE_SPLITS = 8  # splits a merge loads at once
+DECODE_STAGES = 3  # the decode loop's software pipeline (Triton's num_stages; 1: none)
 _CTAS_PER_SM = 2
 PREFILL_BM, PREFILL_BN = 64, 32
 
@@ -169,7 +170,8 @@ def paged_decode(
         scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), n,
         MIN_SPLIT, window, H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d),
         BS=meta.block_size, BN=DECODE_BN, SINKS=sinks is not None, MERGE=merge,
-        BH=_pow2(h // kv), MC=MERGE_SPLITS, **consts, **pdl_launch(q),
+        BH=_pow2(h // kv), MC=MERGE_SPLITS, num_stages=DECODE_STAGES, **consts,
+        **pdl_launch(q),
     )  # fmt: skip
     if n > 1 and not merge:
         kern.decode_reduce_kernel[(b, h)](
