@@ -214,10 +214,9 @@ class LlamaModel(nn.Module):
         if not self.is_last:
             return x if pending is None else x + pending
         rows = batch.logits_indices
-        if pending is None:  # a last stage without layers
-            x = self.norm(x[rows])  # [N, C]
-        else:  # only the wanted rows are added and normed
-            _, x = self.norm.add(x[rows], pending[rows])
+        # only the wanted rows are added and normed (a last stage without layers: normed), the
+        # norm handed to the head already quantized where its kernel reads it so
+        _, x = self.norm.add(x[rows], None if pending is None else pending[rows], self.lm_head)
         return self.lm_head(x).float()  # [N, V]
 
     def _blocks(self, tokens, batch: ForwardBatch, hidden) -> tuple[torch.Tensor, torch.Tensor]:
