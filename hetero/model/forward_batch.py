@@ -27,9 +27,11 @@ class AttentionBackend(Protocol):
         window > 0: each query sees only itself and the window - 1 keys before it; sinks [H]:
         a logit per head that joins the softmax without a value (kernels/paged_sinks.py).
 
-        A backend may also have `rope_attend(layer, q, k, v, cos, sin, style)`: q and k not yet
-        rotated, the rotation fused with its KV write (None where it does not fuse them: the
-        model rotates and calls the backend)."""
+        A backend may also have `rope_attend(layer, q, k, v, cos, sin, style, quant=None)`: q
+        and k not yet rotated, the rotation fused with its KV write (None where it does not
+        fuse them: the model rotates and calls the backend); quant, the layout in which the
+        output projection reads its input pre-quantized: the output as QuantizedRows where the
+        attention's launch makes them."""
         ...
 
 
