@@ -350,6 +350,8 @@ class Rotary(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R]
+        if self.mscale == 1.0:  # (two launches a step fewer)
+            return freqs.cos(), freqs.sin()
         return freqs.cos() * self.mscale, freqs.sin() * self.mscale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
