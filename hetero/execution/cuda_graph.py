@@ -262,7 +262,9 @@ class DecodeGraphs:
         slots = [None if t is None else t[:b] for t in self.slots]
         first = self.model.layer_range.start
         attn = PagedAttention(self.pool, first, slots, metas, self.scale)
-        batch = ForwardBatch(self.positions[:b], self.logit_rows[: self._logit_count(b)], attn)
+        # a bucket of one row: its logit row is row 0, a view (no gathers of x and the delta)
+        rows = slice(0, 1) if b == 1 else self.logit_rows[: self._logit_count(b)]
+        batch = ForwardBatch(self.positions[:b], rows, attn)
         hidden = None if self.hidden is None else self.hidden[:b]
         return self.model(self.tokens[:b], batch, hidden)
 

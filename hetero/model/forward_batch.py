@@ -38,5 +38,5 @@ class AttentionBackend(Protocol):
 @dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [T] int64: absolute position of each new token
-    logits_indices: torch.Tensor  # [N] int64: rows of the T tokens whose logits are wanted
+    logits_indices: torch.Tensor | slice  # [N] int64 (or a slice): rows whose logits are wanted
     attention: AttentionBackend
