@@ -60,17 +60,6 @@ def kv_read(cache: torch.Tensor, scale: torch.Tensor | None, idx: torch.Tensor, 
     return cache[idx].to(dtype)
 
 
-@register("paged_attention_xquant", "torch")
-def paged_attention_xquant_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale, layout):
-    """(paged_attention_ref's output [T, H, D], its rows [T, H * D] in xquant's layout: words
-    and floats, as `xquant_ref` makes them): the attention and the quantization that the
-    integer GEMV after it reads, one launch where a kernel fuses them (else None)."""
-    from hetero.kernels.xquant import xquant_ref
-
-    out = paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
-    return (out, *xquant_ref(out.reshape(out.shape[0], -1), layout))
-
-
 @register("rope_kv_write", "torch")
 def rope_kv_write_ref(q, k, v, cos, sin, style: str, k_cache, v_cache, k_scale, v_scale, slots):
     """Rotate q [T, H, D] and k [T, KV, D] (the "rope" op), store the rotated k and v at
@@ -80,6 +69,23 @@ def rope_kv_write_ref(q, k, v, cos, sin, style: str, k_cache, v_cache, k_scale, 
 
     kv_write_ref(k_cache, v_cache, k_scale, v_scale, slots, rope_ref(k, cos, sin, style), v)
     return rope_ref(q, cos, sin, style)
+
+
+@register("rope_attention", "torch")
+def rope_attention_ref(
+    q, k, v, cos, sin, style, k_cache, v_cache, k_scale, v_scale, slots, meta, scale, layout=None
+):  # fmt: skip
+    """A step's attention from q and k not yet rotated: rope_kv_write_ref (rotate q and k, store
+    k and v at `slots`), then paged_attention_ref: (out [T, H, D], words, floats), the last two
+    the output's rows [T, H * D] in xquant's `layout` (`xquant_ref`: what the integer GEMV after
+    reads), None without one. One launch where a kernel fuses them (else None)."""
+    from hetero.kernels.xquant import xquant_ref
+
+    q = rope_kv_write_ref(q, k, v, cos, sin, style, k_cache, v_cache, k_scale, v_scale, slots)
+    out = paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
+    if layout is None:
+        return out, None, None
+    return (out, *xquant_ref(out.reshape(out.shape[0], -1), layout))
 
 
 @register("paged_attention", "torch")

@@ -137,14 +137,15 @@ def _cache_args(q, k_cache, v_cache, k_scale, v_scale) -> tuple[list, dict[str, 
 
 def paged_decode(
     q, k_cache, v_cache, k_scale, v_scale, meta, scale, n_splits=None, window=0, sinks=None,
-    merge=True, xq=None,
+    merge=True, xq=None, rope=None,
 ):  # fmt: skip
     """q [B, H, D], one query a sequence -> [B, H, D]. n_splits: tests force it; by default
     decode_splits picks it from the shapes and meta.max_seq_len (the window, when shorter).
     window, sinks: kernels/paged_sinks.py. One launch: with several splits the last of each
     KV head's merges them (merge=False: a reduce kernel after, as the benchmarks compare).
     xq (words, floats, layout): the output also quantized into them for an integer GEMV, by
-    the programs that write it (`paged_decode_xquant`)."""
+    the programs that write it. rope (k, v, cos, sin, style, slots): q and the new k not yet
+    rotated, k and v not yet stored; the kernel does both (`rope_attention_triton`)."""
     b, h, d = q.shape
     kv = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -165,10 +166,22 @@ def paged_decode(
             raise ValueError("the output's quantization is the merging programs' (merge=True)")
         lay = xq[2]
         consts.update(XQ=True, LB=lay.low_bits, GU=lay.unit, REGROUP=lay.regroup)
+    rope_args = [q, q, q, q, q, q, cnt, 0, 0, 0, 0, 0, 0]  # (unread without ROPE)
+    if rope is not None:
+        k, v, cos, sin, style, slots = rope
+        if style not in ("normal", "neox"):
+            raise ValueError(f"rope style {style!r} is not one of normal, neox")
+        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        qo, ko = torch.empty(b, h, d, dtype=q.dtype, device=q.device), torch.empty_like(k)
+        rope_args = [k, v, cos, sin, qo, ko, slots, k.stride(0), k.stride(1), v.stride(0),
+                     v.stride(1), cos.stride(0), cos.shape[-1]]  # fmt: skip
+        consts.update(ROPE=True, BR=_pow2(cos.shape[-1]), NEOX=style == "neox")
     kern.decode_split_kernel[(b, kv, n)](
         q, *caches, bt, meta.seq_lens, part_o, part_ml, out, sink_ptr, cnt, words, floats,
         scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), n,
-        MIN_SPLIT, window, H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d),
+        MIN_SPLIT, window, *rope_args,
+        H=h, KV=kv, G=h // kv, BG=_pow2(h // kv, 16), D=d, BD=_pow2(d),
         BS=meta.block_size, BN=DECODE_BN, SINKS=sinks is not None, MERGE=merge,
         BH=_pow2(h // kv), MC=MERGE_SPLITS, num_stages=DECODE_STAGES, **consts,
         **pdl_launch(q),
@@ -189,26 +202,31 @@ def xquant_fuses(h: int, kv: int, d: int, layout) -> bool:
     return span & (span - 1) == 0 and span % max(layout.chunk, 32) == 0
 
 
-@register("paged_attention_xquant", "triton", priority=10, supports=triton_supported)
-def paged_attention_xquant_triton(q, k_cache, v_cache, k_scale, v_scale, meta, scale, layout):
-    """paged_attention_xquant_ref's contract where one launch does it (a decode step of 16-bit
-    q whose head groups are whole chunks of the layout), else None: the caller attends and
-    quantizes as usual."""
+@register("rope_attention", "triton", priority=10, supports=triton_supported)
+def rope_attention_triton(
+    q, k, v, cos, sin, style, k_cache, v_cache, k_scale, v_scale, slots, meta, scale, layout=None
+):  # fmt: skip
+    """rope_attention_ref's contract in one launch where the step is a decode step (every
+    sequence one query; else None: the caller rotates, stores and attends in launches of their
+    own): the decode kernel rotates q and the new k, stores k and v, attends, and with a layout
+    (16-bit q whose head groups are whole chunks of it) quantizes its output too; words and
+    floats None where it does not."""
     tm = getattr(meta, "tensors", None)
     b, h, d = q.shape
-    if (
-        tm is None or tm.tiles is not None or tm.max_q_len != 1 or b != tm.seq_lens.shape[0]
-        or q.dtype == torch.float32 or not xquant_fuses(h, k_cache.shape[1], d, layout)
-    ):  # fmt: skip
+    if tm is None or tm.tiles is not None or tm.max_q_len != 1 or b != tm.seq_lens.shape[0]:
         return None
-    from hetero.kernels.xquant import xquant_buffers
+    xq = None
+    if layout is not None and q.dtype != torch.float32:
+        if xquant_fuses(h, k_cache.shape[1], d, layout):
+            from hetero.kernels.xquant import xquant_buffers
 
-    words, floats = xquant_buffers(b, h * d, layout, q.device)
+            xq = (*xquant_buffers(b, h * d, layout, q.device), layout)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = paged_decode(
-        q, k_cache, v_cache, k_scale, v_scale, tm, scale, xq=(words, floats, layout)
+        q, k_cache, v_cache, k_scale, v_scale, tm, scale, xq=xq,
+        rope=(k, v, cos, sin, style, slots),
     )  # fmt: skip
-    return out, words, floats
+    return (out, None, None) if xq is None else (out, xq[0], xq[1])
 
 
 def paged_prefill(

@@ -277,12 +277,14 @@ def decode_split_kernel(
     q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part_o, part_ml, out, sinks,
     cnt, words, floats, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, n_splits,
     min_split, window,
+    k_new, v_new, cos, sin, qo, ko, slots, sk_t, sk_h, sv_t, sv_h, sc, R,
     H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
     BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
     HW: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr,
     MERGE: tl.constexpr, BH: tl.constexpr, MC: tl.constexpr,
     XQ: tl.constexpr = False, LB: tl.constexpr = 4, GU: tl.constexpr = 32,
     REGROUP: tl.constexpr = False,
+    ROPE: tl.constexpr = False, BR: tl.constexpr = 64, NEOX: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B, KV, n_splits): the G query heads of KV head h over split s of the sequence's
@@ -301,7 +303,11 @@ def decode_split_kernel(
     hq's sink logit (sinks [H] float32) joins each softmax's sum. XQ (with MERGE): the program
     that writes a KV head's G output heads also quantizes them for the linear after
     (`_xquant_heads`: xquant's words and floats in layout LB, GU, REGROUP), so that no launch
-    of its own does.
+    of its own does. ROPE: q and the new token's k are not yet rotated, nor k and v stored:
+    each program rotates its G heads of q (into qo, read back: `_rope_write`), and the split
+    that holds the new key (position length - 1), the only one to read it, first rotates k
+    into ko and stores it and v at slots[b] (< 0: padding, skipped): the rope_kv_write
+    kernel's work, bit for bit, without a launch of its own.
     """
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -317,9 +323,18 @@ def decode_split_kernel(
         d = tl.arange(0, BD)
         gm = g < G
         qm = gm[:, None] & (d[None, :] < D)
+        if ROPE:
+            holds_new = s == (length - 1 - lo) // tl.maximum(split_len, 1)  # the new key's split
+            _rope_write(
+                q, k_new, v_new, cos, sin, qo, ko, k_cache, v_cache, k_scale, v_scale, slots,
+                b, h, holds_new, stride_qt, stride_qh, sk_t, sk_h, sv_t, sv_h, sc, R,
+                H, KV, G, D, BD, BR, NEOX, FP8,
+            )  # fmt: skip
+            qsrc = qo + b * H * D + (h * G + g)[:, None] * D + d[None, :]
+        else:
+            qsrc = q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :]
         # masked lanes must be 0: a padded dim of q meets a 0 of k, a padded head row is dropped
-        qv = tl.load(q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qm,
-                     other=0.0)  # fmt: skip
+        qv = tl.load(qsrc, mask=qm, other=0.0)
         m_i, l_i, acc = _keys(
             qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, start, end,
             tl.full([BG], end, tl.int32), tl.full([BG], -1, tl.int32), scale,
@@ -352,6 +367,39 @@ def decode_split_kernel(
                         _xquant_heads(out, words, floats, b, h * G, stride_ot, stride_oh, H, G,
                                       D, LB, GU, REGROUP)  # fmt: skip
                     tl.atomic_xchg(cnt + b * KV + h, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _rope_write(
+    q, k_new, v_new, cos, sin, qo, ko, k_cache, v_cache, k_scale, v_scale, slots, b, h, last,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc, R,
+    H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    BR: tl.constexpr, NEOX: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Sequence b's query heads h G .. h G + G - 1 rotated into qo [B, H, D] (every split of
+    the KV head writes the same values; each reads back its own), and where `last` its KV head
+    h: k rotated into ko [B, KV, D], then k and v stored at slots[b], as rope_kv_write_kernel
+    does; the program's stores made visible to all its threads."""
+    t = b.to(tl.int64)
+    d = tl.arange(0, BD)
+    rest = (d >= 2 * R) & (d < D)  # dims past the rotated ones: copied
+    cs, sn = cos + t * sc, sin + t * sc
+    for gi in tl.static_range(G):
+        src = q + t * sq_t + (h * G + gi) * sq_h
+        dst = qo + (t * H + h * G + gi) * D
+        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
+        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+    if last:
+        src = k_new + t * sk_t + h * sk_h
+        dst = ko + (t * KV + h) * D
+        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
+        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+        tl.debug_barrier()
+        slot = tl.load(slots + t).to(tl.int64)
+        if slot >= 0:
+            _kv_write_one(ko, k_cache, k_scale, t, h, slot, KV * D, D, KV, D, BD, FP8)
+            _kv_write_one(v_new, v_cache, v_scale, t, h, slot, sv_t, sv_h, KV, D, BD, FP8)
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -48,8 +48,8 @@ class PagedAttention:
         self._native: bool | None = None  # whether native_layer() serves (known at first ask)
         fused = select("rope_kv_write", pool.k.device)
         self._rope_write = None if fused.is_reference else fused.fn
-        fused = select("paged_attention_xquant", pool.k.device)
-        self._attend_xq = None if fused.is_reference else fused.fn
+        fused = select("rope_attention", pool.k.device)
+        self._rope_attention = None if fused.is_reference else fused.fn
 
     def native_layer(self, layer: int):
         """(k_cache, v_cache, new slots, the C attention's arrays, scale) of `layer`, for a kernel
@@ -69,21 +69,26 @@ class PagedAttention:
         return k_cache, v_cache, slots.contiguous(), flat_meta(meta), self.scale
 
     def rope_attend(self, layer: int, q, k, v, cos, sin, style: str, quant=None):
-        """Rotate q and k (the "rope" op's contract), store k and v, attend: the rotation and
-        the KV write in one launch where a kernel fuses them (else None: the caller rotates and
-        calls the backend as usual). quant (an xquant.XLayout): the output [T, H * D] as
-        QuantizedRows in that layout where the attention's launch can quantize it (a decode
-        step), else the plain output."""
-        if self._rope_write is None:
-            return None
+        """Rotate q and k (the "rope" op's contract), store k and v, attend, in as few launches
+        as the kernels allow: a decode step's all in the attention's one (`rope_attention`),
+        another step's rotation and KV write in one (`rope_kv_write`), then its attention; None
+        where no kernel fuses them (the caller rotates and calls the backend as usual). quant
+        (an xquant.XLayout): the output [T, H * D] as QuantizedRows in that layout where the
+        decode launch quantizes it too, else the plain output."""
         i = layer - self.first
         g = 0 if self._group is None else self._group[i]
-        q = self._rope_write(q, k, v, cos, sin, style, *self.pool.layer(i), self.slots[g])
-        if quant is not None and self._attend_xq is not None:
-            done = self._attend_xq(q, *self.pool.layer(i), self.meta[g], self.scale, quant)
+        caches, slots, meta = self.pool.layer(i), self.slots[g], self.meta[g]
+        if self._rope_attention is not None:
+            done = self._rope_attention(
+                q, k, v, cos, sin, style, *caches, slots, meta, self.scale, quant
+            )  # fmt: skip
             if done is not None:
-                return QuantizedRows(done[1], done[2], quant, q.dtype)
-        return self._attend(q, *self.pool.layer(i), self.meta[g], self.scale)
+                out, words, floats = done
+                return out if words is None else QuantizedRows(words, floats, quant, out.dtype)
+        if self._rope_write is None:
+            return None
+        q = self._rope_write(q, k, v, cos, sin, style, *caches, slots)
+        return self._attend(q, *caches, meta, self.scale)
 
     def __call__(self, layer: int, q, k, v, window: int = 0, sinks=None) -> torch.Tensor:
         i = layer - self.first

@@ -16,7 +16,13 @@ from hetero.execution.paged_meta import RowTiles, split_row_tiles, tensor_meta
 from hetero.execution.runner import PagedMeta
 from hetero.kernels import implementations
 from hetero.kernels import triton_paged as tp
-from hetero.kernels.paged import FP8, kv_write_ref, paged_attention_ref, rope_kv_write_ref
+from hetero.kernels.paged import (
+    FP8,
+    kv_write_ref,
+    paged_attention_ref,
+    rope_attention_ref,
+    rope_kv_write_ref,
+)
 from tests.support.triton_interp import CUDA, DEVICE, kernels_runnable, rerun_test  # noqa: F401 (autouse)
 
 triton = pytest.importorskip("triton")
@@ -193,35 +199,94 @@ def test_decode_paths_and_magnitudes(hw: bool, dtype: torch.dtype, fine: bool, m
             assert not tp._counters(DEVICE, 1).any()
 
 
+def new_tokens(pool: Pool, meta, h: int, dtype, gen, rotary: int):
+    """A decode step's q, k, v [B, *, D] not yet rotated (k and v not yet stored: their slots,
+    each context's last, are the step's), rotation tables [B, rotary] and the slots (a sequence
+    of no context: padding, slot -1)."""
+    b, kv, d = len(meta.ctx_slots), pool.kv, pool.d
+    q, k, v = (torch.randn(b, n, d, generator=gen).to(DEVICE, dtype) for n in (h, kv, kv))
+    ang = torch.rand(b, rotary, generator=gen) * 6.3
+    slots = torch.tensor([int(c[-1]) if len(c) else -1 for c in meta.ctx_slots], device=DEVICE)
+    return q, k, v, ang.cos().to(DEVICE), ang.sin().to(DEVICE), slots
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
+@pytest.mark.parametrize("style", ["normal", "neox"])
+def test_decode_rotates_and_stores_the_new_token(
+    kv_dtype: str, style: str, fine: bool, monkeypatch
+) -> None:
+    """A decode step from q and k not yet rotated: the decode kernel rotates them and stores
+    the new k and v itself (the split that holds the new key writes them before reading), bit
+    for bit the rotation-and-write kernel then the decode kernel (the output and the caches);
+    every dim rotated or the first 2 x 12 of 32; the reference's output. A prefill step: None.
+    A grid of 64 SMs' splits (`fine`: the 97-key row's new key in its 4th of 12 splits)."""
+    monkeypatch.setattr(tp, "_sm_count", lambda device: 64)
+    kv, g, d, bs = 2, 3, 32, 4
+    gen = torch.Generator().manual_seed(12)
+    ctx = [0, 1, 7, 45, 97]
+    for rotary in (d // 2, 12):
+        pools = [Pool(64, bs, kv, d, kv_dtype) for _ in range(3)]
+        _, meta = make_step(pools[0], ctx, [1] * len(ctx), kv * g, torch.float16, gen)
+        for p in pools[1:]:  # the same contexts in each
+            for a, b in zip(p.caches(), pools[0].caches()):
+                if a is not None:
+                    a.copy_(b)
+        q, k, v, cos, sin, slots = new_tokens(pools[0], meta, kv * g, torch.float16, gen, rotary)
+        rope = (q, k, v, cos, sin, style)
+        got = tp.rope_attention_triton(*rope, *pools[0].caches(), slots, meta, d**-0.5)
+        assert got[1] is None and got[2] is None
+        qr = tp.rope_kv_write_triton(*rope, *pools[1].caches(), slots)
+        two = tp.paged_decode(qr, *pools[1].caches(), meta.tensors, d**-0.5)
+        assert torch.equal(got[0], two)
+        for a, b in zip(pools[0].caches(), pools[1].caches()):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        want = rope_attention_ref(*rope, *pools[2].caches(), slots, meta, d**-0.5)[0]
+        assert_attention_close(got[0][1:], want[1:])
+        assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))  # padding: no context
+    qp, metap = make_step(pools[0], [9], [3], kv * g, torch.float16, gen)  # prefill: None
+    k3 = torch.zeros(3, kv, d, device=DEVICE, dtype=torch.float16)
+    args = (qp, k3, k3, cos[:1].expand(3, -1), sin[:1].expand(3, -1), style)
+    assert tp.rope_attention_triton(*args, *pools[0].caches(), slots[:3], metap, 0.1) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_output_quantized_for_the_next_linear(fine: bool, dtype) -> None:
+def test_decode_output_quantized_for_the_next_linear(fine: bool, dtype, monkeypatch) -> None:
     """The decode kernel's output also in xquant's layout (words and floats) for the integer
     GEMV after it, written by the programs that write the output (one split's, or the merging
     one's): equal to xquant_ref of that output bit for bit, for Q4_K's layout, Q6_K's
     (regrouped, units of 16) and Q8_0's (chunks of 16); the output itself as the reference's.
-    A float32 q, a prefill step or head groups that are no whole chunks: None (not fused)."""
+    A float32 q or head groups that are no whole chunks: the output alone."""
     from hetero.kernels.xquant import XLayout, xquant_ref
+
+    monkeypatch.setattr(tp, "_sm_count", lambda device: 64)  # several splits, merged
 
     kv, g, d, bs = 2, 4, 32, 4
     gen = torch.Generator().manual_seed(8)
-    pool = Pool(64, bs, kv, d, "fp8")
+    pool, ref = Pool(64, bs, kv, d, "fp8"), Pool(64, bs, kv, d, "fp8")
     ctx = [0, 7, 45, 97]
-    q, meta = make_step(pool, ctx, [1] * len(ctx), kv * g, dtype, gen)
-    want = paged_attention_ref(q, *pool.caches(), meta, d**-0.5)
+    _, meta = make_step(pool, ctx, [1] * len(ctx), kv * g, dtype, gen)
+    for a, b in zip(ref.caches(), pool.caches()):
+        a.copy_(b)
+    *made, slots = new_tokens(pool, meta, kv * g, dtype, gen, d // 2)
+    rope = (*made, "normal")
+    want = rope_attention_ref(*rope, *ref.caches(), slots, meta, d**-0.5)[0]
     for layout in (XLayout(4, 32), XLayout(4, 16), XLayout(8, 32)):
-        out, words, floats = tp.paged_attention_xquant_triton(
-            q, *pool.caches(), meta, d**-0.5, layout
+        out, words, floats = tp.rope_attention_triton(
+            *rope, *pool.caches(), slots, meta, d**-0.5, layout
         )  # fmt: skip
         assert_attention_close(out, want)
         ref_words, ref_floats = xquant_ref(out.reshape(len(ctx), -1), layout)
         assert torch.equal(words, ref_words) and torch.equal(floats, ref_floats)
     lay = XLayout(4, 32)
-    assert tp.paged_attention_xquant_triton(q.float(), *pool.caches(), meta, 0.1, lay) is None
+    rope32 = (rope[0].float(), rope[1].float(), rope[2].float(), *rope[3:])
+    got = tp.rope_attention_triton(*rope32, *pool.caches(), slots, meta, 0.1, lay)
+    assert got[1] is None
     odd = Pool(64, bs, 2, 24, "fp8")  # 4 heads of 24: 96 elements a group
-    q3, meta3 = make_step(odd, [5], [1], 8, dtype, gen)
-    assert tp.paged_attention_xquant_triton(q3, *odd.caches(), meta3, 0.1, lay) is None
-    qp, metap = make_step(pool, [9], [3], kv * g, dtype, gen)  # three new tokens: prefill
-    assert tp.paged_attention_xquant_triton(qp, *pool.caches(), metap, 0.1, lay) is None
+    _, meta3 = make_step(odd, [5], [1], 8, dtype, gen)
+    *made, slots3 = new_tokens(odd, meta3, 8, dtype, gen, 12)
+    got = tp.rope_attention_triton(*made, "normal", *odd.caches(), slots3, meta3, 0.1, lay)
+    assert got[1] is None and got[0].shape == (1, 8, 24)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp16"])
@@ -300,7 +365,7 @@ def test_padding_rows_give_zeros_and_reference_fallback() -> None:
 
 
 def test_registered_with_device_support() -> None:
-    for op in ("paged_attention", "kv_write", "rope_kv_write", "paged_attention_xquant"):
+    for op in ("paged_attention", "kv_write", "rope_kv_write", "rope_attention"):
         impl = next(i for i in implementations(op) if i.name == "triton")
         assert not impl.supports(torch.device("cpu"))
         if CUDA:
@@ -336,8 +401,10 @@ for arch in map(int, sys.argv[1].split(",")):
             "rows": lambda: tp.paged_rows(q, *caches, TensorMeta(
                 tm.block_tables, lens, tm.q_start_loc, 1, 1024, bs,
                 RowTiles(lens, lens, 4)), 0.1),
-            "decode_xq": lambda: tp.paged_attention_xquant_triton(
-                q, *caches, SimpleNamespace(tensors=tm), 0.1, XLayout(4, 16)),
+            "decode_xq": lambda: tp.rope_attention_triton(
+                q, q[:, :kv], q[:, kv:2 * kv], torch.ones(b, d // 2), torch.zeros(b, d // 2),
+                "neox", *caches, torch.arange(b), SimpleNamespace(tensors=tm), 0.1,
+                XLayout(4, 16)),
             "rope_write": lambda: tp.rope_kv_write_triton(
                 q, q[:, :kv], q[:, kv:2 * kv], torch.ones(b, d // 2), torch.zeros(b, d // 2),
                 "normal", *caches, torch.arange(b)),
