@@ -13,7 +13,8 @@ launch overhead). The fused KV write of the step's new tokens is timed too.
 take the model's context; default: each row's own). --variants: "merge" (the default path:
 fp8 by the conversion instruction where the GPU has it, the splits merged in the decode
 kernel), "reduce" (merged by the reduce kernel after it), "int" (fp8 decoded with integers, as
-sm_80/86 do), "int-reduce"; "all" for the four. --min-splits: the fewest keys a split takes;
+sm_80/86 do), "int-reduce", "rope" (q and the new key rotated, k and v stored in the kernel:
+a decode step's launch); "all" for the five. --min-splits: the fewest keys a split takes;
 --stages: the decode loop's software pipeline (ptxas, sm_90: 96-128 registers at 1 stage, 140
 at 2, 143-145 at 3 or 4).
 """
@@ -65,7 +66,19 @@ VARIANTS = {
     "reduce": (True, False),
     "int": (False, True),
     "int-reduce": (False, False),
-}  # (fp8 by the instruction, merged in the kernel)
+    "rope": (True, True),
+}  # (fp8 by the instruction, merged in the kernel); "rope": q and k rotated, k and v stored in it
+
+
+def rope_args(q: torch.Tensor, meta: TensorMeta, ctx: int) -> tuple:
+    """A decode step's new k, v [B, KV, D], rotation tables [B, D/2], style and slots (each
+    sequence's last position's: the kernel stores the new key there, as a step does)."""
+    b = q.shape[0]
+    k, v = (torch.randn(b, KV, D, device="cuda", dtype=q.dtype) for _ in range(2))
+    ang = torch.rand(b, D // 2, device="cuda") * 6.3
+    last = ctx - 1
+    slots = meta.block_tables[:, last // BS].long() * BS + last % BS
+    return k, v, ang.cos(), ang.sin(), "normal", slots
 
 
 def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float, max_len: int, variant: str,
@@ -78,7 +91,8 @@ def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float, max_len: int, vari
     tp.hw_fp8 = lambda device: hw and saved[0](device)
     tp.MIN_SPLIT, tp.DECODE_STAGES = min_split, stages
     try:
-        call = lambda: tp.paged_decode(q, *caches, meta, scale, merge=merge)  # noqa: E731
+        rope = rope_args(q, meta, ctx) if variant == "rope" else None
+        call = lambda: tp.paged_decode(q, *caches, meta, scale, merge=merge, rope=rope)  # noqa: E731
         sec = graph_time([call] * 32, 50)
     finally:
         tp.hw_fp8, tp.MIN_SPLIT, tp.DECODE_STAGES = saved
