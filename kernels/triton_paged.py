@@ -123,14 +123,18 @@ def hw_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _cache_args(q, k_cache, v_cache, k_scale, v_scale) -> tuple[list, dict[str, Any]]:
+def _cache_args(
+    q, k_cache, v_cache, k_scale, v_scale, scaled: bool = False
+) -> tuple[list, dict[str, Any]]:
     """The caches as the attention kernels take them (fp8 as uint8, a 16-bit cache's scales
-    unused) and the constexprs of their dtypes: FP8, HW, DT, IEEE."""
+    unused) and the constexprs of their dtypes: FP8, HW, DT, IEEE. scaled: the prefill
+    kernels' tiles, scaled themselves in q's dtype (the decode kernel's fp8 tiles are float16
+    codes whose scales meet the scores: `_kv_tile`)."""
     kc, vc = _bits(k_cache), _bits(v_cache)
     fp8 = k_cache.dtype == FP8
     consts = dict(
-        FP8=fp8, HW=fp8 and hw_fp8(q.device), DT=_kernels().tile_dtype(q.dtype, fp8),
-        IEEE=q.dtype == torch.float32,
+        FP8=fp8, HW=fp8 and hw_fp8(q.device),
+        DT=_kernels().tile_dtype(q.dtype, fp8 and not scaled), IEEE=q.dtype == torch.float32,
     )  # fmt: skip
     return [kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc], consts
 
@@ -240,7 +244,7 @@ def paged_prefill(
     if t == 0 or b == 0:
         return out
     bm, bn = bm or PREFILL_BM, bn or PREFILL_BN
-    caches, consts = _cache_args(q, k_cache, v_cache, k_scale, v_scale)
+    caches, consts = _cache_args(q, k_cache, v_cache, k_scale, v_scale, scaled=True)
     bt = meta.block_tables
     grid = (-(-int(meta.max_q_len) // bm), b, h)
     _kernels().prefill_kernel[grid](
@@ -266,7 +270,7 @@ def paged_rows(
     )
     if b == 0:
         return out
-    caches, consts = _cache_args(q, k_cache, v_cache, k_scale, v_scale)
+    caches, consts = _cache_args(q, k_cache, v_cache, k_scale, v_scale, scaled=True)
     kv = k_cache.shape[1]
     bt = meta.block_tables
     _kernels().row_tile_kernel[(-(-b // tiles.rows), h)](

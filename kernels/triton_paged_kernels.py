@@ -129,35 +129,42 @@ def rope_kv_write_kernel(
 def _kv_tile(
     cache, scale_ptr, slot, h, pm,
     KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FP8: tl.constexpr, HW: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """Rows `slot` [BN] of head h as (tile [BN, BD] of DT, scale [BN] float32): the rows' values
-    are tile * scale[:, None] (masked rows and dims are 0; scale 1 without fp8). An fp8 tile is
-    its codes' values unscaled, exact in float16: by the conversion instruction (HW, sm_89+) or
-    as float16 bits from integer operations, which hold the value / 256 (the scale takes the
-    256). The scale is applied to the tile's scores and probabilities, [M, BN] products, where
-    it was [BN, BD] products a tile."""
+    are tile * scale[:, None] (masked rows and dims are 0; scale 1 without fp8). An fp8 tile's
+    codes decode by the conversion instruction (HW, sm_89+) or as float16 bits from integer
+    operations, which hold the value / 256. Unscaled (the decode kernel: its scales applied to
+    the tile's scores and probabilities, [G, BN] products, where they were [BN, D] products),
+    a tile is its codes' values, exact in float16 (the integer path's 256 joins the scale);
+    SCALED (the prefill kernels, whose [M, BN] products outnumber the tile's): the values
+    themselves, rounded to DT once, and a scale of 1."""
     d = tl.arange(0, BD)
     m = pm[:, None] & (d[None, :] < D)
     x = tl.load(cache + (slot[:, None] * KV + h) * D + d[None, :], mask=m, other=0)
+    one = tl.where(pm, 1.0, 0.0)
     if FP8:
         s = tl.load(scale_ptr + slot * KV + h, mask=pm, other=0.0)
         if HW:
-            return x.to(tl.float8e4nv, bitcast=True).to(DT), s
-        u = x.to(tl.int32)
-        bits = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(DT), s * 256.0
-    return x.to(DT), tl.where(pm, 1.0, 0.0)
+            f = x.to(tl.float8e4nv, bitcast=True)
+        else:
+            u = x.to(tl.int32)
+            f = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+            s = s * 256.0
+        if SCALED:
+            return (f.to(tl.float32) * s[:, None]).to(DT), one
+        return f.to(DT), s
+    return x.to(DT), one
 
 
 @triton.jit
-def _q_operand(qv, FP8: tl.constexpr, IEEE: tl.constexpr):
-    """(q as the dots' operand, its row scale [M] float32). Against fp8 tiles (float16) the
-    rows of a 16-bit q go to float16 divided by a power of two at most their largest |q| (exact
-    for bf16 values within 2^-24 of it: float16's range does not hold bf16's); float32 q
-    (IEEE) and the 16-bit caches' tiles take q as it is."""
+def _q_operand(qv, FP8: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr):
+    """(q as the dots' operand, its row scale [M] float32). Against unscaled fp8 tiles (float16)
+    the rows of a 16-bit q go to float16 divided by a power of two at most their largest |q|
+    (exact for bf16 values within 2^-24 of it: float16's range does not hold bf16's); float32
+    q (IEEE), scaled tiles and the 16-bit caches' tiles take q as it is."""
     qs = tl.full([qv.shape[0]], 1.0, tl.float32)
-    if FP8:
+    if FP8 and not SCALED:
         if not IEEE:
             qf = qv.to(tl.float32)
             big = tl.max(tl.abs(qf), axis=1)
@@ -181,13 +188,25 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax(qv, qs, kt, ks, vt, vs, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+def _online_softmax(
+    qv, qs, kt, ks, vt, vs, keep, scale, m_i, l_i, acc, IEEE: tl.constexpr, SCALED: tl.constexpr
+):  # fmt: skip
     """One key tile of flash attention: q [M, BD] with its row scales qs [M] (`_q_operand`),
     k/v [BN, BD] with their row scales ks / vs [BN] (`_kv_tile`), keep [M, BN]; running max
     m_i [M], sum l_i [M] and unnormalized output acc [M, BD] in float32, updated. A row that
     has kept no key yet (a sliding window starts past the tile) keeps m_i = -inf, l_i = 0.
-    The probabilities meet V's scales before the dot, divided by the tile's largest (so they
-    stay in [0, 1], V's dtype holding them), which multiplies the product."""
+    Unscaled tiles: the probabilities meet V's scales before the dot, divided by the tile's
+    largest (so they stay in [0, 1], V's dtype holding them), which multiplies the product.
+    SCALED (every scale 1): the plain step, in fewer registers."""
+    if SCALED:
+        sc = tl.where(keep, _dot(qv, tl.trans(kt), IEEE) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(qv.dtype), vt, IEEE)
+        return m_new, l_i, acc
     sc = _dot(qv, tl.trans(kt), IEEE) * (qs * scale)[:, None] * ks[None, :]  # [M, BN]
     sc = tl.where(keep, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -214,22 +233,25 @@ def _keys(
     scale,
     KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     FP8: tl.constexpr, HW: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):  # fmt: skip
     """Flash attention's (m, l, acc) [M], [M], [M, BD] of query rows qv [M, BD] over keys
     lo .. hi - 1 of sequence b's pages (KV head h), row i seeing keys first[i] .. limit[i] - 1.
-    """
+    SCALED: the tiles scaled themselves (`_kv_tile`)."""
     m_i = tl.full([qv.shape[0]], float("-inf"), tl.float32)
     l_i = tl.zeros([qv.shape[0]], tl.float32)
     acc = tl.zeros([qv.shape[0], BD], tl.float32)
-    qv, qs = _q_operand(qv, FP8, IEEE)
+    qv, qs = _q_operand(qv, FP8, IEEE, SCALED)
     for n0 in range(lo, hi, BN):
         pos = n0 + tl.arange(0, BN)
         pm = pos < hi
         slot = _slots(block_tables, b, stride_bt, pos, pm, BS)
-        kt, ks = _kv_tile(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8, HW, DT)
-        vt, vs = _kv_tile(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8, HW, DT)
+        kt, ks = _kv_tile(k_cache, k_scale, slot, h, pm, KV, D, BD, FP8, HW, DT, SCALED)
+        vt, vs = _kv_tile(v_cache, v_scale, slot, h, pm, KV, D, BD, FP8, HW, DT, SCALED)
         keep = pm[None, :] & (pos[None, :] < limit[:, None]) & (pos[None, :] >= first[:, None])
-        m_i, l_i, acc = _online_softmax(qv, qs, kt, ks, vt, vs, keep, scale, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _online_softmax(
+            qv, qs, kt, ks, vt, vs, keep, scale, m_i, l_i, acc, IEEE, SCALED
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -248,7 +270,7 @@ def _attend(
     first = tl.where(window > 0, limit - window, -1)  # [M]: keys below it are out of the window
     m_i, l_i, acc = _keys(
         qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi, limit,
-        first, scale, KV, D, BD, BS, BN, FP8, HW, DT, IEEE,
+        first, scale, KV, D, BD, BS, BN, FP8, HW, DT, IEEE, True,
     )  # fmt: skip
     if SINKS:  # exp(sink - m_i) joins the sum; a row without keys: exp(+inf) -> 0 output
         l_i = l_i + tl.exp(sink - m_i)
@@ -338,7 +360,7 @@ def decode_split_kernel(
         m_i, l_i, acc = _keys(
             qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, start, end,
             tl.full([BG], end, tl.int32), tl.full([BG], -1, tl.int32), scale,
-            KV, D, BD, BS, BN, FP8, HW, DT, IEEE,
+            KV, D, BD, BS, BN, FP8, HW, DT, IEEE, False,
         )  # fmt: skip
         hq = h * G + g  # [BG]
         if n == 1:  # the whole context here: normalize and store
