@@ -60,6 +60,16 @@ def _rotate_pairs(
 
 
 @triton.jit
+def _rotate_head(src, dst, cs, sn, R, D, BD: tl.constexpr, BR: tl.constexpr, NEOX: tl.constexpr):
+    """One head's D dims from src to dst: the first 2R rotated (`_rotate_pairs`), the rest
+    copied."""
+    _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
+    d = tl.arange(0, BD)
+    rest = (d >= 2 * R) & (d < D)
+    tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+
+
+@triton.jit
 def rope_kernel(
     x, cos, sin, out, sx_t, sx_h, sc, so_t, so_h, R, D,
     BR: tl.constexpr, BD: tl.constexpr, NEOX: tl.constexpr,
@@ -72,11 +82,7 @@ def rope_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     src = x + t * sx_t + h * sx_h
-    dst = out + t * so_t + h * so_h
-    _rotate_pairs(src, dst, cos + t * sc, sin + t * sc, R, src, 1.0, BR, NEOX, False)
-    d = tl.arange(0, BD)
-    rest = (d >= 2 * R) & (d < D)
-    tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+    _rotate_head(src, out + t * so_t + h * so_h, cos + t * sc, sin + t * sc, R, D, BD, BR, NEOX)
 
 
 @triton.jit

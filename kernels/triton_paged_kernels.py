@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetero.kernels.triton_fused_kernels import _rotate_pairs
+from hetero.kernels.triton_fused_kernels import _rotate_head
 from hetero.kernels.triton_pdl import pdl_wait
 from hetero.kernels.triton_xquant_kernels import _dot_element, _store_span
 
@@ -104,25 +104,32 @@ def rope_kv_write_kernel(
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    d = tl.arange(0, BD)
-    rest = (d >= 2 * R) & (d < D)  # dims past the rotated ones: copied
     cs, sn = cos + t * sc, sin + t * sc
     if j < H:
-        src = q + t * sq_t + j * sq_h
-        dst = qo + (t * H + j) * D
-        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
-        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+        _rotate_head(q + t * sq_t + j * sq_h, qo + (t * H + j) * D, cs, sn, R, D, BD, BR, NEOX)
     else:
-        h = j - H
-        src = k + t * sk_t + h * sk_h
-        dst = ko + (t * KV + h) * D
-        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
-        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
-        tl.debug_barrier()  # the rotated row, stored by all threads, read back by all
-        slot = tl.load(slots + t).to(tl.int64)
-        if slot >= 0:
-            _kv_write_one(ko, k_cache, k_scale, t, h, slot, KV * D, D, KV, D, BD, FP8)
-            _kv_write_one(v, v_cache, v_scale, t, h, slot, sv_t, sv_h, KV, D, BD, FP8)
+        _store_new_kv(
+            k, v, cs, sn, ko, k_cache, v_cache, k_scale, v_scale, slots, t, j - H, sk_t, sk_h,
+            sv_t, sv_h, R, KV, D, BD, BR, NEOX, FP8,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_new_kv(
+    k, v, cs, sn, ko, k_cache, v_cache, k_scale, v_scale, slots, t, h, sk_t, sk_h, sv_t, sv_h, R,
+    KV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, NEOX: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    """Token t's KV head h: k rotated into ko [T, KV, D] (rounded to its dtype, as the rope
+    kernel stores it), read back by every thread, then it and v quantized and stored at
+    slots[t] (< 0: skipped) as kv_write_kernel does."""
+    dst = ko + (t * KV + h) * D
+    _rotate_head(k + t * sk_t + h * sk_h, dst, cs, sn, R, D, BD, BR, NEOX)
+    tl.debug_barrier()  # the rotated row, stored by all threads, read back by all
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        _kv_write_one(ko, k_cache, k_scale, t, h, slot, KV * D, D, KV, D, BD, FP8)
+        _kv_write_one(v, v_cache, v_scale, t, h, slot, sv_t, sv_h, KV, D, BD, FP8)
 
 
 @triton.jit
@@ -199,24 +206,21 @@ def _online_softmax(
     largest (so they stay in [0, 1], V's dtype holding them), which multiplies the product.
     SCALED (every scale 1): the plain step, in fewer registers."""
     if SCALED:
-        sc = tl.where(keep, _dot(qv, tl.trans(kt), IEEE) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(qv.dtype), vt, IEEE)
-        return m_new, l_i, acc
-    sc = _dot(qv, tl.trans(kt), IEEE) * (qs * scale)[:, None] * ks[None, :]  # [M, BN]
+        sc = _dot(qv, tl.trans(kt), IEEE) * scale  # [M, BN]
+    else:
+        sc = _dot(qv, tl.trans(kt), IEEE) * (qs * scale)[:, None] * ks[None, :]
     sc = tl.where(keep, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(-inf - 0) = 0, never NaN
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    vmax = tl.max(vs, axis=0)
-    pv = p * (vs * tl.where(vmax > 0, 1.0 / vmax, 0.0))[None, :]
-    acc = acc * alpha[:, None] + _dot(pv.to(vt.dtype), vt, IEEE) * vmax
+    if SCALED:
+        acc = acc * alpha[:, None] + _dot(p.to(qv.dtype), vt, IEEE)
+    else:
+        vmax = tl.max(vs, axis=0)
+        pv = p * (vs * tl.where(vmax > 0, 1.0 / vmax, 0.0))[None, :]
+        acc = acc * alpha[:, None] + _dot(pv.to(vt.dtype), vt, IEEE) * vmax
     return m_new, l_i, acc
 
 
@@ -272,7 +276,14 @@ def _attend(
         qv, k_cache, v_cache, k_scale, v_scale, block_tables, b, stride_bt, h, lo, hi, limit,
         first, scale, KV, D, BD, BS, BN, FP8, HW, DT, IEEE, True,
     )  # fmt: skip
-    if SINKS:  # exp(sink - m_i) joins the sum; a row without keys: exp(+inf) -> 0 output
+    return _normalize(m_i, l_i, acc, sink, SINKS)
+
+
+@triton.jit
+def _normalize(m_i, l_i, acc, sink, SINKS: tl.constexpr):
+    """acc / l [M, BD]: the softmax's output; SINKS: exp(sink - m_i) joins the sum (a row
+    without keys: exp(+inf) -> 0 output, as without a sink)."""
+    if SINKS:
         l_i = l_i + tl.exp(sink - m_i)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
@@ -364,9 +375,10 @@ def decode_split_kernel(
         )  # fmt: skip
         hq = h * G + g  # [BG]
         if n == 1:  # the whole context here: normalize and store
+            sink = m_i  # (unread without sinks)
             if SINKS:
-                l_i = l_i + tl.exp(tl.load(sinks + hq, mask=gm, other=0.0) - m_i)
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                sink = tl.load(sinks + hq, mask=gm, other=0.0)
+            o = _normalize(m_i, l_i, acc, sink, SINKS)
             dst = out + b * stride_ot + hq[:, None] * stride_oh + d[None, :]
             tl.store(dst, o.to(out.dtype.element_ty), mask=qm)
             if XQ:
@@ -403,24 +415,15 @@ def _rope_write(
     h: k rotated into ko [B, KV, D], then k and v stored at slots[b], as rope_kv_write_kernel
     does; the program's stores made visible to all its threads."""
     t = b.to(tl.int64)
-    d = tl.arange(0, BD)
-    rest = (d >= 2 * R) & (d < D)  # dims past the rotated ones: copied
     cs, sn = cos + t * sc, sin + t * sc
     for gi in tl.static_range(G):
         src = q + t * sq_t + (h * G + gi) * sq_h
-        dst = qo + (t * H + h * G + gi) * D
-        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
-        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+        _rotate_head(src, qo + (t * H + h * G + gi) * D, cs, sn, R, D, BD, BR, NEOX)
     if last:
-        src = k_new + t * sk_t + h * sk_h
-        dst = ko + (t * KV + h) * D
-        _rotate_pairs(src, dst, cs, sn, R, src, 1.0, BR, NEOX, False)
-        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
-        tl.debug_barrier()
-        slot = tl.load(slots + t).to(tl.int64)
-        if slot >= 0:
-            _kv_write_one(ko, k_cache, k_scale, t, h, slot, KV * D, D, KV, D, BD, FP8)
-            _kv_write_one(v_new, v_cache, v_scale, t, h, slot, sv_t, sv_h, KV, D, BD, FP8)
+        _store_new_kv(
+            k_new, v_new, cs, sn, ko, k_cache, v_cache, k_scale, v_scale, slots, t, h, sk_t,
+            sk_h, sv_t, sv_h, R, KV, D, BD, BR, NEOX, FP8,
+        )  # fmt: skip
     tl.debug_barrier()
 
 
