@@ -61,16 +61,22 @@ def add_rms_norm_triton(x, residual, weight, eps: float) -> tuple[torch.Tensor, 
     return _norm(x, residual, weight, eps)
 
 
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, style: str) -> tuple[torch.Tensor, ...]:
+    """The rotation kernels' tables: cos, sin [T, R] as contiguous float32, after the style is
+    checked (normal or neox)."""
+    if style not in ("normal", "neox"):
+        raise ValueError(f"rope style {style!r} is not one of normal, neox")
+    return cos.float().contiguous(), sin.float().contiguous()
+
+
 @register("rope", "triton", priority=10, supports=triton_supported)
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str):
     """x [T, H, D] (any row and head strides, unit stride along D) -> a new [T, H, D]."""
-    if style not in ("normal", "neox"):
-        raise ValueError(f"rope style {style!r} is not one of normal, neox")
+    cos, sin = rope_tables(cos, sin, style)
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, h, d = x.shape
     r = cos.shape[-1]
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     if t:
         _kernels().rope_kernel[(t, h)](
@@ -85,13 +91,11 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: st
 def qk_norm_rope_triton(q, k, wq, wk, eps: float, cos, sin, style: str):
     """qk_norm_rope_ref's contract in one launch for q and k (four where they go op by op):
     q [T, H, D], k [T, KV, D] with any row and head strides, unit stride along D."""
-    if style not in ("normal", "neox"):
-        raise ValueError(f"rope style {style!r} is not one of normal, neox")
+    cos, sin = rope_tables(cos, sin, style)
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     t, h, d = q.shape
     kv = k.shape[1]
     r = cos.shape[-1]
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     qo = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     ko = torch.empty(t, kv, d, dtype=k.dtype, device=k.device)
     if t:

@@ -34,6 +34,7 @@ from hetero.kernels.paged import FP8, paged_attention_ref
 from hetero.kernels.paged_sinks import paged_attention_sinks_ref
 from hetero.kernels.pdl import pdl_launch
 from hetero.kernels.registry import register
+from hetero.kernels.triton_fused import rope_tables
 from hetero.kernels.triton_qmatmul import _counters, _sm_count, triton_supported
 
 DECODE_BN = 32  # keys a decode loop step
@@ -61,6 +62,14 @@ def _bits(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == FP8 else cache
 
 
+def _cache_ptrs(k_cache, v_cache, k_scale, v_scale) -> tuple[list, bool]:
+    """([k, v, their scales] as the kernels take them: fp8 as uint8, a 16-bit cache's scales
+    unread (its own tensors passed), whether they are fp8)."""
+    kc, vc = _bits(k_cache), _bits(v_cache)
+    fp8 = k_cache.dtype == FP8
+    return [kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc], fp8
+
+
 @register("kv_write", "triton", priority=10, supports=triton_supported)
 def kv_write_triton(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
     """Quantize k, v [T, KV, D] and scatter them to `slots` [T] in one launch (slot < 0: skip)."""
@@ -69,11 +78,9 @@ def kv_write_triton(k_cache, v_cache, k_scale, v_scale, slots, k, v) -> None:
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    kc, vc = _bits(k_cache), _bits(v_cache)
-    fp8 = k_cache.dtype == FP8
+    caches, fp8 = _cache_ptrs(k_cache, v_cache, k_scale, v_scale)
     _kernels().kv_write_kernel[(t, kv)](
-        k, v, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc, slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, *caches, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         KV=kv, D=d, BD=_pow2(d), FP8=fp8, **pdl_launch(k),
     )  # fmt: skip
 
@@ -83,24 +90,20 @@ def rope_kv_write_triton(q, k, v, cos, sin, style: str, k_cache, v_cache, k_scal
     """rope_kv_write_ref's contract in one launch: q [T, H, D], k and v [T, KV, D] with any row
     and head strides (views of one q|k|v matmul output), unit stride along D; cos, sin
     [T, R]. Returns the rotated q [T, H, D]."""
-    if style not in ("normal", "neox"):
-        raise ValueError(f"rope style {style!r} is not one of normal, neox")
+    cos, sin = rope_tables(cos, sin, style)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     t, h, d = q.shape
     kv = k.shape[1]
     r = cos.shape[-1]
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     qo = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     if t == 0:
         return qo
     ko = torch.empty(t, kv, d, dtype=k.dtype, device=k.device)
-    kc, vc = _bits(k_cache), _bits(v_cache)
-    fp8 = k_cache.dtype == FP8
+    caches, fp8 = _cache_ptrs(k_cache, v_cache, k_scale, v_scale)
     _kernels().rope_kv_write_kernel[(t, h + kv)](
-        q, k, v, cos, sin, qo, ko, kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc,
-        slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), h, r, KV=kv, D=d, BD=_pow2(d), BR=_pow2(r), NEOX=style == "neox",
-        FP8=fp8, **pdl_launch(q),
+        q, k, v, cos, sin, qo, ko, *caches, slots, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), h, r,
+        KV=kv, D=d, BD=_pow2(d), BR=_pow2(r), NEOX=style == "neox", FP8=fp8, **pdl_launch(q),
     )  # fmt: skip
     return qo
 
@@ -130,13 +133,12 @@ def _cache_args(
     unused) and the constexprs of their dtypes: FP8, HW, DT, IEEE. scaled: the prefill
     kernels' tiles, scaled themselves in q's dtype (the decode kernel's fp8 tiles are float16
     codes whose scales meet the scores: `_kv_tile`)."""
-    kc, vc = _bits(k_cache), _bits(v_cache)
-    fp8 = k_cache.dtype == FP8
+    caches, fp8 = _cache_ptrs(k_cache, v_cache, k_scale, v_scale)
     consts = dict(
         FP8=fp8, HW=fp8 and hw_fp8(q.device),
         DT=_kernels().tile_dtype(q.dtype, fp8 and not scaled), IEEE=q.dtype == torch.float32,
     )  # fmt: skip
-    return [kc, vc, k_scale if fp8 else kc, v_scale if fp8 else vc], consts
+    return caches, consts
 
 
 def paged_decode(
@@ -173,10 +175,8 @@ def paged_decode(
     rope_args = [q, q, q, q, q, q, cnt, 0, 0, 0, 0, 0, 0]  # (unread without ROPE)
     if rope is not None:
         k, v, cos, sin, style, slots = rope
-        if style not in ("normal", "neox"):
-            raise ValueError(f"rope style {style!r} is not one of normal, neox")
+        cos, sin = rope_tables(cos, sin, style)
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
         qo, ko = torch.empty(b, h, d, dtype=q.dtype, device=q.device), torch.empty_like(k)
         rope_args = [k, v, cos, sin, qo, ko, slots, k.stride(0), k.stride(1), v.stride(0),
                      v.stride(1), cos.stride(0), cos.shape[-1]]  # fmt: skip
