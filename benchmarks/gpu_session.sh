@@ -464,7 +464,7 @@ if has attn; then  # the decode attention: its tests compiled here (both fp8 dec
   # graph's grid (--max-len 8192), splits of at least 32 / 64 / 128 keys, pipelines of 1 or 3
   # stages, and at 64 streams, pipelines of 1 / 2 / 3 stages
   stage attn_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged.py \
-    tests/kernels/test_triton_paged_sinks.py
+    tests/kernels/test_triton_decode.py tests/kernels/test_triton_paged_sinks.py
   tail -1 "$OUT/attn_tests.log"
   stage attn_1 200 "$PY" benchmarks/gpu_paged.py --batches 1 --contexts 512,4096 --kv fp8 \
     --max-len 8192 --variants all --min-splits 32,64,128 --stages 1,3

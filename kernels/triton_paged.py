@@ -18,8 +18,10 @@ is read once for the group), and the last split of each to finish merges them (o
 layer; a short context takes fewer splits than the grid has, one split writes its output itself).
 Prefill is one program per (query tile, sequence, head) walking the sequence's pages causally.
 
-FP8 caches are read and written as uint8 with integer e4m3 conversion (triton_paged_kernels), so
-the kernels need no fp8 hardware: any device of compute capability >= 8.0 runs them.
+FP8 caches are read and written as uint8 (triton_paged_kernels): the write encodes with integers,
+the attention decodes by the conversion instruction where the GPU has one (sm_89+) and with
+integers before, so any device of compute capability >= 8.0 runs them. The decode kernel is in
+triton_decode_kernels, the KV write and prefill kernels in triton_paged_kernels.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def _kernels() -> Any:
     from hetero.kernels import triton_paged_kernels  # imports triton: first use only
 
     return triton_paged_kernels
+
+
+def _decode_kernels() -> Any:
+    from hetero.kernels import triton_decode_kernels  # imports triton: first use only
+
+    return triton_decode_kernels
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -164,7 +172,7 @@ def paged_decode(
     part_ml = torch.empty(b, h, n, 2, dtype=torch.float32, device=q.device)
     cnt = _counters(q.device, b * kv)
     bt = meta.block_tables
-    kern = _kernels()
+    kern = _decode_kernels()
     sink_ptr = q if sinks is None else sinks
     words, floats = (xq[0], xq[1]) if xq is not None else (cnt, part_o)
     if xq is not None:

@@ -18,12 +18,8 @@ from hetero.execution.runner import PagedMeta
 from hetero.kernels import triton_paged as tp
 from hetero.kernels.paged import kv_read, paged_attention_ref
 from hetero.kernels.paged_sinks import paged_attention_sinks_ref
-from tests.kernels.test_triton_paged import (
-    Pool,
-    assert_attention_close,
-    fine,  # noqa: F401 (a fixture)
-    make_step,
-)
+from tests.kernels.test_triton_decode import fine  # noqa: F401 (a fixture)
+from tests.kernels.test_triton_paged import Pool, assert_attention_close, make_step
 from tests.support.triton_interp import DEVICE, kernels_runnable, rerun_test  # noqa: F401
 
 triton = pytest.importorskip("triton")
