@@ -305,16 +305,22 @@ def _int_layout(pw: PackedWeight, cfg: StreamKConfig) -> XLayout | None:
     return XLayout(pw.spec.low_bits, pw.spec.group)
 
 
+def input_layout(qweight: Any, like: torch.Tensor) -> XLayout | None:
+    """The layout in which this weight reads one token of x (like's dtype and device) by
+    integer dot products, pre-quantized by the op that makes x; None where it reads x plain."""
+    if like.shape[0] != 1 or not isinstance(qweight, PackedWeight):
+        return None
+    cfg = choose(qweight, like)
+    return None if cfg is None else _int_layout(qweight, cfg)
+
+
 def quantize_input(
     qweight: Any, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> QuantizedRows | None:
     """A down projection's input act(gate, up) [1, F] as QuantizedRows where this weight reads
     one token by integer dot products (the activation and the quantization in one launch, where
     they were two), else None (the caller makes it as usual)."""
-    if gate.shape[0] != 1 or not isinstance(qweight, PackedWeight):
-        return None
-    cfg = choose(qweight, gate)
-    layout = None if cfg is None else _int_layout(qweight, cfg)
+    layout = input_layout(qweight, gate)
     if layout is None:
         return None
     return QuantizedRows(*silu_mul_xquant(gate, up, layout, activation), layout, gate.dtype)
@@ -336,8 +342,7 @@ def quantize_norm(
     weights = qweight if isinstance(qweight, (list, tuple)) else [qweight]
     layouts = []
     for w in weights:
-        cfg = choose(w, x) if isinstance(w, PackedWeight) else None
-        layout = None if cfg is None else _int_layout(w, cfg)
+        layout = input_layout(w, x)
         if layout is None:
             return None
         layouts.append(layout)
@@ -350,15 +355,6 @@ def quantize_norm(
     if isinstance(qweight, (list, tuple)):
         return [rows[lay] for lay in layouts], total
     return rows[layouts[0]], total
-
-
-def input_layout(qweight: Any, like: torch.Tensor) -> XLayout | None:
-    """The layout in which this weight reads one token of x (like's dtype and device) by
-    integer dot products, pre-quantized by the op that makes x; None where it reads x plain."""
-    if like.shape[0] != 1 or not isinstance(qweight, PackedWeight):
-        return None
-    cfg = choose(qweight, like)
-    return None if cfg is None else _int_layout(qweight, cfg)
 
 
 @register(

@@ -208,10 +208,15 @@ class QuantLinear(nn.Module):
         xs = x if isinstance(x, PartInputs) else [x] * len(self.parts)
         return [self._qlinear(xi, *part) for xi, part in zip(xs, self.parts)]
 
+    def _one_kernel(self) -> bool:
+        """Whether one quantized kernel reads this linear's input (quant mode, one part, not
+        offloaded): where the hooks that hand it pre-quantized input apply."""
+        return self.mode == "quant" and self.parts is None and self.offload is None
+
     def quantized_input(self, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"):
         """act(gate, up) as this linear's kernel reads it pre-quantized (the activation and the
         quantization in one launch: the integer decode GEMV's input), or None."""
-        if self.mode != "quant" or self.parts is not None or self.offload is not None:
+        if not self._one_kernel():
             return None
         hook = self._quantize_input
         return None if hook is None else hook(self.qweight, gate, up, activation)
@@ -221,9 +226,7 @@ class QuantLinear(nn.Module):
         dtype already quantized (the op that makes x quantizing it in its own launch, then
         handing QuantizedRows), or None where it reads x plain."""
         hook = self._input_layout
-        if self.mode != "quant" or self.parts is not None or self.offload is not None:
-            return None
-        return None if hook is None else hook(self.qweight, like)
+        return None if hook is None or not self._one_kernel() else hook(self.qweight, like)
 
     def normed_input(self, x, residual, weight: torch.Tensor, eps: float):
         """(x + residual, rms_norm(x + residual) * weight as this linear's kernel reads it
