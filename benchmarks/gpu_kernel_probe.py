@@ -38,13 +38,13 @@ def main() -> None:
     for ggml_type in args.types.split(","):
         for name, (n, k) in PROBE_SHAPES.items():
             pw, _ = make_packed(ggml_type, n, k, seed=0)
-            for t in (int(x) for x in args.tokens.split(",")):
+            for t in (int(x) for x in args.tokens.split(",") if x):
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
                 print(f"{ggml_type} {name} T={t}", flush=True)
                 for _ in range(REPEATS):
                     qlinear_triton(x, pw, pw.ggml_type, (n, k))
                 torch.cuda.synchronize()
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in (int(x) for x in args.batches.split(",") if x):
         q, caches, meta = setup(b, args.context, "fp8")
         print(f"attention B={b} context {args.context}", flush=True)
         for _ in range(REPEATS):

@@ -63,6 +63,11 @@
 #            in place from it and copied to OUTDIR), "rows" (the 8B files' one-stream rows with
 #            the Triton GEMVs and with the table, Q4_K_M's also with the step unfused
 #            (gpu_engine.py --unfused), then the peer's llama-bench on them)
+#   streams  issue 23's 64 streams: the step by kernel (gpu_step_profile.py --batches 64), the
+#            T = 64 matmuls swept (gpu_qsweep.py: mm_pipe, mm_t, dense), qmm under Nsight Compute
+#   rows1    issue 23's rows in one call after the peer's build: Q4_K_M's one stream fused and
+#            unfused alternated twice, Q6_K's, 64 streams and the prompt, then the peer's
+#   peerpack the peer's built tools packed (xz, 15 MiB parts) into PEERPACK (OUT) for PEER_BIN
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
 #            or 16 GEMV rows a program (gpu_moe.py)
@@ -134,10 +139,10 @@ if has setup; then
   # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
   has peer || has gpu || has split || has cpu || has gemv || has diag || has probe || has quick \
-    || has alt || has planrow || has lanes \
+    || has alt || has planrow || has lanes || has streams || has rows1 \
     && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m"
-  has peer || has gpu || has gemv || has lanes \
+  has peer || has gpu || has gemv || has lanes || has rows1 \
     && stage synth6 240 bash -c "[ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b \
     --quant q6_k"
   ls -la bench_out/*.gguf
@@ -535,6 +540,66 @@ fi
 if has profile; then  # the planner's device profiles (cached for the calls that follow)
   stage profile 200 "$PY" -m hetero.cli profile --refresh
   tail -12 "$OUT/profile.log"
+fi
+
+if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 matmuls swept over
+  # the variants (the decoded tile as operand A or B, tiles, steps, warps), the default one read
+  # by Nsight Compute (its stall reasons)
+  stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 64 --top 30
+  grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
+  stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
+    --tokens 64 --shapes gateup2,down,qk,qo --kernels auto,dense,mm_pipe,mm_t --budget 270
+  grep -vE "^ *compile failure" "$OUT/qsweep64.log" | tail -14
+  stage ncu_qmm 150 ncu --clock-control none --kernel-name regex:qmm --launch-skip 2 \
+    --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section LaunchStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    "$PY" benchmarks/gpu_kernel_probe.py --types Q4_K --tokens 64 --batches ""
+  grep -E "qmm|Duration|Registers Per|Occupancy|Throughput|Warp Cycles Per Issued|stalled" \
+    "$OUT/ncu_qmm.log" | awk '$NF != "0" && $NF != "0.00"' | head -60
+fi
+
+if has rows1; then  # issue 23's rows in one call, the peer's build done (no build beside the
+  # timing): Q4_K_M's one stream with the step's fusions and without them, alternated twice,
+  # Q6_K's, the 64 streams and the prompt, then the peer's llama-bench and batched-bench
+  peer_wait
+  for r in 1 2; do
+    stage "fused${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
+      --json "$OUT/fused${r}_q4.json"
+    rows "$OUT/fused${r}_q4.log"
+    stage "unfused${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
+      --unfused --json "$OUT/unfused${r}_q4.json"
+    rows "$OUT/unfused${r}_q4.log"
+  done
+  stage rows_q6 150 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill 512 \
+    --json "$OUT/rows_q6.json"
+  rows "$OUT/rows_q6.log"
+  stage rows_q4_64 240 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 64 --prefill 512 \
+    --json "$OUT/rows_q4_64.json"
+  rows "$OUT/rows_q4_64.log"
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  LB="$BUILD/bin/llama-bench -r 3 -o json"
+  stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
+  peer_rows peer_gpu_q4 peer_gpu_q6
+  stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
+    -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,64
+  grep -E "^\|" "$OUT/peer_batched.log" | tail -4
+fi
+
+if has peerpack; then  # the peer's tools as built here, packed in parts of 15 MiB under
+  # PEERPACK (OUT): joined, unpacked into .peerbin with an env.sh, later machines skip the build
+  peer_wait
+  if [ -x "$BUILD/bin/llama-bench" ]; then
+    rm -rf /tmp/peerbin && mkdir -p /tmp/peerbin
+    cp "$BUILD/bin/llama-bench" "$BUILD/bin/llama-batched-bench" /tmp/peerbin/
+    find "$BUILD" -name 'lib*.so*' \( -type f -o -type l \) -exec cp -P {} /tmp/peerbin/ \;
+    # shellcheck disable=SC2016  # expanded where it is sourced
+    echo 'export LD_LIBRARY_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"' \
+      >/tmp/peerbin/env.sh
+    tar -C /tmp -cf - peerbin | xz -T16 -6 | split -b 15M -d - "${PEERPACK:-$OUT}/peerbin.tar.xz.part"
+    ls -la "${PEERPACK:-$OUT}"/peerbin.tar.xz.part*
+  fi
 fi
 
 if has kerneltests; then

@@ -68,6 +68,11 @@ def _variants(t: int) -> list[tv.Variant]:
         out += [V("mm", bn=128, bt=bt, step=64, ctas=2, warps=8, stages=3)]
         out += [V("mm", bn=64, bt=bt, step=128, ctas=2, warps=4, stages=4)]
         out += [V("mm_pipe", bn=64, bt=bt, step=128, ctas=2, warps=8, stages=3)]
+        # x operand A, the decoded tile operand B (wgmma reads B from shared memory)
+        out += [V("mm_t", bn=bn, bt=bt, step=s, ctas=c, warps=w, stages=st)
+                for bn, s, c, w, st in ((64, 128, 4, 4, 3), (64, 256, 4, 4, 3), (64, 64, 4, 4, 4),
+                                        (128, 128, 2, 8, 3), (128, 64, 2, 4, 3),
+                                        (32, 128, 8, 4, 3), (64, 128, 2, 8, 3))]  # fmt: skip
     if t >= 128:
         out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]
         out += [V("mm", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]

@@ -188,8 +188,13 @@ def _qmm_pipe_kernel(
     LB: tl.constexpr, HB: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_MIN: tl.constexpr, CB: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr,
+    TRANS: tl.constexpr = False,
 ):  # fmt: skip
-    """`_qmm_kernel` (same grid, arguments and values) with the code words prefetched a step."""
+    """`_qmm_kernel` (same grid, arguments and values) with the code words prefetched a step.
+
+    TRANS: acc [BT, BN] = x[ts] @ W[rows]^T, the activations operand A (loaded, so pipelined
+    into shared memory) and the decoded tile operand B (Hopper's wgmma reads B from shared
+    memory: one store of the tile, no conversion to A's register layout); y stored along N."""
     F: tl.constexpr = 32 // LB
     E: tl.constexpr = 4 * F
     n_t = tl.cdiv(T, BT)
@@ -203,7 +208,10 @@ def _qmm_pipe_kernel(
     c_begin = pid_k * chunks_per_split
     c_end = tl.minimum(c_begin + chunks_per_split, n_chunks)
     kk = tl.arange(0, S * E)
-    acc = tl.zeros([BN, BT], dtype=tl.float32)
+    if TRANS:
+        acc = tl.zeros([BT, BN], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BN, BT], dtype=tl.float32)
     n_words, n_high = _load_step(
         codes_ptr, high_ptr, rows, rmask, c_begin, c_end, code_stride, S, LB, HB
     )
@@ -220,12 +228,25 @@ def _qmm_pipe_kernel(
             grp_stride, sb_stride,
         )  # fmt: skip
         w = _decode_tile(words, high, zero, sargs, LB, HB, G, OFF, KQUANT, HAS_MIN, PACKED_MIN, CB)
+        w = w.to(x_ptr.dtype.element_ty)
         k = c0 * E + kk
-        xm = (k < c_end * E)[:, None] & tmask[None, :]
-        xt = tl.load(x_ptr + ts[None, :] * x_stride + k[:, None], mask=xm, other=0)  # [S*E, BT]
-        acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc, input_precision=PRECISION)
-    _split_k_store(
-        acc, y_ptr + ts[None, :] * y_stride + rows[:, None], rmask[:, None] & tmask[None, :],
-        part_ptr, ts[None, :] * N + rows[:, None], T * N, cnt_ptr + tl.program_id(0), pid_k,
-        tl.num_programs(1),
-    )  # fmt: skip
+        if TRANS:
+            xm = tmask[:, None] & (k < c_end * E)[None, :]
+            xs = tl.load(x_ptr + ts[:, None] * x_stride + k[None, :], mask=xm, other=0)
+            acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)  # [BT, BN]
+        else:
+            xm = (k < c_end * E)[:, None] & tmask[None, :]
+            xt = tl.load(x_ptr + ts[None, :] * x_stride + k[:, None], mask=xm, other=0)
+            acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # [BN, BT]
+    if TRANS:
+        _split_k_store(
+            acc, y_ptr + ts[:, None] * y_stride + rows[None, :], tmask[:, None] & rmask[None, :],
+            part_ptr, ts[:, None] * N + rows[None, :], T * N, cnt_ptr + tl.program_id(0), pid_k,
+            tl.num_programs(1),
+        )  # fmt: skip
+    else:
+        _split_k_store(
+            acc, y_ptr + ts[None, :] * y_stride + rows[:, None], rmask[:, None] & tmask[None, :],
+            part_ptr, ts[None, :] * N + rows[:, None], T * N, cnt_ptr + tl.program_id(0), pid_k,
+            tl.num_programs(1),
+        )  # fmt: skip

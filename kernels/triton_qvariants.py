@@ -6,6 +6,7 @@ whole configuration, so a sweep can time configs that `triton_qmatmul` would not
                 tokens     _qgemv_tokens_kernel   (a program: BN = 32 rows, TT tokens)
                 mm         _qmm_kernel            (a program: BN rows x BT tokens, tensor cores)
                 mm_pipe    _qmm_pipe_kernel       (the same, code words prefetched a step)
+                mm_t       _qmm_pipe_kernel TRANS (the same, x operand A, the tile operand B)
     bn, bt      rows / tokens a program (bt: mm kernels only)
     step        codes of K a loop step (a multiple of a chunk; <= 256 for K-quants, whose steps
                 must stay inside one super-block)
@@ -25,7 +26,7 @@ import torch
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.repack import PackedWeight, chunk_codes
 
-KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe")
+KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe", "mm_t")
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ def run(x: torch.Tensor, pw: PackedWeight, v: Variant) -> torch.Tensor:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         grid, cnt_n = (tiles, split), tiles
         extra = {"S": s, "BT": v.bt, "PRECISION": precision}
+        if v.kernel == "mm_t":
+            extra["TRANS"] = True
         kernel = _kernel(v.kernel)
     y = torch.empty(t_count, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, t_count, n, dtype=torch.float32, device=x.device)
@@ -118,4 +121,5 @@ def _kernel(name: str):
         "gemv_pipe": var._qgemv_pipe_kernel,
         "mm": base._qmm_kernel,
         "mm_pipe": var._qmm_pipe_kernel,
+        "mm_t": var._qmm_pipe_kernel,  # TRANS: x operand A, the decoded tile B
     }[name]

@@ -43,7 +43,9 @@ def test_pipelined_tensor_core_kernel(ggml_type: str) -> None:
     x_dtype = torch.float16
     raw, pw = make_weight(ggml_type, 37, 768, seed=11)
     for t, v in ((17, tv.Variant("mm_pipe", bn=32, bt=16, step=128, split=2)),
-                 (3, tv.Variant("mm_pipe", bn=16, bt=16, step=256, split=1))):  # fmt: skip
+                 (3, tv.Variant("mm_pipe", bn=16, bt=16, step=256, split=1)),
+                 (17, tv.Variant("mm_t", bn=32, bt=16, step=128, split=2)),
+                 (3, tv.Variant("mm_t", bn=16, bt=16, step=256, split=1))):  # fmt: skip
         x = torch.randn(t, 768, device=DEVICE).to(x_dtype)
         assert_close(tv.run(x, pw, v), x, raw, ggml_type)
 

@@ -108,6 +108,7 @@ def launches(ggml_type: str) -> list[tuple[str, Callable[[], object]]]:
         ("gemv_pipe", lambda: tv.run(x(1), pw, tv.Variant("gemv_pipe", bn=16, ctas=8))),
         ("tokens_bn16", lambda: tv.run(x(4), pw, tv.Variant("tokens", bn=16))),
         ("mm_pipe", lambda: tv.run(x(4), pw, tv.Variant("mm_pipe", bt=16, step=128, stages=3))),
+        ("mm_t", lambda: tv.run(x(4), pw, tv.Variant("mm_t", bt=16, step=128, stages=3))),
         *streamk_launches(ggml_type),
         *qdot_dequant_launches(ggml_type),
         *moe_gluon_launches(ggml_type),
