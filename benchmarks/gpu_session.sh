@@ -548,15 +548,31 @@ if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 ma
   stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 64 --top 30
   grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
   stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
-    --tokens 64 --shapes gateup2,down,qk,qo --kernels auto,dense,mm_pipe,mm_t --budget 270
+    --tokens 64 --shapes gateup2,down,qk,qo --kernels auto,dense,mm_pipe,mm_t \
+    --budget "${QSWEEP_BUDGET:-270}"
   grep -vE "^ *compile failure" "$OUT/qsweep64.log" | tail -14
-  stage ncu_qmm 150 ncu --clock-control none --kernel-name regex:qmm --launch-skip 2 \
+  [ "${NCU:-1}" = 1 ] && stage ncu_qmm 150 ncu --clock-control none --kernel-name regex:qmm --launch-skip 2 \
     --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section LaunchStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     "$PY" benchmarks/gpu_kernel_probe.py --types Q4_K --tokens 64 --batches ""
-  grep -E "qmm|Duration|Registers Per|Occupancy|Throughput|Warp Cycles Per Issued|stalled" \
+  [ "${NCU:-1}" = 1 ] && grep -E "qmm|Duration|Registers Per|Occupancy|Throughput|Warp Cycles Per Issued|stalled" \
     "$OUT/ncu_qmm.log" | awk '$NF != "0" && $NF != "0.00"' | head -60
+fi
+
+if has peerpack; then  # the peer's tools as built here, packed in parts of 15 MiB under
+  # PEERPACK (OUT): joined, unpacked into .peerbin with an env.sh, later machines skip the build
+  peer_wait
+  if [ -x "$BUILD/bin/llama-bench" ]; then
+    rm -rf /tmp/peerbin && mkdir -p /tmp/peerbin
+    cp "$BUILD/bin/llama-bench" "$BUILD/bin/llama-batched-bench" /tmp/peerbin/
+    find "$BUILD" -name 'lib*.so*' \( -type f -o -type l \) -exec cp -P {} /tmp/peerbin/ \;
+    # shellcheck disable=SC2016  # expanded where it is sourced
+    echo 'export LD_LIBRARY_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"' \
+      >/tmp/peerbin/env.sh
+    tar -C /tmp -cf - peerbin | xz -T16 -6 | split -b 15M -d - "${PEERPACK:-$OUT}/peerbin.tar.xz.part"
+    ls -la "${PEERPACK:-$OUT}"/peerbin.tar.xz.part*
+  fi
 fi
 
 if has rows1; then  # issue 23's rows in one call, the peer's build done (no build beside the
@@ -585,21 +601,6 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
   stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
     -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,64
   grep -E "^\|" "$OUT/peer_batched.log" | tail -4
-fi
-
-if has peerpack; then  # the peer's tools as built here, packed in parts of 15 MiB under
-  # PEERPACK (OUT): joined, unpacked into .peerbin with an env.sh, later machines skip the build
-  peer_wait
-  if [ -x "$BUILD/bin/llama-bench" ]; then
-    rm -rf /tmp/peerbin && mkdir -p /tmp/peerbin
-    cp "$BUILD/bin/llama-bench" "$BUILD/bin/llama-batched-bench" /tmp/peerbin/
-    find "$BUILD" -name 'lib*.so*' \( -type f -o -type l \) -exec cp -P {} /tmp/peerbin/ \;
-    # shellcheck disable=SC2016  # expanded where it is sourced
-    echo 'export LD_LIBRARY_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"' \
-      >/tmp/peerbin/env.sh
-    tar -C /tmp -cf - peerbin | xz -T16 -6 | split -b 15M -d - "${PEERPACK:-$OUT}/peerbin.tar.xz.part"
-    ls -la "${PEERPACK:-$OUT}"/peerbin.tar.xz.part*
-  fi
 fi
 
 if has kerneltests; then

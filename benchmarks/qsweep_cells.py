@@ -73,6 +73,9 @@ def _variants(t: int) -> list[tv.Variant]:
                 for bn, s, c, w, st in ((64, 128, 4, 4, 3), (64, 256, 4, 4, 3), (64, 64, 4, 4, 4),
                                         (128, 128, 2, 8, 3), (128, 64, 2, 4, 3),
                                         (32, 128, 8, 4, 3), (64, 128, 2, 8, 3))]  # fmt: skip
+        # registers capped (248-255 uncapped: 2 programs of 4 warps an SM): 3 or 4 an SM
+        out += [V(k, bn=64, bt=bt, step=s, ctas=4, warps=4, stages=3, regs=r)
+                for k in ("mm_pipe", "mm_t") for s in (128, 256) for r in (128, 168)]  # fmt: skip
     if t >= 128:
         out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]
         out += [V("mm", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]

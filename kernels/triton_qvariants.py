@@ -12,6 +12,7 @@ whole configuration, so a sweep can time configs that `triton_qmatmul` would not
                 must stay inside one super-block)
     split       programs along K per tile; 0: enough for `ctas` programs an SM
     warps, stages
+    regs        a cap on registers a thread (ptxas's maxnreg; 0: none)
 
 `run(x, pw, variant)` is y = x @ W^T like `qlinear`; `variant_ok` says whether a variant can run
 a type at all (a step a K-quant cannot take, a tile wider than the layout allows).
@@ -39,12 +40,14 @@ class Variant:
     ctas: int = 4
     warps: int = 4
     stages: int = 1
+    regs: int = 0  # ptxas's register cap a thread (maxnreg; 0: none): more programs an SM
 
     @property
     def name(self) -> str:
         tile = f"bn{self.bn}" + (f"bt{self.bt}" if self.kernel.startswith("mm") else "")
         split = f"s{self.split}" if self.split else f"c{self.ctas}"
-        return f"{self.kernel}:{tile}:k{self.step}:{split}:w{self.warps}:st{self.stages}"
+        regs = f":r{self.regs}" if self.regs else ""
+        return f"{self.kernel}:{tile}:k{self.step}:{split}:w{self.warps}:st{self.stages}{regs}"
 
 
 def variant_ok(v: Variant, pw: PackedWeight) -> bool:
@@ -68,6 +71,8 @@ def _split(v: Variant, tiles: int, n_steps: int, sm_count: int) -> tuple[int, in
 def _launch(kernel, grid, x, y, part, cnt, pw, per_split_chunks, v: Variant, **extra) -> None:
     args, meta = tq._plane_args(pw)
     t_count, n, n_chunks = x.shape[0], pw.shape[0], x.shape[1] // chunk_codes(pw.spec.low_bits)
+    if v.regs and x.device.type == "cuda":
+        extra["maxnreg"] = v.regs
     kernel[grid](
         x, y, part, cnt, *args[:6], t_count, n, n_chunks, per_split_chunks,
         x.stride(0), y.stride(0), *args[6:], **meta,
