@@ -40,7 +40,7 @@ from hetero.kernels.triton_fused import rope_tables
 from hetero.kernels.triton_qmatmul import _counters, _sm_count, triton_supported
 
 DECODE_BN = 32  # keys a decode loop step
-MIN_SPLIT = 64  # fewest keys a decode split takes (each sequence's own, in the kernel)
+MIN_SPLIT = 32  # fewest keys a decode split takes (each sequence's own, in the kernel)
 MERGE_SPLITS = 8  # splits a merge loads at once
 DECODE_STAGES = 1  # the decode loop's software pipeline (Triton's num_stages; 1: none)
 _CTAS_PER_SM = 2
