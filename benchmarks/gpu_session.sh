@@ -63,7 +63,7 @@
 #            in place from it and copied to OUTDIR), "rows" (the 8B files' one-stream rows with
 #            the Triton GEMVs and with the table, Q4_K_M's also with the step unfused
 #            (gpu_engine.py --unfused), then the peer's llama-bench on them)
-#   streams  issue 23's 64 streams: the step by kernel (gpu_step_profile.py --batches 64), the
+#   streams  issue 23's 64 streams: the step by kernel (gpu_step_profile.py --batches 1,64), the
 #            T = 64 matmuls swept (gpu_qsweep.py: mm_pipe, mm_t, dense), qmm under Nsight Compute
 #   rows1    issue 23's rows in one call after the peer's build: Q4_K_M's one stream fused and
 #            unfused alternated twice, Q6_K's, 64 streams and the prompt, then the peer's
@@ -545,7 +545,7 @@ fi
 if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 matmuls swept over
   # the variants (the decoded tile as operand A or B, tiles, steps, warps), the default one read
   # by Nsight Compute (its stall reasons)
-  stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 64 --top 30
+  stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1,64 --top 30
   grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
   stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
     --tokens 64 --shapes gateup2,down,qk,qo --kernels auto,dense,mm_pipe,mm_t \
