@@ -66,7 +66,9 @@
 #   streams  issue 23's 64 streams: the step by kernel (gpu_step_profile.py --batches 1,64), the
 #            T = 64 matmuls swept (gpu_qsweep.py: mm_pipe, mm_t, dense), qmm under Nsight Compute
 #   rows1    issue 23's rows in one call after the peer's build: Q4_K_M's one stream fused and
-#            unfused alternated twice, Q6_K's, 64 streams and the prompt, then the peer's
+#            unfused alternated twice, Q6_K's, 64 streams and the prompt (and 64 streams again
+#            with the streams stage's T = 64 winners: qsweep_rules.py, HETERO_QDISPATCH), then
+#            the peer's
 #   peerpack the peer's built tools packed (xz, 15 MiB parts) into PEERPACK (OUT) for PEER_BIN
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
@@ -593,6 +595,12 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
   stage rows_q4_64 240 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 64 --prefill 512 \
     --json "$OUT/rows_q4_64.json"
   rows "$OUT/rows_q4_64.log"
+  if [ -f "$OUT/qsweep64.json" ]; then  # the streams stage's winners at T = 64, as rules
+    "$PY" benchmarks/qsweep_rules.py "$OUT/qsweep64.json" "$OUT/rules64.json" --min-gain 1.05
+    stage rows_q4_64r 200 env HETERO_QDISPATCH="$OUT/rules64.json" "$PY" benchmarks/gpu_engine.py \
+      "$Q4" --batches 64 --prefill "" --json "$OUT/rows_q4_64r.json"
+    rows "$OUT/rows_q4_64r.log"
+  fi
   [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
   LB="$BUILD/bin/llama-bench -r 3 -o json"
   stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128

@@ -29,13 +29,18 @@ confirmed at T = 512 on every shape (within 1% of the best candidate).
 Shape classes by weight elements N x K: small < 12M (k/v 1024 x 4096, fused k+v), mid < 32M
 (q/o 4096 x 4096, fused q+k+v 6144 x 4096), large (gate/up, down, fused gate+up, lm_head).
 The fused shapes were not in the sweep: they take their class's rules until measured.
+
+HETERO_QDISPATCH=rules.json puts rules from a file before these (`extra_rules`).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
 
-from hetero.kernels.triton_qvariants import Variant
+from hetero.kernels.triton_qvariants import Variant, parse
 
 SMALL_MAX = 12 << 20  # weight elements
 MID_MAX = 32 << 20
@@ -69,10 +74,32 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+@functools.cache
+def extra_rules(path: str | None = None) -> tuple[Rule, ...]:
+    """Rules read from a JSON file (HETERO_QDISPATCH, or `path`), tried before RULES: a list of
+    {"types": [...], "shapes": [...], "t_min": int, "t_max": int, "kernel": a Variant's name,
+    "mm" or "dense"}, as benchmarks/qsweep_rules.py writes them from a sweep on this machine
+    (so a sweep's winners can be run before they are written into RULES)."""
+    path = path or os.environ.get("HETERO_QDISPATCH")
+    if not path:
+        return ()
+    with open(path) as f:
+        entries = json.load(f)
+    rules = []
+    for e in entries:
+        shapes = tuple(e["shapes"])
+        if not set(shapes) <= set(_ALL):
+            raise ValueError(f"{path}: shape classes {shapes} not among {_ALL}")
+        kernel = e["kernel"] if e["kernel"] in ("mm", "dense") else parse(e["kernel"])
+        rules.append(Rule(tuple(e["types"]), shapes, int(e["t_min"]), int(e["t_max"]), kernel))
+    return tuple(rules)
+
+
 def choose(type_name: str, n: int, k: int, t: int) -> Variant | str | None:
-    """The first rule's kernel for W [n, k] of `type_name` at T = t; None: the default path."""
+    """The first rule's kernel for W [n, k] of `type_name` at T = t (HETERO_QDISPATCH's rules
+    first); None: the default path."""
     cls = shape_class(n, k)
-    for r in RULES:
+    for r in (*extra_rules(), *RULES):
         if r.t_min <= t <= r.t_max and cls in r.shapes and (not r.types or type_name in r.types):
             return r.kernel
     return None

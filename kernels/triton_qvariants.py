@@ -50,6 +50,29 @@ class Variant:
         return f"{self.kernel}:{tile}:k{self.step}:{split}:w{self.warps}:st{self.stages}{regs}"
 
 
+def parse(name: str) -> Variant:
+    """A Variant from its name (`Variant.name`: kernel:tile:k<step>:s<split>|c<ctas>:w<warps>:
+    st<stages>[:r<regs>]), as a sweep's results name them."""
+    kernel, tile, *fields = name.split(":")
+    if kernel not in KERNELS or len(fields) < 4:
+        raise ValueError(f"not a variant name: {name!r}")
+    kw: dict[str, int] = {}
+    bn, _, bt = tile.removeprefix("bn").partition("bt")
+    kw["bn"] = int(bn)
+    if bt:
+        kw["bt"] = int(bt)
+    keys = {"k": "step", "s": "split", "c": "ctas", "w": "warps", "st": "stages", "r": "regs"}
+    for f in fields:
+        key = f.rstrip("0123456789")
+        if key not in keys or key == f:
+            raise ValueError(f"not a variant name: {name!r} ({f!r})")
+        kw[keys[key]] = int(f[len(key) :])
+    v = Variant(kernel, **kw)
+    if v.name != name:
+        raise ValueError(f"not a variant name: {name!r} (reads as {v.name!r})")
+    return v
+
+
 def variant_ok(v: Variant, pw: PackedWeight) -> bool:
     e = chunk_codes(pw.spec.low_bits)
     if v.kernel not in KERNELS or v.step % e or v.step < e:

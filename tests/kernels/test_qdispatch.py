@@ -61,3 +61,56 @@ def test_rule_kernels_match_the_reference(
     x = torch.randn(t, 768, device=DEVICE)
     y = tq.qlinear_triton(x, pw, int(pw.ggml_type), (37, 768))
     assert_close(y, x, raw, ggml_type)
+
+
+def test_variant_names_parse_back() -> None:
+    from hetero.kernels import triton_qvariants as tv
+
+    for v in (Variant("mm_t", bn=64, bt=64, step=128, ctas=4, stages=3, regs=168),
+              Variant("gemv", bn=32, split=2), Variant("tokens", bn=16, ctas=8)):  # fmt: skip
+        assert tv.parse(v.name) == v
+    for bad in ("mm_t:bn64bt64", "nope:bn64:k256:c4:w4:st1", "mm:bn64bt16:k256:c4:w4:x3"):
+        with pytest.raises(ValueError):
+            tv.parse(bad)
+
+
+def test_a_sweep_becomes_rules_the_dispatch_reads(tmp_path) -> None:
+    """benchmarks/qsweep_rules.py: per type and shape class the candidate least in time summed
+    over the class's shapes (correct on all of them) where it beats auto by the gain asked; the
+    file's rules come before RULES in choose()."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "qsweep_rules.py"
+    spec = importlib.util.spec_from_file_location("qsweep_rules", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b = "mm_t:bn64bt64:k128:c4:w4:st3", "mm_pipe:bn64bt64:k256:c4:w4:st3:r168"
+
+    def row(ty, shape, variant, us, ok=True, t=64):
+        return {"type": ty, "shape": shape, "T": t, "variant": variant, "us": us, "ok": ok}
+
+    rows = [
+        row("Q4_K", "gateup2", "auto", 90.0), row("Q4_K", "down", "auto", 60.0),
+        row("Q4_K", "gateup2", a, 50.0), row("Q4_K", "down", a, 70.0),  # 120 against 150
+        row("Q4_K", "gateup2", b, 40.0), row("Q4_K", "down", b, 1.0, ok=False),  # not on all
+        row("Q4_K", "qo", "auto", 10.0), row("Q4_K", "qo", a, 9.8),  # mid: 1.02x, no rule
+        row("Q6_K", "gateup2", "auto", 100.0), row("Q6_K", "gateup2", "dense", 80.0),
+        row("Q6_K", "gateup2", a, 10.0, t=32),  # another T
+    ]  # fmt: skip
+    rules, lines = mod.rules_from(rows, 64, 33, 64, 1.05)
+    assert rules == [
+        {"types": ["Q4_K"], "shapes": ["large"], "t_min": 33, "t_max": 64, "kernel": a},
+        {"types": ["Q6_K"], "shapes": ["large"], "t_min": 33, "t_max": 64, "kernel": "dense"},
+    ]
+    assert len(lines) == 3
+    f = tmp_path / "rules.json"
+    f.write_text(json.dumps(rules))
+    extra = qd.extra_rules(str(f))
+    assert [r.kernel for r in extra] == [Variant("mm_t", 64, 64, 128, 0, 4, 4, 3), "dense"]
+    assert qd.choose("Q4_K", *GATE, 64) == Variant("mm_pipe", bn=64, bt=64, step=256, stages=3)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{**rules[0], "shapes": ["huge"]}]))
+    with pytest.raises(ValueError, match="huge"):
+        qd.extra_rules(str(bad))
