@@ -579,7 +579,7 @@ fi
 
 if has rows1; then  # issue 23's rows in one call, the peer's build done (no build beside the
   # timing): Q4_K_M's one stream with the step's fusions and without them, alternated twice,
-  # Q6_K's, the 64 streams and the prompt, then the peer's llama-bench and batched-bench
+  # Q6_K's, the peer's llama-bench and batched-bench, then the 64 streams and the prompt
   peer_wait
   for r in 1 2; do
     stage "fused${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
@@ -592,6 +592,14 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
   stage rows_q6 150 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill 512 \
     --json "$OUT/rows_q6.json"
   rows "$OUT/rows_q6.log"
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  LB="$BUILD/bin/llama-bench -r 3 -o json"
+  stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
+  peer_rows peer_gpu_q4 peer_gpu_q6
+  stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
+    -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,64
+  grep -E "^\|" "$OUT/peer_batched.log" | tail -4
   stage rows_q4_64 240 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 64 --prefill 512 \
     --json "$OUT/rows_q4_64.json"
   rows "$OUT/rows_q4_64.log"
@@ -601,14 +609,6 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
       "$Q4" --batches 64 --prefill "" --json "$OUT/rows_q4_64r.json"
     rows "$OUT/rows_q4_64r.log"
   fi
-  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
-  LB="$BUILD/bin/llama-bench -r 3 -o json"
-  stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
-  stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
-  peer_rows peer_gpu_q4 peer_gpu_q6
-  stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
-    -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,64
-  grep -E "^\|" "$OUT/peer_batched.log" | tail -4
 fi
 
 if has kerneltests; then
