@@ -1,7 +1,8 @@
 """The engine on one GPU against its rooflines: decode at several batch sizes, prefill lengths.
 
     python benchmarks/gpu_engine.py MODEL.gguf [--batches 1,8,32,64] [--prefill 512,4096]
-        [--weights quant] [--kv-dtype fp8] [--enforce-eager] [--json OUT.json] [--unfused]
+        [--weights quant] [--kv-dtype fp8] [--enforce-eager] [--json OUT.json]
+        [--unfused [all|rope]]
 
 Loads the model once (weights kept in GGUF blocks: the Triton kernels), then measures in the
 same run as the ceilings:
@@ -132,18 +133,19 @@ def make_engine(args) -> Engine:
     return engine
 
 
-def unfuse() -> None:
+def unfuse(what: str = "all") -> None:
     """The decode step's launches as before they were fused, to time the fusions against:
-    PagedAttention without its fused rotation (so the rope kernel, the KV write and the plain
-    attention run, and the output projection quantizes its own input), the attention's splits
-    merged by the reduce kernel."""
+    "rope": PagedAttention without its fused rotation (so the rope kernel, the KV write and the
+    plain attention run, and the output projection quantizes its own input); "all": that, and
+    the attention's splits merged by the reduce kernel."""
     import functools
 
     from hetero.execution.runner import PagedAttention
     from hetero.kernels import triton_paged as tp
 
     PagedAttention.rope_attend = lambda self, *args, **kwargs: None
-    tp.paged_decode = functools.partial(tp.paged_decode, merge=False)
+    if what == "all":
+        tp.paged_decode = functools.partial(tp.paged_decode, merge=False)
 
 
 def main() -> None:
@@ -158,13 +160,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs a row; the median is reported")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
     ap.add_argument(
-        "--unfused", action="store_true",
+        "--unfused", nargs="?", const="all", choices=["all", "rope"],
         help="the decode step as before its fusions: the rotation, the KV write, the attention, "
-        "its reduce kernel and the output's quantization in launches of their own",
+        "its reduce kernel and the output's quantization in launches of their own (rope: the "
+        "splits still merged in the attention kernel)",
     )  # fmt: skip
     args = ap.parse_args()
     if args.unfused:
-        unfuse()
+        unfuse(args.unfused)
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     on_gpu = args.device.startswith("cuda")

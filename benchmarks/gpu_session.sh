@@ -588,6 +588,10 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
     stage "unfused${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
       --unfused --json "$OUT/unfused${r}_q4.json"
     rows "$OUT/unfused${r}_q4.log"
+    [ $r = 1 ] || continue  # the rotation's fusion alone off (the splits merged in the kernel)
+    stage "norope${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
+      --unfused rope --json "$OUT/norope${r}_q4.json"
+    rows "$OUT/norope${r}_q4.log"
   done
   stage rows_q6 150 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill 512 \
     --json "$OUT/rows_q6.json"
