@@ -550,7 +550,7 @@ if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 ma
   stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1,64 --top 30
   grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
   stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
-    --tokens 64 --shapes gateup2,down,qk,qo --kernels auto,dense,mm_pipe,mm_t \
+    --tokens 64 --shapes "${QSWEEP_SHAPES:-gateup2,down,qk,qo}" --kernels auto,dense,mm_pipe,mm_t \
     --budget "${QSWEEP_BUDGET:-270}"
   grep -vE "^ *compile failure" "$OUT/qsweep64.log" | tail -14
   [ "${NCU:-1}" = 1 ] && stage ncu_qmm 150 ncu --clock-control none --kernel-name regex:qmm --launch-skip 2 \
@@ -581,14 +581,15 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
   # timing): Q4_K_M's one stream with the step's fusions and without them, alternated twice,
   # Q6_K's, the peer's llama-bench and batched-bench, then the 64 streams and the prompt
   peer_wait
-  for r in 1 2; do
+  for r in $(seq "${ROUNDS1:-2}"); do
     stage "fused${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
       --json "$OUT/fused${r}_q4.json"
     rows "$OUT/fused${r}_q4.log"
     stage "unfused${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
       --unfused --json "$OUT/unfused${r}_q4.json"
     rows "$OUT/unfused${r}_q4.log"
-    [ $r = 1 ] || continue  # the rotation's fusion alone off (the splits merged in the kernel)
+    # the rotation's fusion alone off (the splits merged in the kernel), once
+    [ "$r" = 1 ] && [ "${NOROPE:-1}" = 1 ] || continue
     stage "norope${r}_q4" 150 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
       --unfused rope --json "$OUT/norope${r}_q4.json"
     rows "$OUT/norope${r}_q4.log"
