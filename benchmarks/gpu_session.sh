@@ -63,8 +63,9 @@
 #            in place from it and copied to OUTDIR), "rows" (the 8B files' one-stream rows with
 #            the Triton GEMVs and with the table, Q4_K_M's also with the step unfused
 #            (gpu_engine.py --unfused), then the peer's llama-bench on them)
-#   streams  issue 23's 64 streams: the step by kernel (gpu_step_profile.py --batches 1,64), the
-#            T = 64 matmuls swept (gpu_qsweep.py: mm_pipe, mm_t, dense), qmm under Nsight Compute
+#   streams  issue 23's 64 streams: the Gluon dense kernel's device tests, the step by kernel
+#            (gpu_step_profile.py --batches 1,64), the T = 64 matmuls swept (gpu_qsweep.py:
+#            QSWEEP_KERNELS, default auto, dense, gmm, mm_t), qmm under Nsight Compute
 #   rows1    issue 23's rows in one call after the peer's build: Q4_K_M's one stream fused and
 #            unfused alternated twice, Q6_K's, 64 streams and the prompt (and 64 streams again
 #            with the streams stage's T = 64 winners: qsweep_rules.py, HETERO_QDISPATCH), then
@@ -547,11 +548,15 @@ fi
 if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 matmuls swept over
   # the variants (the decoded tile as operand A or B, tiles, steps, warps), the default one read
   # by Nsight Compute (its stall reasons)
+  # the Gluon dense kernel (gmm) against the reference first: its first run on a GPU
+  stage gmm_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_dense.py \
+    tests/kernels/test_gluon_moe.py tests/kernels/test_qdispatch.py
+  tail -5 "$OUT/gmm_tests.log"
   stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1,64 --top 30
   grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
   stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
-    --tokens 64 --shapes "${QSWEEP_SHAPES:-gateup2,down,qk,qo}" --kernels auto,dense,mm_pipe,mm_t \
-    --budget "${QSWEEP_BUDGET:-270}"
+    --tokens 64 --shapes "${QSWEEP_SHAPES:-gateup2,down,qk,qo}" \
+    --kernels "${QSWEEP_KERNELS:-auto,dense,gmm,mm_t}" --budget "${QSWEEP_BUDGET:-270}"
   grep -vE "^ *compile failure" "$OUT/qsweep64.log" | tail -14
   [ "${NCU:-1}" = 1 ] && stage ncu_qmm 150 ncu --clock-control none --kernel-name regex:qmm --launch-skip 2 \
     --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \

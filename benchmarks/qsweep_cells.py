@@ -1,7 +1,8 @@
 """The cells of benchmarks/gpu_qsweep.py: candidates per T, weights, one worker's measurements.
 
 A candidate is a `triton_qvariants.Variant` name (kernel:tile:step:split:warps:stages), `auto`
-(qlinear's own dispatch) or `dense` (dequantize to bf16 + cuBLAS, T >= 64).
+(qlinear's own dispatch) or `dense` (dequantize to bf16 + cuBLAS, T >= 64). Weights are repacked
+as the engine holds them (the "bytes" high plane).
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ def _variants(t: int) -> list[tv.Variant]:
         # registers capped (248-255 uncapped: 2 programs of 4 warps an SM): 3 or 4 an SM
         out += [V(k, bn=64, bt=bt, step=s, ctas=4, warps=4, stages=3, regs=r)
                 for k in ("mm_pipe", "mm_t") for s in (128, 256) for r in (128, 168)]  # fmt: skip
+        # Gluon: each code decoded once into the mma.sync fragments for all bt tokens, x's
+        # step through shared memory (bn 64 / 4 warps: 122 registers; 128 / 4: 186)
+        out += [V("gmm", bn=bn, bt=bt, step=128, warps=w)
+                for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8))]  # fmt: skip
     if t >= 128:
         out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]
         out += [V("mm", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]
@@ -121,12 +126,14 @@ def make_weight(ggml_type: str, n: int, k: int) -> PackedWeight:
     n_blocks = n * k // qt.block_size
     pool = _pool(ggml_type)
     blocks = pool.repeat(math.ceil(n_blocks / pool.shape[0]), 1)[:n_blocks]
-    return repack(blocks.reshape(n, -1), ggml_type, (n, k))
+    # the high plane as the engine's decode kernels hold it (streamk.prepare_streamk)
+    return repack(blocks.reshape(n, -1), ggml_type, (n, k), high_layout="bytes")
 
 
 def _clone(pw: PackedWeight) -> PackedWeight:
     f = ("codes", "scale", "high", "minv", "d", "dmin")
-    return PackedWeight(pw.ggml_type, pw.shape, **{a: _maybe_clone(getattr(pw, a)) for a in f})
+    planes = {a: _maybe_clone(getattr(pw, a)) for a in f}
+    return PackedWeight(pw.ggml_type, pw.shape, **planes, high_layout=pw.high_layout)
 
 
 def _maybe_clone(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -174,6 +174,72 @@ def _spread_high(h):
 
 
 @gluon.jit
+def _words4(words, S_L: gl.constexpr):
+    """[BN, 4, 4] words (row, chunk t, word) -> its 4 words [BN, 4] in S_L (register renames:
+    a chunk's words are in one thread)."""
+    w0, w1, w2, w3 = _split4(words)
+    w0 = gl.convert_layout(w0, S_L, assert_trivial=True)
+    w1 = gl.convert_layout(w1, S_L, assert_trivial=True)
+    w2 = gl.convert_layout(w2, S_L, assert_trivial=True)
+    w3 = gl.convert_layout(w3, S_L, assert_trivial=True)
+    return w0, w1, w2, w3
+
+
+@gluon.jit
+def _neg_bias(OFF: gl.constexpr, FP16: gl.constexpr, BN: gl.constexpr, S_L: gl.constexpr):
+    """The pair (OFF - BIAS, OFF - BIAS) as 16-bit floats, [BN, 4]: BIAS + q plus it is q + OFF
+    (BIAS: the exponent of MAGIC's pair, where a mantissa step is 1)."""
+    BIAS: gl.constexpr = 1024.0 if FP16 else 128.0
+    return _pack2(gl.full([BN, 4], OFF - BIAS, gl.float32, S_L), FP16)
+
+
+@gluon.jit
+def _step_scales(
+    s_base, m_base, d_base, dm_base, c0, g_off, sb_off,
+    G: gl.constexpr, KQUANT: gl.constexpr, HAS_MIN: gl.constexpr, FP16: gl.constexpr,
+    BN: gl.constexpr, S_L: gl.constexpr,
+):  # fmt: skip
+    """(A, -B) of the step's chunks [BN, 4] as pairs of 16-bit floats (G 16: a pair's halves
+    from the chunk's two groups), w = (q + OFF) A - B; chunk c0 + t for thread t."""
+    GC: gl.constexpr = 32 // G  # groups a chunk
+    sc = gl.load(s_base + GC * c0 + g_off).to(gl.float32)
+    if KQUANT:
+        d = gl.load(d_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
+        a = d * sc
+        if G == 16:  # the chunk's second group
+            a_hi = d * gl.load(s_base + (GC * c0 + 1) + g_off).to(gl.float32)
+        if HAS_MIN:
+            dmin = gl.load(dm_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
+            b = dmin * gl.load(m_base + c0 + g_off).to(gl.float32)
+    else:
+        a = sc
+        if HAS_MIN:
+            b = -gl.load(m_base + c0 + g_off).to(gl.float32)
+    if G == 16:
+        a2 = _pack2x(a, a_hi, FP16)
+    else:
+        a2 = _pack2(a, FP16)
+    if HAS_MIN:
+        nb2 = _pack2(-b, FP16)
+    else:
+        nb2 = gl.zeros([BN, 4], gl.int32, S_L)
+    return a2, nb2
+
+
+@gluon.jit
+def _a_fragment(q0, q1, a2, nb2, neg_bias, FP16: gl.constexpr, A_L: gl.constexpr):
+    """The A fragment [BN, 16] of one k-step from its pairs q0 (p4 = 0), q1 (p4 = 1): int32
+    [BN, 4] words of two codes as BIAS + q 16-bit floats; two packed FMAs make (q + OFF) A - B,
+    pair p = 4 p4 + t."""
+    HT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
+    ONE2: gl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
+    q0 = _bf16x2_fma(_bf16x2_fma(q0, ONE2, neg_bias, FP16), a2, nb2, FP16)
+    q1 = _bf16x2_fma(_bf16x2_fma(q1, ONE2, neg_bias, FP16), a2, nb2, FP16)
+    q = gl.reshape(gl.permute(gl.join(q0, q1), [0, 2, 1]), [q0.shape[0], 8])
+    return gl.convert_layout(_halves(q, HT), A_L, assert_trivial=True)
+
+
+@gluon.jit
 def moe_mm_mma_kernel(
     x_ptr, y_ptr, sorted_ptr, expert_ptr,
     codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
@@ -201,8 +267,6 @@ def moe_mm_mma_kernel(
     HT: gl.constexpr = x_ptr.dtype.element_ty
     FP16: gl.constexpr = HT == gl.float16
     MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
-    BIAS: gl.constexpr = 1024.0 if FP16 else 128.0
-    ONE2: gl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
     GC: gl.constexpr = 32 // G  # groups a chunk
 
     blk = gl.program_id(0)
@@ -229,43 +293,17 @@ def moe_mm_mma_kernel(
     m_base = min_ptr + row0 * grp_stride
     d_base = d_ptr + row0 * sb_stride
     dm_base = dmin_ptr + row0 * sb_stride
-    neg_bias = _pack2(gl.full([BN, 4], OFF - BIAS, gl.float32, S_L), FP16)
+    neg_bias = _neg_bias(OFF, FP16, BN, S_L)
     acc = gl.zeros([BN, BT], gl.float32, MMA)
     for c0 in range(0, n_chunks, 4):
         words = gl.load(w_base + c0 * 4 + w_off)
         xs = gl.load(x_ptr + c0 * 32 + x_off)
-        sc = gl.load(s_base + GC * c0 + g_off).to(gl.float32)
-        if KQUANT:
-            d = gl.load(d_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
-            a = d * sc
-            if G == 16:  # the chunk's second group
-                a_hi = d * gl.load(s_base + (GC * c0 + 1) + g_off).to(gl.float32)
-            if HAS_MIN:
-                dmin = gl.load(dm_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
-                b = dmin * gl.load(m_base + c0 + g_off).to(gl.float32)
-        else:
-            a = sc
-            if HAS_MIN:
-                b = -gl.load(m_base + c0 + g_off).to(gl.float32)
-        if G == 16:
-            a2 = _pack2x(a, a_hi, FP16)
-        else:
-            a2 = _pack2(a, FP16)
-        if HAS_MIN:
-            nb2 = _pack2(-b, FP16)
-        else:
-            nb2 = gl.zeros([BN, 4], gl.int32, S_L)
-        w0, w1, w2, w3 = _split4(words)
-        w0 = gl.convert_layout(w0, S_L, assert_trivial=True)
-        w1 = gl.convert_layout(w1, S_L, assert_trivial=True)
-        w2 = gl.convert_layout(w2, S_L, assert_trivial=True)
-        w3 = gl.convert_layout(w3, S_L, assert_trivial=True)
+        a2, nb2 = _step_scales(
+            s_base, m_base, d_base, dm_base, c0, g_off, sb_off, G, KQUANT, HAS_MIN, FP16, BN, S_L
+        )
+        w0, w1, w2, w3 = _words4(words, S_L)
         if HB > 0:
-            h0, h1, h2, h3 = _split4(_spread_high(gl.load(h_base + c0 * 4 + w_off)))
-            h0 = gl.convert_layout(h0, S_L, assert_trivial=True)
-            h1 = gl.convert_layout(h1, S_L, assert_trivial=True)
-            h2 = gl.convert_layout(h2, S_L, assert_trivial=True)
-            h3 = gl.convert_layout(h3, S_L, assert_trivial=True)
+            h0, h1, h2, h3 = _words4(_spread_high(gl.load(h_base + c0 * 4 + w_off)), S_L)
         for s_hi in gl.static_range(2):
             for w in gl.static_range(4):
                 if w == 0:
@@ -289,10 +327,7 @@ def moe_mm_mma_kernel(
                 if HB > 0:  # field f's high bits (at 2f of hh) to bits 4, 5 of its code
                     q0 = q0 | (_shl(hh, 4 - 2 * (2 * s_hi)) & 0x00300030)
                     q1 = q1 | (_shl(hh, 4 - 2 * (2 * s_hi + 1)) & 0x00300030)
-                q0 = _bf16x2_fma(_bf16x2_fma(q0, ONE2, neg_bias, FP16), a2, nb2, FP16)
-                q1 = _bf16x2_fma(_bf16x2_fma(q1, ONE2, neg_bias, FP16), a2, nb2, FP16)
-                q = gl.reshape(gl.permute(gl.join(q0, q1), [0, 2, 1]), [BN, 8])  # p = 4 p4 + t
-                wa = gl.convert_layout(_halves(q, HT), A_L, assert_trivial=True)
+                wa = _a_fragment(q0, q1, a2, nb2, neg_bias, FP16, A_L)
                 acc = mma_v2(wa, _b_operand(xs, s_hi, w, B_L), acc)
     r_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     slots_o = gl.load(sorted_ptr + blk * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, MMA)))

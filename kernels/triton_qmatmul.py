@@ -320,6 +320,8 @@ def _by_rule(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor | None:
         return qmm(x, pw)
     if kernel == "dense":
         return dense_mm(x, pw)
+    if not triton_qvariants.runs_here(kernel, x, pw):
+        return None  # (a Gluon kernel where Gluon does not run, a layout it does not read)
     return triton_qvariants.run(x, pw, kernel)
 
 

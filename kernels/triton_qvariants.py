@@ -7,6 +7,10 @@ whole configuration, so a sweep can time configs that `triton_qmatmul` would not
                 mm         _qmm_kernel            (a program: BN rows x BT tokens, tensor cores)
                 mm_pipe    _qmm_pipe_kernel       (the same, code words prefetched a step)
                 mm_t       _qmm_pipe_kernel TRANS (the same, x operand A, the tile operand B)
+                gmm        dense_mm_mma_kernel    (Gluon: a program BN rows x BT <= 64 tokens,
+                                                  each code decoded once into the mma.sync
+                                                  fragments, x through shared memory; step 128,
+                                                  no split; triton_gluon_dense)
     bn, bt      rows / tokens a program (bt: mm kernels only)
     step        codes of K a loop step (a multiple of a chunk; <= 256 for K-quants, whose steps
                 must stay inside one super-block)
@@ -27,7 +31,7 @@ import torch
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.repack import PackedWeight, chunk_codes
 
-KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe", "mm_t")
+KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe", "mm_t", "gmm")
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ class Variant:
 
     @property
     def name(self) -> str:
-        tile = f"bn{self.bn}" + (f"bt{self.bt}" if self.kernel.startswith("mm") else "")
+        tiled = self.kernel in ("mm", "mm_pipe", "mm_t", "gmm")
+        tile = f"bn{self.bn}" + (f"bt{self.bt}" if tiled else "")
         split = f"s{self.split}" if self.split else f"c{self.ctas}"
         regs = f":r{self.regs}" if self.regs else ""
         return f"{self.kernel}:{tile}:k{self.step}:{split}:w{self.warps}:st{self.stages}{regs}"
@@ -81,7 +86,30 @@ def variant_ok(v: Variant, pw: PackedWeight) -> bool:
         return False
     if v.kernel == "tokens" and v.step != 256:  # its config fixes a super-block a step
         return False
+    if v.kernel == "gmm":
+        from hetero.kernels.triton_gluon_dense import STEP, dense_takes
+
+        m_tiles = v.bn // (16 * v.warps)
+        return (
+            v.step == STEP and v.split == 0 and v.bn % (16 * v.warps) == 0 and m_tiles > 0
+            and m_tiles & (m_tiles - 1) == 0
+            and dense_takes(pw.spec, pw.high_layout, torch.bfloat16, pw.shape[1], v.bt)
+        )  # fmt: skip
     return v.bn >= 16 and v.bn & (v.bn - 1) == 0 and v.bt & (v.bt - 1) == 0
+
+
+def runs_here(v: Variant, x: torch.Tensor, pw: PackedWeight) -> bool:
+    """Whether variant v runs x [T, K] @ W^T on x's device: `variant_ok`, and for the Gluon
+    kernel a device and Triton that run Gluon and x in a type it takes."""
+    if not variant_ok(v, pw):
+        return False
+    if v.kernel != "gmm":
+        return True
+    from hetero.kernels.triton_gluon_dense import dense_takes
+    from hetero.kernels.triton_moe import _gluon_ok
+
+    k = pw.shape[1]
+    return _gluon_ok(x.device) and dense_takes(pw.spec, pw.high_layout, x.dtype, k, v.bt)
 
 
 def _split(v: Variant, tiles: int, n_steps: int, sm_count: int) -> tuple[int, int]:
@@ -108,6 +136,12 @@ def run(x: torch.Tensor, pw: PackedWeight, v: Variant) -> torch.Tensor:
     if not variant_ok(v, pw):
         raise ValueError(f"{v.name} cannot run {pw.ggml_type.name}")
     t_count, k = x.shape
+    if v.kernel == "gmm":
+        from hetero.kernels.triton_gluon_dense import dense_mm
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return dense_mm(x, pw, bn=v.bn, bt=v.bt, warps=v.warps)
     n = pw.shape[0]
     e = chunk_codes(pw.spec.low_bits)
     s = v.step // e  # chunks a step

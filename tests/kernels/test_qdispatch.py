@@ -114,3 +114,30 @@ def test_a_sweep_becomes_rules_the_dispatch_reads(tmp_path) -> None:
     bad.write_text(json.dumps([{**rules[0], "shapes": ["huge"]}]))
     with pytest.raises(ValueError, match="huge"):
         qd.extra_rules(str(bad))
+
+
+def test_a_gluon_rule_where_gluon_does_not_run_takes_the_default_path(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule naming the Gluon dense kernel (`gmm`: compiled only, never interpreted) on a
+    device without it: qlinear runs the default path instead, right against the reference."""
+    import json
+
+    from hetero.kernels import triton_qvariants as tv
+
+    v = Variant("gmm", bn=64, bt=16, step=128)
+    rule = {"types": ["Q4_K"], "shapes": ["small"], "t_min": 3, "t_max": 20, "kernel": v.name}
+    f = tmp_path / "rules.json"
+    f.write_text(json.dumps([rule]))
+    monkeypatch.setenv("HETERO_QDISPATCH", str(f))
+    qd.extra_rules.cache_clear()  # (read once a process: earlier tests read none)
+    try:
+        raw, pw = make_weight("Q4_K", 37, 768, seed=3)
+        assert qd.choose("Q4_K", 37, 768, 16) == v and tv.variant_ok(v, pw)
+        x = torch.randn(16, 768, device=DEVICE)
+        assert not tv.runs_here(v, x, pw)  # float32 x, and no Gluon under the interpreter
+        assert not tv.runs_here(v, x.to(torch.bfloat16), pw)
+        assert_close(tq.qlinear_triton(x, pw, int(pw.ggml_type), (37, 768)), x, raw, "Q4_K")
+    finally:
+        monkeypatch.delenv("HETERO_QDISPATCH")
+        qd.extra_rules.cache_clear()

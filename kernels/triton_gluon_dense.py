@@ -1,0 +1,198 @@
+"""A dense linear of 4- and 6-bit codes on the tensor cores for a batch of up to 64 tokens, each
+weight decoded once a program where the tensor cores read it (Gluon, as triton_gluon_moe).
+
+The MoE blocks kernel keeps x's fragments in registers, a whole chunk of 32 elements a slot
+column a thread, which bounds a block to 16 slots: as a dense linear at 64 tokens its four
+blocks decode the weight four times (`gluon_dense`: slower than the Triton tile kernel there).
+Here x goes through shared memory instead: a step's [BT, 128] tile is stored once a program and
+each warp reads its B fragments from there (ldmatrix), so one program takes BT = 32 or 64
+tokens and decodes its rows' codes once for all of them. The weights' side is the MoE kernel's
+(its A fragments, code words loaded whole by the threads that hold them; its helpers).
+
+The A fragments' k-step (s_hi, w) takes column kk = 8 p4 + 2t + h from element
+16h + 8 s_hi + 4 p4 + w of chunk t (triton_gluon_moe's docstring), so x enters permuted the
+same way: `permute_x` writes x [T, K] as xp [K / 128, 8, T, 16], k-step ks = 4 s_hi + w of step
+s holding, for token n, columns kk in order (one torch copy of x a call). A step's tile
+xp[s, :, tokens, :] is then 8 contiguous [BT, 16] slabs, stored to shared memory as loaded, and
+B of k-step ks is slab ks transposed.
+
+The high plane of Q6_K as the dense kernels keep it ("bytes", repack.high_bit_places): the 2
+high bits of fields f and f + 4 of word c lie in high word c / 2 of the chunk at bits b and
+b + 16, b = 8 (f / 2) + 4 (c % 2) + 2 (f % 2): one shift and a mask put the pair's next to its
+low codes, as in the MoE kernel's "fields" arrangement.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from hetero.kernels.triton_gluon_moe import (
+    _a_fragment,
+    _neg_bias,
+    _range3,
+    _shl,
+    _step_scales,
+    _words4,
+)
+
+STEP = 128  # codes of K a loop step: 4 chunks, one a thread of a lane quad
+
+
+def permute_x(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (K a multiple of 128) -> xp [K / 128, 8, T, 16]: xp[s, 4 s_hi + w, n, 8 p4 +
+    2 t + h] = x[n, 128 s + 32 t + 16 h + 8 s_hi + 4 p4 + w] (the module docstring)."""
+    t, k = x.shape
+    v = x.reshape(t, k // STEP, 4, 2, 2, 2, 4)  # n, s, t, h, s_hi, p4, w
+    return v.permute(1, 4, 6, 0, 5, 2, 3).reshape(k // STEP, 8, t, 16).contiguous()
+
+
+@functools.cache
+def dense_layouts(warps: int, m_tiles: int, bt: int) -> tuple:
+    """(W, H, S, X) layouts of a step's loads, BN = 16 warps m_tiles rows: W [BN, 4, 4] code
+    words (row, chunk t, word) and S [BN, 4] as the MoE kernel's (lane l: chunk l % 4 of rows
+    l / 4 and + 8), H [BN, 4, 2] the chunks' two high words beside them, X [8, BT, 16] x's
+    tile in 16-byte vectors (a warp: 16 tokens x 2 vectors of one k-step)."""
+    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warp_rows = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
+    tile_rows = [[8, 0]] + [[16 * warps << i, 0] for i in range(m_tiles.bit_length() - 1)]
+    bn = 16 * warps * m_tiles
+    s = gl.DistributedLinearLayout(tile_rows, lanes, warp_rows, [], [bn, 4])
+
+    def beside(words: int) -> gl.DistributedLinearLayout:
+        regs = [[0, 0, 1 << i] for i in range(words.bit_length() - 1)]
+        return gl.DistributedLinearLayout(
+            regs + [b + [0] for b in tile_rows], [b + [0] for b in lanes],
+            [b + [0] for b in warp_rows], [], [bn, 4, words],
+        )  # fmt: skip
+
+    x = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [warps, 1, 1], [2, 1, 0])
+    return beside(4), beside(2), s, x
+
+
+@gluon.jit
+def dense_mm_mma_kernel(
+    xp_ptr, y_ptr,
+    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
+    T, N, n_chunks, y_stride,
+    code_stride, grp_stride, sb_stride,
+    HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
+    HAS_MIN: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, WARPS: gl.constexpr,
+    W_L: gl.constexpr, H_L: gl.constexpr, S_L: gl.constexpr, X_L: gl.constexpr,
+):  # fmt: skip
+    """y[tokens, rows] = x @ W^T for program (row tile of BN, token tile of BT): the token
+    tiles of one row tile are neighbouring programs (the tiles after the first read the rows'
+    codes from L2). xp: `permute_x` of x; n_chunks a multiple of 4. Rows past N read row N - 1
+    and tokens past T read zeros; neither is stored."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])  # rows of 32 B: 4 a phase
+    HT: gl.constexpr = xp_ptr.dtype.element_ty
+    FP16: gl.constexpr = HT == gl.float16
+    MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
+    GC: gl.constexpr = 32 // G  # groups a chunk
+
+    n_t = gl.cdiv(T, BT)
+    pid_n = gl.program_id(0) // n_t
+    pid_t = gl.program_id(0) % n_t
+    # code words [BN, 4, 4] and high words [BN, 4, 2]: row r (clamped), chunk t, word
+    r3 = gl.minimum(pid_n * BN + _range3(BN, 0, W_L), N - 1)
+    w_off = r3 * code_stride + _range3(4, 1, W_L) * 4 + _range3(4, 2, W_L)
+    r3h = gl.minimum(pid_n * BN + _range3(BN, 0, H_L), N - 1)
+    h_off = r3h * (2 * code_stride // 4) + _range3(4, 1, H_L) * 2 + _range3(2, 2, H_L)
+    # scales [BN, 4]: row r, chunk t (its first group)
+    r2 = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, S_L)), N - 1)
+    t2 = gl.arange(0, 4, layout=gl.SliceLayout(0, S_L))
+    g_off = r2[:, None] * grp_stride + GC * t2[None, :]
+    sb_off = r2 * sb_stride
+    # x's tile [8, BT, 16]: k-step, token, column
+    tok = pid_t * BT + _range3(BT, 1, X_L)
+    x_off = _range3(8, 0, X_L) * (T * 16) + tok * 16 + _range3(16, 2, X_L)
+    x_mask = (tok < T) & (_range3(16, 2, X_L) < 16)
+    x_smem = gl.allocate_shared_memory(HT, [8 * BT, 16], SMEM)
+    neg_bias = _neg_bias(OFF, FP16, BN, S_L)
+    acc = gl.zeros([BN, BT], gl.float32, MMA)
+    for c0 in range(0, n_chunks, 4):
+        words = gl.load(codes_ptr + c0 * 4 + w_off)
+        if HB > 0:
+            hw = gl.load(high_ptr + c0 * 2 + h_off)
+        xs = gl.load(xp_ptr + (c0 // 4) * (8 * T * 16) + x_off, mask=x_mask, other=0.0)
+        a2, nb2 = _step_scales(
+            scale_ptr, min_ptr, d_ptr, dmin_ptr, c0, g_off, sb_off, G, KQUANT, HAS_MIN, FP16,
+            BN, S_L,
+        )  # fmt: skip
+        w0, w1, w2, w3 = _words4(words, S_L)
+        if HB > 0:
+            h0, h1 = gl.split(hw)
+            h0 = gl.convert_layout(h0, S_L, assert_trivial=True)
+            h1 = gl.convert_layout(h1, S_L, assert_trivial=True)
+        gl.thread_barrier()  # every warp done reading the last step's tile
+        x_smem.store(gl.reshape(xs, [8 * BT, 16]))
+        gl.thread_barrier()
+        for s_hi in gl.static_range(2):
+            for w in gl.static_range(4):
+                if w == 0:
+                    ww = w0
+                elif w == 1:
+                    ww = w1
+                elif w == 2:
+                    ww = w2
+                else:
+                    ww = w3
+                q0 = ((ww >> (8 * s_hi)) & 0x000F000F) | MAGIC
+                q1 = ((ww >> (8 * s_hi + 4)) & 0x000F000F) | MAGIC
+                if HB > 0:  # the pair's high bits (bits b, b + 16 of word w / 2) to bits 4, 5
+                    hh = h1 if w >= 2 else h0
+                    q0 = q0 | (_shl(hh, 4 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
+                    q1 = q1 | (_shl(hh, 2 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
+                wa = _a_fragment(q0, q1, a2, nb2, neg_bias, FP16, A_L)
+                xb = x_smem.slice((4 * s_hi + w) * BT, BT).permute((1, 0)).load(B_L)
+                acc = mma_v2(wa, xb, acc)
+    r_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    t_o = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
+    dst = y_ptr + t_o.to(gl.int64)[None, :] * y_stride + r_o[:, None]
+    mask = (r_o < N)[:, None] & (t_o < T)[None, :]
+    gl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dense_takes(spec, high_layout: str, dtype: torch.dtype, k: int, bt: int) -> bool:
+    """Whether the kernel takes such a linear: 4-bit codes whose group is a chunk (Q4_K, Q4_0,
+    Q4_1), or Q6_K with the dense kernels' "bytes" high plane; 16-bit x; K in steps of 128;
+    16, 32 or 64 tokens a program."""
+    q4 = spec.group == 32 and not spec.high_bits
+    q6 = spec.group == 16 and spec.high_bits == 2 and spec.kquant and high_layout == "bytes"
+    return (
+        spec.low_bits == 4 and (q4 or q6) and not spec.codebook and not spec.packed_min
+        and dtype in (torch.bfloat16, torch.float16) and k % STEP == 0 and bt in (16, 32, 64)
+    )  # fmt: skip
+
+
+def dense_mm(x: torch.Tensor, pw, bn: int = 128, bt: int = 64, warps: int = 4) -> torch.Tensor:
+    """y [T, N] = x @ W^T (x [T, K] 16-bit, W a PackedWeight the kernel takes: `dense_takes`),
+    programs of bn rows (16 warps m-tiles) x bt tokens."""
+    from hetero.kernels.triton_qmatmul import _plane_args
+
+    t, k = x.shape
+    n = pw.shape[0]
+    if not dense_takes(pw.spec, pw.high_layout, x.dtype, k, bt):
+        raise ValueError(f"the dense Gluon kernel does not take {pw.ggml_type.name} at K {k}")
+    if bn % (16 * warps) or (bn // (16 * warps)) & (bn // (16 * warps) - 1):
+        raise ValueError(f"{bn} rows a program is not 16 x {warps} warps x a power of two")
+    xp = permute_x(x)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    args, _ = _plane_args(pw)
+    spec = pw.spec
+    w_l, h_l, s_l, x_l = dense_layouts(warps, bn // (16 * warps), bt)
+    dense_mm_mma_kernel[(-(-n // bn) * -(-t // bt),)](
+        xp, y, *args[:6], t, n, k // 32, y.stride(0), *args[6:9], HB=spec.high_bits,
+        G=spec.group, OFF=spec.offset, KQUANT=spec.kquant, HAS_MIN=spec.has_min, BN=bn, BT=bt,
+        WARPS=warps, W_L=w_l, H_L=h_l, S_L=s_l, X_L=x_l, num_warps=warps,
+    )  # fmt: skip
+    return y
