@@ -65,7 +65,9 @@ def launch(name: str, ggml_type: str, args: argparse.Namespace) -> None:
     if name == "qgemv":
         tq.qgemv(torch.zeros(1, K, dtype=torch.bfloat16), pw)
         return
-    v = tv.Variant(name, bn=args.bn, bt=args.bt, step=args.step, warps=args.warps)
+    v = tv.Variant(
+        name, bn=args.bn, bt=args.bt, step=args.step, warps=args.warps, stages=args.stages or 1
+    )
     tv.run(torch.zeros(args.bt, K, dtype=torch.bfloat16), pw, v)
 
 
@@ -93,7 +95,9 @@ def main() -> None:
     ap.add_argument("--bt", type=int, default=16, help="activation rows a program (matmuls)")
     ap.add_argument("--step", type=int, default=128, help="codes of K a step")
     ap.add_argument("--gluon", action="store_true", help="moe_mm: the Gluon kernel (MM_GLUON)")
-    ap.add_argument("--stages", type=int, help="moe_mm: software-pipeline stages")
+    ap.add_argument(
+        "--stages", type=int, help="moe_mm: software-pipeline stages; gmm: 2 loads a step ahead"
+    )
     ap.add_argument("--top", type=int, default=24, help="instruction kinds shown")
     ap.add_argument("--dump", type=Path, help="a folder for each kernel's SASS")
     args = ap.parse_args()

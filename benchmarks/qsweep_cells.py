@@ -78,9 +78,12 @@ def _variants(t: int) -> list[tv.Variant]:
         out += [V(k, bn=64, bt=bt, step=s, ctas=4, warps=4, stages=3, regs=r)
                 for k in ("mm_pipe", "mm_t") for s in (128, 256) for r in (128, 168)]  # fmt: skip
         # Gluon: each code decoded once into the mma.sync fragments for all bt tokens, x's
-        # step through shared memory (bn 64 / 4 warps: 122 registers; 128 / 4: 186)
-        out += [V("gmm", bn=bn, bt=bt, step=128, warps=w)
-                for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8))]  # fmt: skip
+        # step through shared memory (Q4_K at 64 tokens, registers: bn 64 / 4 warps 122, 128 /
+        # 4 186, 128 / 8 98, 256 / 8 166); stages 2: the next step loaded ahead (120, 206,
+        # 120, 202)
+        out += [V("gmm", bn=bn, bt=bt, step=128, warps=w, stages=st)
+                for bn, w, st in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1),
+                                  (64, 4, 2), (128, 8, 2), (128, 4, 2))]  # fmt: skip
     if t >= 128:
         out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]
         out += [V("mm", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]

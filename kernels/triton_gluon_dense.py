@@ -29,12 +29,14 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from hetero.kernels.triton_gluon_moe import (
     _a_fragment,
     _neg_bias,
     _range3,
+    _scale_loads,
+    _scale_pairs,
     _shl,
     _step_scales,
     _words4,
@@ -53,10 +55,11 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def dense_layouts(warps: int, m_tiles: int, bt: int) -> tuple:
-    """(W, H, S, X) layouts of a step's loads, BN = 16 warps m_tiles rows: W [BN, 4, 4] code
+    """(W, H, S, X, X2) layouts of a step's loads, BN = 16 warps m_tiles rows: W [BN, 4, 4] code
     words (row, chunk t, word) and S [BN, 4] as the MoE kernel's (lane l: chunk l % 4 of rows
     l / 4 and + 8), H [BN, 4, 2] the chunks' two high words beside them, X [8, BT, 16] x's
-    tile in 16-byte vectors (a warp: 16 tokens x 2 vectors of one k-step)."""
+    tile in 16-byte vectors (a warp: 16 tokens x 2 vectors of one k-step), X2 the same tile as
+    [8 BT, 16] (its cp.async copies)."""
     lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
     warp_rows = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
     tile_rows = [[8, 0]] + [[16 * warps << i, 0] for i in range(m_tiles.bit_length() - 1)]
@@ -71,7 +74,65 @@ def dense_layouts(warps: int, m_tiles: int, bt: int) -> tuple:
         )  # fmt: skip
 
     x = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [warps, 1, 1], [2, 1, 0])
-    return beside(4), beside(2), s, x
+    x2 = gl.BlockedLayout([1, 8], [16, 2], [warps, 1], [1, 0])
+    return beside(4), beside(2), s, x, x2
+
+
+@gluon.jit
+def _x_tile_async(buf, xp_ptr, step, T, t0, BT: gl.constexpr, X2_L: gl.constexpr):
+    """Step `step`'s x tile [8 BT, 16] (k-step ks's tokens t0 .. t0 + BT at rows ks BT ..) into
+    shared memory `buf` by cp.async, 16 bytes a copy, as one commit group; tokens past T
+    zero-filled."""
+    r = gl.arange(0, 8 * BT, layout=gl.SliceLayout(1, X2_L))
+    kk = gl.arange(0, 16, layout=gl.SliceLayout(0, X2_L))
+    tok = t0 + r % BT
+    rows = step * (8 * T) + (r // BT) * T + tok
+    ptrs = xp_ptr + rows.to(gl.int64)[:, None] * 16 + kk[None, :]
+    async_copy.async_copy_global_to_shared(buf, ptrs, (tok < T)[:, None] & (kk < 16)[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _step_mma(
+    acc, buf, w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias,
+    HB: gl.constexpr, FP16: gl.constexpr, BT: gl.constexpr, A_L: gl.constexpr,
+    B_L: gl.constexpr,
+):  # fmt: skip
+    """acc + the step's 8 k-steps: the A fragments decoded from the chunks' words (h0, h1: the
+    high words, HB 2), B from x's tile in shared memory `buf` [8 BT, 16]."""
+    MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
+    for s_hi in gl.static_range(2):
+        for w in gl.static_range(4):
+            if w == 0:
+                ww = w0
+            elif w == 1:
+                ww = w1
+            elif w == 2:
+                ww = w2
+            else:
+                ww = w3
+            q0 = ((ww >> (8 * s_hi)) & 0x000F000F) | MAGIC
+            q1 = ((ww >> (8 * s_hi + 4)) & 0x000F000F) | MAGIC
+            if HB > 0:  # the pair's high bits (bits b, b + 16 of word w / 2) to bits 4, 5
+                hh = h1 if w >= 2 else h0
+                q0 = q0 | (_shl(hh, 4 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
+                q1 = q1 | (_shl(hh, 2 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
+            wa = _a_fragment(q0, q1, a2, nb2, neg_bias, FP16, A_L)
+            xb = buf.slice((4 * s_hi + w) * BT, BT).permute((1, 0)).load(B_L)
+            acc = mma_v2(wa, xb, acc)
+    return acc
+
+
+@gluon.jit
+def _high2(hw, HB: gl.constexpr, S_L: gl.constexpr):
+    """[BN, 4, 2] high words -> the chunks' two [BN, 4] (HB 0: hw, not read, twice)."""
+    h0 = hw
+    h1 = hw
+    if HB > 0:
+        h0, h1 = gl.split(hw)
+        h0 = gl.convert_layout(h0, S_L, assert_trivial=True)
+        h1 = gl.convert_layout(h1, S_L, assert_trivial=True)
+    return h0, h1
 
 
 @gluon.jit
@@ -82,12 +143,19 @@ def dense_mm_mma_kernel(
     code_stride, grp_stride, sb_stride,
     HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
     HAS_MIN: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, WARPS: gl.constexpr,
+    PIPE: gl.constexpr,
     W_L: gl.constexpr, H_L: gl.constexpr, S_L: gl.constexpr, X_L: gl.constexpr,
+    X2_L: gl.constexpr,
 ):  # fmt: skip
     """y[tokens, rows] = x @ W^T for program (row tile of BN, token tile of BT): the token
     tiles of one row tile are neighbouring programs (the tiles after the first read the rows'
     codes from L2). xp: `permute_x` of x; n_chunks a multiple of 4. Rows past N read row N - 1
-    and tokens past T read zeros; neither is stored."""
+    and tokens past T read zeros; neither is stored.
+
+    PIPE: the next step's code words and scale fields load into registers, and its x tile by
+    cp.async into the other of two shared buffers, before this step's arithmetic (a step's
+    loads in flight while the last is decoded and multiplied); else a step loads, stores its
+    tile, then computes."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
     )
@@ -96,7 +164,6 @@ def dense_mm_mma_kernel(
     SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])  # rows of 32 B: 4 a phase
     HT: gl.constexpr = xp_ptr.dtype.element_ty
     FP16: gl.constexpr = HT == gl.float16
-    MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
     GC: gl.constexpr = 32 // G  # groups a chunk
 
     n_t = gl.cdiv(T, BT)
@@ -106,55 +173,72 @@ def dense_mm_mma_kernel(
     r3 = gl.minimum(pid_n * BN + _range3(BN, 0, W_L), N - 1)
     w_off = r3 * code_stride + _range3(4, 1, W_L) * 4 + _range3(4, 2, W_L)
     r3h = gl.minimum(pid_n * BN + _range3(BN, 0, H_L), N - 1)
-    h_off = r3h * (2 * code_stride // 4) + _range3(4, 1, H_L) * 2 + _range3(2, 2, H_L)
+    h_off = r3h * (code_stride // 2) + _range3(4, 1, H_L) * 2 + _range3(2, 2, H_L)
     # scales [BN, 4]: row r, chunk t (its first group)
     r2 = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, S_L)), N - 1)
     t2 = gl.arange(0, 4, layout=gl.SliceLayout(0, S_L))
     g_off = r2[:, None] * grp_stride + GC * t2[None, :]
     sb_off = r2 * sb_stride
-    # x's tile [8, BT, 16]: k-step, token, column
-    tok = pid_t * BT + _range3(BT, 1, X_L)
-    x_off = _range3(8, 0, X_L) * (T * 16) + tok * 16 + _range3(16, 2, X_L)
-    x_mask = (tok < T) & (_range3(16, 2, X_L) < 16)
-    x_smem = gl.allocate_shared_memory(HT, [8 * BT, 16], SMEM)
     neg_bias = _neg_bias(OFF, FP16, BN, S_L)
     acc = gl.zeros([BN, BT], gl.float32, MMA)
-    for c0 in range(0, n_chunks, 4):
-        words = gl.load(codes_ptr + c0 * 4 + w_off)
+    if PIPE:
+        x_smem = gl.allocate_shared_memory(HT, [2, 8 * BT, 16], SMEM)
+        _x_tile_async(x_smem.index(0), xp_ptr, 0, T, pid_t * BT, BT, X2_L)
+        words = gl.load(codes_ptr + w_off)
+        hw = words
         if HB > 0:
-            hw = gl.load(high_ptr + c0 * 2 + h_off)
-        xs = gl.load(xp_ptr + (c0 // 4) * (8 * T * 16) + x_off, mask=x_mask, other=0.0)
-        a2, nb2 = _step_scales(
-            scale_ptr, min_ptr, d_ptr, dmin_ptr, c0, g_off, sb_off, G, KQUANT, HAS_MIN, FP16,
-            BN, S_L,
-        )  # fmt: skip
-        w0, w1, w2, w3 = _words4(words, S_L)
-        if HB > 0:
-            h0, h1 = gl.split(hw)
-            h0 = gl.convert_layout(h0, S_L, assert_trivial=True)
-            h1 = gl.convert_layout(h1, S_L, assert_trivial=True)
-        gl.thread_barrier()  # every warp done reading the last step's tile
-        x_smem.store(gl.reshape(xs, [8 * BT, 16]))
-        gl.thread_barrier()
-        for s_hi in gl.static_range(2):
-            for w in gl.static_range(4):
-                if w == 0:
-                    ww = w0
-                elif w == 1:
-                    ww = w1
-                elif w == 2:
-                    ww = w2
-                else:
-                    ww = w3
-                q0 = ((ww >> (8 * s_hi)) & 0x000F000F) | MAGIC
-                q1 = ((ww >> (8 * s_hi + 4)) & 0x000F000F) | MAGIC
-                if HB > 0:  # the pair's high bits (bits b, b + 16 of word w / 2) to bits 4, 5
-                    hh = h1 if w >= 2 else h0
-                    q0 = q0 | (_shl(hh, 4 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
-                    q1 = q1 | (_shl(hh, 2 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
-                wa = _a_fragment(q0, q1, a2, nb2, neg_bias, FP16, A_L)
-                xb = x_smem.slice((4 * s_hi + w) * BT, BT).permute((1, 0)).load(B_L)
-                acc = mma_v2(wa, xb, acc)
+            hw = gl.load(high_ptr + h_off)
+        sc, sc2, d, dmin, mn = _scale_loads(
+            scale_ptr, min_ptr, d_ptr, dmin_ptr, 0, g_off, sb_off, G, KQUANT, HAS_MIN
+        )
+        for c0 in range(0, n_chunks, 4):
+            nxt = gl.minimum(c0 + 4, n_chunks - 4)  # (the last step loads itself again, unused)
+            _x_tile_async(x_smem.index((c0 // 4 + 1) % 2), xp_ptr, nxt // 4, T, pid_t * BT, BT,
+                          X2_L)  # fmt: skip
+            words_n = gl.load(codes_ptr + nxt * 4 + w_off)
+            hw_n = words_n
+            if HB > 0:
+                hw_n = gl.load(high_ptr + nxt * 2 + h_off)
+            sc_n, sc2_n, d_n, dmin_n, mn_n = _scale_loads(
+                scale_ptr, min_ptr, d_ptr, dmin_ptr, nxt, g_off, sb_off, G, KQUANT, HAS_MIN
+            )
+            a2, nb2 = _scale_pairs(sc, sc2, d, dmin, mn, G, KQUANT, HAS_MIN, FP16, BN, S_L)
+            w0, w1, w2, w3 = _words4(words, S_L)
+            h0, h1 = _high2(hw, HB, S_L)
+            async_copy.wait_group(1)  # this step's tile is in (the next one may not be)
+            gl.thread_barrier()
+            acc = _step_mma(
+                acc, x_smem.index((c0 // 4) % 2), w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias,
+                HB, FP16, BT, A_L, B_L,
+            )  # fmt: skip
+            gl.thread_barrier()  # every warp done with the buffer the step after next fills
+            words, hw = words_n, hw_n
+            sc, sc2, d, dmin, mn = sc_n, sc2_n, d_n, dmin_n, mn_n
+        async_copy.wait_group(0)
+    else:
+        # x's tile [8, BT, 16]: k-step, token, column
+        tok = pid_t * BT + _range3(BT, 1, X_L)
+        x_off = _range3(8, 0, X_L) * (T * 16) + tok * 16 + _range3(16, 2, X_L)
+        x_mask = (tok < T) & (_range3(16, 2, X_L) < 16)
+        x_smem = gl.allocate_shared_memory(HT, [8 * BT, 16], SMEM)
+        for c0 in range(0, n_chunks, 4):
+            words = gl.load(codes_ptr + c0 * 4 + w_off)
+            hw = words
+            if HB > 0:
+                hw = gl.load(high_ptr + c0 * 2 + h_off)
+            xs = gl.load(xp_ptr + (c0 // 4) * (8 * T * 16) + x_off, mask=x_mask, other=0.0)
+            a2, nb2 = _step_scales(
+                scale_ptr, min_ptr, d_ptr, dmin_ptr, c0, g_off, sb_off, G, KQUANT, HAS_MIN,
+                FP16, BN, S_L,
+            )  # fmt: skip
+            w0, w1, w2, w3 = _words4(words, S_L)
+            h0, h1 = _high2(hw, HB, S_L)
+            gl.thread_barrier()  # every warp done reading the last step's tile
+            x_smem.store(gl.reshape(xs, [8 * BT, 16]))
+            gl.thread_barrier()
+            acc = _step_mma(
+                acc, x_smem, w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias, HB, FP16, BT, A_L, B_L
+            )
     r_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     t_o = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
     dst = y_ptr + t_o.to(gl.int64)[None, :] * y_stride + r_o[:, None]
@@ -174,9 +258,11 @@ def dense_takes(spec, high_layout: str, dtype: torch.dtype, k: int, bt: int) -> 
     )  # fmt: skip
 
 
-def dense_mm(x: torch.Tensor, pw, bn: int = 128, bt: int = 64, warps: int = 4) -> torch.Tensor:
+def dense_mm(
+    x: torch.Tensor, pw, bn: int = 128, bt: int = 64, warps: int = 4, pipe: bool = False
+) -> torch.Tensor:
     """y [T, N] = x @ W^T (x [T, K] 16-bit, W a PackedWeight the kernel takes: `dense_takes`),
-    programs of bn rows (16 warps m-tiles) x bt tokens."""
+    programs of bn rows (16 warps m-tiles) x bt tokens; pipe: the next step loaded ahead."""
     from hetero.kernels.triton_qmatmul import _plane_args
 
     t, k = x.shape
@@ -189,10 +275,10 @@ def dense_mm(x: torch.Tensor, pw, bn: int = 128, bt: int = 64, warps: int = 4) -
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     args, _ = _plane_args(pw)
     spec = pw.spec
-    w_l, h_l, s_l, x_l = dense_layouts(warps, bn // (16 * warps), bt)
+    w_l, h_l, s_l, x_l, x2_l = dense_layouts(warps, bn // (16 * warps), bt)
     dense_mm_mma_kernel[(-(-n // bn) * -(-t // bt),)](
         xp, y, *args[:6], t, n, k // 32, y.stride(0), *args[6:9], HB=spec.high_bits,
         G=spec.group, OFF=spec.offset, KQUANT=spec.kquant, HAS_MIN=spec.has_min, BN=bn, BT=bt,
-        WARPS=warps, W_L=w_l, H_L=h_l, S_L=s_l, X_L=x_l, num_warps=warps,
+        WARPS=warps, PIPE=pipe, W_L=w_l, H_L=h_l, S_L=s_l, X_L=x_l, X2_L=x2_l, num_warps=warps,
     )  # fmt: skip
     return y

@@ -194,27 +194,51 @@ def _neg_bias(OFF: gl.constexpr, FP16: gl.constexpr, BN: gl.constexpr, S_L: gl.c
 
 
 @gluon.jit
-def _step_scales(
+def _scale_loads(
     s_base, m_base, d_base, dm_base, c0, g_off, sb_off,
+    G: gl.constexpr, KQUANT: gl.constexpr, HAS_MIN: gl.constexpr,
+):  # fmt: skip
+    """The step's scale fields as stored, (sc, sc2, d, dmin, mn): sc [BN, 4] the chunks' first
+    groups', sc2 their second's (G 16), d and dmin [BN] (K-quants), mn [BN, 4] (types with
+    mins); a field the type lacks is sc again (never read). `_scale_pairs` finishes them: apart,
+    a kernel can load a step ahead and do the arithmetic when the step comes."""
+    GC: gl.constexpr = 32 // G  # groups a chunk
+    sc = gl.load(s_base + GC * c0 + g_off)
+    sc2 = sc
+    d = sc
+    dmin = sc
+    mn = sc
+    if KQUANT:
+        d = gl.load(d_base + c0 // 8 + sb_off)
+        if G == 16:  # the chunk's second group
+            sc2 = gl.load(s_base + (GC * c0 + 1) + g_off)
+        if HAS_MIN:
+            dmin = gl.load(dm_base + c0 // 8 + sb_off)
+            mn = gl.load(m_base + c0 + g_off)
+    elif HAS_MIN:
+        mn = gl.load(m_base + c0 + g_off)
+    return sc, sc2, d, dmin, mn
+
+
+@gluon.jit
+def _scale_pairs(
+    sc, sc2, d, dmin, mn,
     G: gl.constexpr, KQUANT: gl.constexpr, HAS_MIN: gl.constexpr, FP16: gl.constexpr,
     BN: gl.constexpr, S_L: gl.constexpr,
 ):  # fmt: skip
     """(A, -B) of the step's chunks [BN, 4] as pairs of 16-bit floats (G 16: a pair's halves
-    from the chunk's two groups), w = (q + OFF) A - B; chunk c0 + t for thread t."""
-    GC: gl.constexpr = 32 // G  # groups a chunk
-    sc = gl.load(s_base + GC * c0 + g_off).to(gl.float32)
+    from the chunk's two groups), w = (q + OFF) A - B, from `_scale_loads`' fields."""
     if KQUANT:
-        d = gl.load(d_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
-        a = d * sc
-        if G == 16:  # the chunk's second group
-            a_hi = d * gl.load(s_base + (GC * c0 + 1) + g_off).to(gl.float32)
+        df = d.to(gl.float32)[:, None]
+        a = df * sc.to(gl.float32)
+        if G == 16:
+            a_hi = df * sc2.to(gl.float32)
         if HAS_MIN:
-            dmin = gl.load(dm_base + c0 // 8 + sb_off).to(gl.float32)[:, None]
-            b = dmin * gl.load(m_base + c0 + g_off).to(gl.float32)
+            b = dmin.to(gl.float32)[:, None] * mn.to(gl.float32)
     else:
-        a = sc
+        a = sc.to(gl.float32)
         if HAS_MIN:
-            b = -gl.load(m_base + c0 + g_off).to(gl.float32)
+            b = -mn.to(gl.float32)
     if G == 16:
         a2 = _pack2x(a, a_hi, FP16)
     else:
@@ -224,6 +248,19 @@ def _step_scales(
     else:
         nb2 = gl.zeros([BN, 4], gl.int32, S_L)
     return a2, nb2
+
+
+@gluon.jit
+def _step_scales(
+    s_base, m_base, d_base, dm_base, c0, g_off, sb_off,
+    G: gl.constexpr, KQUANT: gl.constexpr, HAS_MIN: gl.constexpr, FP16: gl.constexpr,
+    BN: gl.constexpr, S_L: gl.constexpr,
+):  # fmt: skip
+    """`_scale_pairs` of `_scale_loads`: step c0's (A, -B) pairs [BN, 4]."""
+    sc, sc2, d, dmin, mn = _scale_loads(
+        s_base, m_base, d_base, dm_base, c0, g_off, sb_off, G, KQUANT, HAS_MIN
+    )
+    return _scale_pairs(sc, sc2, d, dmin, mn, G, KQUANT, HAS_MIN, FP16, BN, S_L)
 
 
 @gluon.jit

@@ -10,7 +10,8 @@ whole configuration, so a sweep can time configs that `triton_qmatmul` would not
                 gmm        dense_mm_mma_kernel    (Gluon: a program BN rows x BT <= 64 tokens,
                                                   each code decoded once into the mma.sync
                                                   fragments, x through shared memory; step 128,
-                                                  no split; triton_gluon_dense)
+                                                  no split; stages 2: the next step loaded
+                                                  ahead; triton_gluon_dense)
     bn, bt      rows / tokens a program (bt: mm kernels only)
     step        codes of K a loop step (a multiple of a chunk; <= 256 for K-quants, whose steps
                 must stay inside one super-block)
@@ -91,7 +92,8 @@ def variant_ok(v: Variant, pw: PackedWeight) -> bool:
 
         m_tiles = v.bn // (16 * v.warps)
         return (
-            v.step == STEP and v.split == 0 and v.bn % (16 * v.warps) == 0 and m_tiles > 0
+            v.step == STEP and v.split == 0 and v.stages in (1, 2) and m_tiles > 0
+            and v.bn % (16 * v.warps) == 0
             and m_tiles & (m_tiles - 1) == 0
             and dense_takes(pw.spec, pw.high_layout, torch.bfloat16, pw.shape[1], v.bt)
         )  # fmt: skip
@@ -141,7 +143,7 @@ def run(x: torch.Tensor, pw: PackedWeight, v: Variant) -> torch.Tensor:
 
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return dense_mm(x, pw, bn=v.bn, bt=v.bt, warps=v.warps)
+        return dense_mm(x, pw, bn=v.bn, bt=v.bt, warps=v.warps, pipe=v.stages == 2)
     n = pw.shape[0]
     e = chunk_codes(pw.spec.low_bits)
     s = v.step // e  # chunks a step

@@ -23,7 +23,11 @@ from tests.support.triton_compile_check import compile_in_subprocess  # noqa: E4
 
 TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
 ARCHS = (80, 86, 89, 90, 120)  # A100, RTX 3090, RTX 4090, H100 / H200, RTX 5090
-CONFIGS = ((64, 64, 4), (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 16, 4))  # bn, bt, warps
+# bn, bt, warps, pipe (the next step loaded ahead, x by cp.async into two buffers)
+CONFIGS = (
+    (64, 64, 4, False), (128, 64, 4, False), (128, 32, 4, False), (128, 64, 8, False),
+    (64, 16, 4, False), (64, 64, 4, True), (128, 64, 8, True), (128, 32, 4, True),
+)  # fmt: skip
 
 
 def _weight(ggml_type: str, n: int, k: int, device: str = "cpu"):
@@ -110,6 +114,8 @@ def test_sweep_variants_name_and_check_it() -> None:
     assert tv.variant_ok(v, pw) and not tv.variant_ok(v, q8)
     assert not tv.variant_ok(tv.Variant("gmm", bn=128, bt=64), pw)  # its step is 128
     assert not tv.variant_ok(tv.Variant("gmm", bn=96, bt=64, step=128), pw)  # 16 x 4 x 1.5
+    assert tv.variant_ok(tv.Variant("gmm", bn=64, bt=32, step=128, stages=2), pw)
+    assert not tv.variant_ok(tv.Variant("gmm", bn=64, bt=32, step=128, stages=3), pw)
 
 
 COMPILE = """
@@ -121,12 +127,12 @@ from hetero.kernels.triton_gluon_dense import dense_mm
 for arch in map(int, sys.argv[1].split(",")):
     for t in sys.argv[2].split(","):
         _, pw = _weight(t, 200, 512)
-        for bn, bt, warps in CONFIGS:
+        for bn, bt, warps, pipe in CONFIGS:
             for dtype in (torch.bfloat16, torch.float16):
                 with compiling_for(arch) as log:
-                    dense_mm(torch.zeros(40, 512, dtype=dtype), pw, bn=bn, bt=bt, warps=warps)
+                    dense_mm(torch.zeros(40, 512, dtype=dtype), pw, bn, bt, warps, pipe)
                 for fn, c in zip(log.compiled, log.kernels):
-                    print(arch, t, f"{bn}/{bt}/{warps}", fn[0], c.metadata.shared)
+                    print(arch, t, f"{bn}/{bt}/{warps}/{int(pipe)}", fn[0], c.metadata.shared)
 """
 
 
@@ -135,10 +141,11 @@ def test_compiles_for_each_architecture() -> None:
     stdout = compile_in_subprocess(COMPILE, ",".join(map(str, ARCHS)), ",".join(TYPES))
     rows = [line.split() for line in stdout.splitlines()]
     got = {(int(a), t, cfg) for a, t, cfg, fn, _ in rows if fn == "dense_mm_mma_kernel"}
-    cfgs = {f"{bn}/{bt}/{w}" for bn, bt, w in CONFIGS}
+    cfgs = {f"{bn}/{bt}/{w}/{int(p)}" for bn, bt, w, p in CONFIGS}
     assert got == {(a, t, c) for a in ARCHS for t in TYPES for c in cfgs}
-    for *_, cfg, _, shared in rows:  # x's tile of the step in shared memory, nothing else
-        assert int(shared) == 8 * int(cfg.split("/")[1]) * 16 * 2
+    for *_, cfg, _, shared in rows:  # x's tile of a step in shared memory (pipe: two), no more
+        _, bt, _, pipe = map(int, cfg.split("/"))
+        assert int(shared) == (1 + pipe) * 8 * bt * 16 * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -153,15 +160,15 @@ def test_equals_the_reference_on_the_device(ggml_type: str) -> None:
     raw, pw = _weight(ggml_type, n, k, "cuda")
     w = dequantize(raw, qt, (n, k))
     g = torch.Generator().manual_seed(2)
-    for bn, bt, warps in CONFIGS:
+    for bn, bt, warps, pipe in CONFIGS:
         for t in (1, 13, 64, 100):  # tiles with padding tokens; several token tiles
             for dtype in (torch.bfloat16, torch.float16):
                 x = torch.randn(t, k, generator=g).to("cuda", dtype)
-                got = dense_mm(x, pw, bn=bn, bt=bt, warps=warps).float()
+                got = dense_mm(x, pw, bn, bt, warps, pipe).float()
                 want = x.float() @ w.T
                 # the weights rounded to x's type (A and B first: 2^-9 each in bf16), y too
                 tol = 2.0**-6 * (x.float().abs() @ w.abs().T) + 2.0**-7 * want.abs() + 1e-3
                 err = (got - want).abs()
                 assert (err <= tol).all(), (
-                    f"{ggml_type} {bn}/{bt}/{warps} T={t} {dtype}: max error {err.max():.3e}"
+                    f"{ggml_type} {bn}/{bt}/{warps}/{pipe} T={t} {dtype}: max error {err.max():.3e}"
                 )
