@@ -1,7 +1,8 @@
 """Triton paged decode attention and KV write on the GPU: time per call against copy bandwidth.
 
     python benchmarks/gpu_paged.py [--batches 1,8,64] [--contexts 512,4096] [--kv fp8,fp16]
-        [--max-len 8192] [--variants all] [--min-splits 64] [--stages 3]
+        [--max-len 8192] [--variants all] [--min-splits 64] [--stages 3] [--bn 32,64]
+        [--splits 0,1,2,3]
 
 Llama-3-8B attention (32 query heads over 8 KV heads, D = 128, blocks of 16), one layer. Decode
 reads each sequence's K and V once (plus fp8 scales): GB/s = those bytes / time, as a fraction of
@@ -16,12 +17,15 @@ kernel), "reduce" (merged by the reduce kernel after it), "int" (fp8 decoded wit
 sm_80/86 do), "int-reduce", "rope" (q and the new key rotated, k and v stored in the kernel:
 a decode step's launch); "all" for the five. --min-splits: the fewest keys a split takes;
 --stages: the decode loop's software pipeline (ptxas, sm_90: 96-128 registers at 1 stage, 140
-at 2, 143-145 at 3 or 4).
+at 2, 143-145 at 3 or 4). --bn: keys a loop step (DECODE_BN); --splits: the grid's splits
+forced (0: `decode_splits`' own; at 64 streams of 512 keys it takes one, 512 programs, which
+at 128 registers, 4 programs an SM, are one wave of the H200's 528).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -82,29 +86,35 @@ def rope_args(q: torch.Tensor, meta: TensorMeta, ctx: int) -> tuple:
 
 
 def row(batch: int, ctx: int, kv_dtype: str, copy_gbs: float, max_len: int, variant: str,
-        min_split: int, stages: int) -> str:  # fmt: skip
+        min_split: int, stages: int, bn: int = 0, splits: int = 0) -> str:  # fmt: skip
     q, caches, meta = setup(batch, ctx, kv_dtype)
     meta.max_seq_len = max_len or ctx
     hw, merge = VARIANTS[variant]
     scale = D**-0.5
-    saved = tp.hw_fp8, tp.MIN_SPLIT, tp.DECODE_STAGES
+    saved = tp.hw_fp8, tp.MIN_SPLIT, tp.DECODE_STAGES, tp.DECODE_BN
     tp.hw_fp8 = lambda device: hw and saved[0](device)
-    tp.MIN_SPLIT, tp.DECODE_STAGES = min_split, stages
+    tp.MIN_SPLIT, tp.DECODE_STAGES, tp.DECODE_BN = min_split, stages, bn or saved[3]
     try:
         rope = rope_args(q, meta, ctx) if variant == "rope" else None
-        call = lambda: tp.paged_decode(q, *caches, meta, scale, merge=merge, rope=rope)  # noqa: E731
+        n = splits or None
+
+        def call():
+            return tp.paged_decode(q, *caches, meta, scale, n, merge=merge, rope=rope)
+
         sec = graph_time([call] * 32, 50)
+        bn = tp.DECODE_BN
     finally:
-        tp.hw_fp8, tp.MIN_SPLIT, tp.DECODE_STAGES = saved
+        tp.hw_fp8, tp.MIN_SPLIT, tp.DECODE_STAGES, tp.DECODE_BN = saved
     gbs = kv_bytes(batch, ctx, kv_dtype) / sec / 1e9
     k_new = torch.randn(batch, KV, D, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(batch, device="cuda") * BS
     wsec = graph_time([lambda: tp.kv_write_triton(*caches, slots, k_new, k_new)] * 32, 50)
-    grid = tp.decode_splits(batch, KV, meta.max_seq_len, torch.cuda.get_device_properties(0)
-                            .multi_processor_count)  # fmt: skip
+    grid = splits or tp.decode_splits(
+        batch, KV, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count
+    )
     return (
         f"{kv_dtype:4s} B={batch:3d} ctx={ctx:5d} grid splits {grid:2d} min {min_split:3d} "
-        f"stages {stages} {variant:10s}: decode {sec * 1e6:8.2f} us, {gbs:7.0f} GB/s "
+        f"stages {stages} bn {bn} {variant:10s}: decode {sec * 1e6:8.2f} us, {gbs:7.0f} GB/s "
         f"({gbs / copy_gbs:4.0%} of copy); kv write {wsec * 1e6:6.2f} us"
     )
 
@@ -118,18 +128,18 @@ def main() -> None:
     ap.add_argument("--variants", default="merge")
     ap.add_argument("--min-splits", default=str(tp.MIN_SPLIT))
     ap.add_argument("--stages", default=str(tp.DECODE_STAGES))
+    ap.add_argument("--bn", default=str(tp.DECODE_BN), help="keys a loop step")
+    ap.add_argument("--splits", default="0", help="the grid's splits (0: decode_splits')")
     args = ap.parse_args()
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     copy_gbs = copy_bandwidth()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; {H} heads over {KV}, D {D}, blocks of {BS}")
-    for kv_dtype in args.kv.split(","):
-        for ctx in (int(c) for c in args.contexts.split(",")):
-            for b in (int(x) for x in args.batches.split(",")):
-                for v in variants:
-                    for ms in (int(m) for m in args.min_splits.split(",")):
-                        for st in (int(x) for x in args.stages.split(",")):
-                            line = row(b, ctx, kv_dtype, copy_gbs, args.max_len, v, ms, st)
-                            print(line, flush=True)
+    ints = lambda arg: [int(x) for x in arg.split(",")]  # noqa: E731
+    for kv_dtype, ctx, b, v, ms, st, bn, n in itertools.product(
+        args.kv.split(","), ints(args.contexts), ints(args.batches), variants,
+        ints(args.min_splits), ints(args.stages), ints(args.bn), ints(args.splits),
+    ):  # fmt: skip
+        print(row(b, ctx, kv_dtype, copy_gbs, args.max_len, v, ms, st, bn, n), flush=True)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@
 #            the Triton GEMVs and with the table, Q4_K_M's also with the step unfused
 #            (gpu_engine.py --unfused), then the peer's llama-bench on them)
 #   streams  issue 23's 64 streams: the Gluon dense kernel's device tests, the step by kernel
-#            (gpu_step_profile.py --batches 1,64), the T = 64 matmuls swept (gpu_qsweep.py:
+#            (gpu_step_profile.py --batches 1,64), the decode attention's loop step and splits
+#            (gpu_paged.py --bn --splits), the T = 64 matmuls swept (gpu_qsweep.py:
 #            QSWEEP_KERNELS, default auto, dense, gmm, mm_t), qmm under Nsight Compute
 #   rows1    issue 23's rows in one call after the peer's build: Q4_K_M's one stream fused and
 #            unfused alternated twice, Q6_K's, 64 streams and the prompt (and 64 streams again
@@ -554,6 +555,10 @@ if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 ma
   tail -5 "$OUT/gmm_tests.log"
   stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1,64 --top 30
   grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
+  # the 64 streams' decode attention: keys a loop step (registers: 16 96, 32 128, 64 168) and
+  # the grid's splits (decode_splits takes one: 512 programs, one wave at 4 an SM)
+  stage attn64 120 "$PY" benchmarks/gpu_paged.py --batches 64 --contexts 512,4096 --kv fp8 \
+    --bn 16,32,64 --splits 0,2,3
   stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
     --tokens 64 --shapes "${QSWEEP_SHAPES:-gateup2,down,qk,qo}" \
     --kernels "${QSWEEP_KERNELS:-auto,dense,gmm,mm_t}" --budget "${QSWEEP_BUDGET:-270}"
