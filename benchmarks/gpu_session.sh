@@ -547,29 +547,43 @@ if has profile; then  # the planner's device profiles (cached for the calls that
 fi
 
 if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 matmuls swept over
-  # the variants (the decoded tile as operand A or B, tiles, steps, warps), the default one read
-  # by Nsight Compute (its stall reasons)
-  # the Gluon dense kernel (gmm) against the reference first: its first run on a GPU
-  stage gmm_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_dense.py \
-    tests/kernels/test_gluon_moe.py tests/kernels/test_qdispatch.py
-  tail -5 "$OUT/gmm_tests.log"
-  stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1,64 --top 30
-  grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
-  # the 64 streams' decode attention: keys a loop step (registers: 16 96, 32 128, 64 168) and
-  # the grid's splits (decode_splits takes one: 512 programs, one wave at 4 an SM)
-  stage attn64 120 "$PY" benchmarks/gpu_paged.py --batches 64 --contexts 512,4096 --kv fp8 \
-    --bn 16,32,64 --splits 0,2,3
-  stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
-    --tokens 64 --shapes "${QSWEEP_SHAPES:-gateup2,down,qk,qo}" \
-    --kernels "${QSWEEP_KERNELS:-auto,dense,gmm,mm_t}" --budget "${QSWEEP_BUDGET:-270}"
-  grep -vE "^ *compile failure" "$OUT/qsweep64.log" | tail -14
-  [ "${NCU:-1}" = 1 ] && stage ncu_qmm 150 ncu --clock-control none --kernel-name regex:qmm --launch-skip 2 \
-    --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-    --section LaunchStats \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    "$PY" benchmarks/gpu_kernel_probe.py --types Q4_K --tokens 64 --batches ""
-  [ "${NCU:-1}" = 1 ] && grep -E "qmm|Duration|Registers Per|Occupancy|Throughput|Warp Cycles Per Issued|stalled" \
-    "$OUT/ncu_qmm.log" | awk '$NF != "0" && $NF != "0.00"' | head -60
+  # the variants (the Gluon kernel, the decoded tile as operand A or B, tiles, steps, warps),
+  # the default one read by Nsight Compute (its stall reasons)
+  # In parts (STREAMS_PARTS, all by default; split them across calls): "tests" the Gluon dense
+  # kernel (gmm) against the reference, its first run on a GPU (and the MoE kernel's device
+  # tests: its decode moved into helpers both use); "prof" the step by kernel; "attn" the decode
+  # attention's loop step (registers: 16 keys 96, 32 128, 64 168) and the grid's splits
+  # (decode_splits takes one: 512 programs, one wave at 4 an SM); "sweep" the T = 64 matmuls;
+  # "ncu" qmm under Nsight Compute (NCU=0: not)
+  parts=" ${STREAMS_PARTS:-tests prof attn sweep ncu} "
+  if [[ $parts == *" tests "* ]]; then
+    stage gmm_tests 240 "$PY" -m pytest -q -p no:cacheprovider -k "device or expert" \
+      tests/kernels/test_gluon_dense.py tests/kernels/test_gluon_moe.py
+    tail -5 "$OUT/gmm_tests.log"
+  fi
+  if [[ $parts == *" prof "* ]]; then
+    stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1,64 --top 30
+    grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
+  fi
+  if [[ $parts == *" attn "* ]]; then
+    stage attn64 120 "$PY" benchmarks/gpu_paged.py --batches 64 --contexts 512,4096 --kv fp8 \
+      --bn 16,32,64 --splits 0,2,3
+  fi
+  if [[ $parts == *" sweep "* ]]; then
+    stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
+      --tokens 64 --shapes "${QSWEEP_SHAPES:-gateup2,down,qk,qo}" \
+      --kernels "${QSWEEP_KERNELS:-auto,dense,gmm,mm_t}" --budget "${QSWEEP_BUDGET:-270}"
+    grep -vE "^ *compile failure" "$OUT/qsweep64.log" | tail -14
+  fi
+  if [[ $parts == *" ncu "* ]] && [ "${NCU:-1}" = 1 ]; then
+    stage ncu_qmm 150 ncu --clock-control none --kernel-name regex:qmm --launch-skip 2 \
+      --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section LaunchStats \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      "$PY" benchmarks/gpu_kernel_probe.py --types Q4_K --tokens 64 --batches ""
+    grep -E "qmm|Duration|Registers Per|Occupancy|Throughput|Warp Cycles Per Issued|stalled" \
+      "$OUT/ncu_qmm.log" | awk '$NF != "0" && $NF != "0.00"' | head -60
+  fi
 fi
 
 if has peerpack; then  # the peer's tools as built here, packed in parts of 15 MiB under
@@ -618,8 +632,9 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
   stage rows_q4_64 240 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 64 --prefill 512 \
     --json "$OUT/rows_q4_64.json"
   rows "$OUT/rows_q4_64.log"
-  if [ -f "$OUT/qsweep64.json" ]; then  # the streams stage's winners at T = 64, as rules
-    "$PY" benchmarks/qsweep_rules.py "$OUT/qsweep64.json" "$OUT/rules64.json" --min-gain 1.05
+  sweep64="${QSWEEP64:-$OUT/qsweep64.json}"  # (QSWEEP64: an earlier call's, carried)
+  if [ -f "$sweep64" ]; then  # the streams stage's winners at T = 64, as rules
+    "$PY" benchmarks/qsweep_rules.py "$sweep64" "$OUT/rules64.json" --min-gain 1.05
     stage rows_q4_64r 200 env HETERO_QDISPATCH="$OUT/rules64.json" "$PY" benchmarks/gpu_engine.py \
       "$Q4" --batches 64 --prefill "" --json "$OUT/rows_q4_64r.json"
     rows "$OUT/rows_q4_64r.log"
