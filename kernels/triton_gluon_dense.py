@@ -40,6 +40,7 @@ from hetero.kernels.triton_gluon_moe import (
     _shl,
     _step_scales,
     _words4,
+    tile_layouts,
 )
 
 STEP = 128  # codes of K a loop step: 4 chunks, one a thread of a lane quad
@@ -60,22 +61,13 @@ def dense_layouts(warps: int, m_tiles: int, bt: int) -> tuple:
     l / 4 and + 8), H [BN, 4, 2] the chunks' two high words beside them, X [8, BT, 16] x's
     tile in 16-byte vectors (a warp: 16 tokens x 2 vectors of one k-step), X2 the same tile as
     [8 BT, 16] (its cp.async copies)."""
-    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
-    warp_rows = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
-    tile_rows = [[8, 0]] + [[16 * warps << i, 0] for i in range(m_tiles.bit_length() - 1)]
-    bn = 16 * warps * m_tiles
-    s = gl.DistributedLinearLayout(tile_rows, lanes, warp_rows, [], [bn, 4])
-
-    def beside(words: int) -> gl.DistributedLinearLayout:
-        regs = [[0, 0, 1 << i] for i in range(words.bit_length() - 1)]
-        return gl.DistributedLinearLayout(
-            regs + [b + [0] for b in tile_rows], [b + [0] for b in lanes],
-            [b + [0] for b in warp_rows], [], [bn, 4, words],
-        )  # fmt: skip
-
+    w, s, _ = tile_layouts(warps, m_tiles, 8)
+    h = gl.DistributedLinearLayout(
+        [w.reg_bases[0], *w.reg_bases[2:]], w.lane_bases, w.warp_bases, [], [*w.shape[:2], 2]
+    )  # (W's registers but its second word bit)
     x = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [warps, 1, 1], [2, 1, 0])
     x2 = gl.BlockedLayout([1, 8], [16, 2], [warps, 1], [1, 0])
-    return beside(4), beside(2), s, x, x2
+    return w, h, s, x, x2
 
 
 @gluon.jit
