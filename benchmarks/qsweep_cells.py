@@ -84,6 +84,9 @@ def _variants(t: int) -> list[tv.Variant]:
         out += [V("gmm", bn=bn, bt=bt, step=128, warps=w, stages=st)
                 for bn, w, st in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1),
                                   (64, 4, 2), (128, 8, 2), (128, 4, 2))]  # fmt: skip
+        # the same on Hopper's warpgroup MMA (sm_90; registers 120, 109, 105, 193)
+        out += [V("gmmw", bn=bn, bt=bt, step=128, warps=w, stages=st)
+                for bn, w, st in ((64, 4, 1), (64, 4, 2), (128, 8, 2), (128, 4, 2))]  # fmt: skip
     if t >= 128:
         out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]
         out += [V("mm", bn=128, bt=64, step=128, ctas=1, warps=4, stages=3)]

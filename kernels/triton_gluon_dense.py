@@ -20,6 +20,11 @@ The high plane of Q6_K as the dense kernels keep it ("bytes", repack.high_bit_pl
 high bits of fields f and f + 4 of word c lie in high word c / 2 of the chunk at bits b and
 b + 16, b = 8 (f / 2) + 4 (c % 2) + 2 (f % 2): one shift and a mask put the pair's next to its
 low codes, as in the MoE kernel's "fields" arrangement.
+
+On sm_90 `wg` runs the same program on Hopper's warpgroup MMA: a warpgroup's A fragments are
+mma.sync's, four warps of 16 rows (the compiler asserts the conversion trivial), and the
+tensor cores read B from the shared tile themselves (no ldmatrix; one wgmma a k-step where
+mma.sync takes BT / 8), each wgmma waited for before the next k-step's decode.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from hetero.kernels.triton_gluon_moe import (
     _a_fragment,
@@ -88,10 +94,11 @@ def _x_tile_async(buf, xp_ptr, step, T, t0, BT: gl.constexpr, X2_L: gl.constexpr
 def _step_mma(
     acc, buf, w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias,
     HB: gl.constexpr, FP16: gl.constexpr, BT: gl.constexpr, A_L: gl.constexpr,
-    B_L: gl.constexpr,
+    B_L: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
     """acc + the step's 8 k-steps: the A fragments decoded from the chunks' words (h0, h1: the
-    high words, HB 2), B from x's tile in shared memory `buf` [8 BT, 16]."""
+    high words, HB 2), B from x's tile in shared memory `buf` [8 BT, 16] (WG: wgmma reads it
+    there; else ldmatrix into mma.sync's fragments)."""
     MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
     for s_hi in gl.static_range(2):
         for w in gl.static_range(4):
@@ -110,8 +117,11 @@ def _step_mma(
                 q0 = q0 | (_shl(hh, 4 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
                 q1 = q1 | (_shl(hh, 2 - 8 * s_hi - 4 * (w % 2)) & 0x00300030)
             wa = _a_fragment(q0, q1, a2, nb2, neg_bias, FP16, A_L)
-            xb = buf.slice((4 * s_hi + w) * BT, BT).permute((1, 0)).load(B_L)
-            acc = mma_v2(wa, xb, acc)
+            xb = buf.slice((4 * s_hi + w) * BT, BT).permute((1, 0))
+            if WG:
+                acc = warpgroup_mma(wa, xb, acc)
+            else:
+                acc = mma_v2(wa, xb.load(B_L), acc)
     return acc
 
 
@@ -135,7 +145,7 @@ def dense_mm_mma_kernel(
     code_stride, grp_stride, sb_stride,
     HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
     HAS_MIN: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, WARPS: gl.constexpr,
-    PIPE: gl.constexpr,
+    PIPE: gl.constexpr, WG: gl.constexpr,
     W_L: gl.constexpr, H_L: gl.constexpr, S_L: gl.constexpr, X_L: gl.constexpr,
     X2_L: gl.constexpr,
 ):  # fmt: skip
@@ -148,12 +158,19 @@ def dense_mm_mma_kernel(
     cp.async into the other of two shared buffers, before this step's arithmetic (a step's
     loads in flight while the last is decoded and multiplied); else a step loads, stores its
     tile, then computes."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
-    )
+    if WG:  # Hopper's warpgroup MMA: A from the registers (mma.sync's fragments a warp), B
+        # from shared memory in its swizzled layout
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BT, 16]
+        )
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(32, 16, 2)
+    else:
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+        )
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])  # rows of 32 B, 4 a phase
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])  # rows of 32 B: 4 a phase
     HT: gl.constexpr = xp_ptr.dtype.element_ty
     FP16: gl.constexpr = HT == gl.float16
     GC: gl.constexpr = 32 // G  # groups a chunk
@@ -199,9 +216,11 @@ def dense_mm_mma_kernel(
             h0, h1 = _high2(hw, HB, S_L)
             async_copy.wait_group(1)  # this step's tile is in (the next one may not be)
             gl.thread_barrier()
+            if WG:
+                fence_async_shared()  # (the tile's writes seen by the tensor cores' reads)
             acc = _step_mma(
                 acc, x_smem.index((c0 // 4) % 2), w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias,
-                HB, FP16, BT, A_L, B_L,
+                HB, FP16, BT, A_L, B_L, WG,
             )  # fmt: skip
             gl.thread_barrier()  # every warp done with the buffer the step after next fills
             words, hw = words_n, hw_n
@@ -228,8 +247,10 @@ def dense_mm_mma_kernel(
             gl.thread_barrier()  # every warp done reading the last step's tile
             x_smem.store(gl.reshape(xs, [8 * BT, 16]))
             gl.thread_barrier()
+            if WG:
+                fence_async_shared()
             acc = _step_mma(
-                acc, x_smem, w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias, HB, FP16, BT, A_L, B_L
+                acc, x_smem, w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias, HB, FP16, BT, A_L, B_L, WG
             )
     r_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     t_o = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
@@ -251,10 +272,12 @@ def dense_takes(spec, high_layout: str, dtype: torch.dtype, k: int, bt: int) -> 
 
 
 def dense_mm(
-    x: torch.Tensor, pw, bn: int = 128, bt: int = 64, warps: int = 4, pipe: bool = False
-) -> torch.Tensor:
+    x: torch.Tensor, pw, bn: int = 128, bt: int = 64, warps: int = 4, pipe: bool = False,
+    wg: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """y [T, N] = x @ W^T (x [T, K] 16-bit, W a PackedWeight the kernel takes: `dense_takes`),
-    programs of bn rows (16 warps m-tiles) x bt tokens; pipe: the next step loaded ahead."""
+    programs of bn rows (16 warps m-tiles) x bt tokens; pipe: the next step loaded ahead; wg:
+    Hopper's warpgroup MMA (sm_90 only; warps a multiple of 4)."""
     from hetero.kernels.triton_qmatmul import _plane_args
 
     t, k = x.shape
@@ -263,6 +286,8 @@ def dense_mm(
         raise ValueError(f"the dense Gluon kernel does not take {pw.ggml_type.name} at K {k}")
     if bn % (16 * warps) or (bn // (16 * warps)) & (bn // (16 * warps) - 1):
         raise ValueError(f"{bn} rows a program is not 16 x {warps} warps x a power of two")
+    if wg and warps % 4:
+        raise ValueError(f"the warpgroup MMA takes warps in fours, not {warps}")
     xp = permute_x(x)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     args, _ = _plane_args(pw)
@@ -271,6 +296,7 @@ def dense_mm(
     dense_mm_mma_kernel[(-(-n // bn) * -(-t // bt),)](
         xp, y, *args[:6], t, n, k // 32, y.stride(0), *args[6:9], HB=spec.high_bits,
         G=spec.group, OFF=spec.offset, KQUANT=spec.kquant, HAS_MIN=spec.has_min, BN=bn, BT=bt,
-        WARPS=warps, PIPE=pipe, W_L=w_l, H_L=h_l, S_L=s_l, X_L=x_l, X2_L=x2_l, num_warps=warps,
+        WARPS=warps, PIPE=pipe, WG=wg, W_L=w_l, H_L=h_l, S_L=s_l, X_L=x_l, X2_L=x2_l,
+        num_warps=warps,
     )  # fmt: skip
     return y

@@ -12,6 +12,8 @@ whole configuration, so a sweep can time configs that `triton_qmatmul` would not
                                                   fragments, x through shared memory; step 128,
                                                   no split; stages 2: the next step loaded
                                                   ahead; triton_gluon_dense)
+                gmmw       the same on Hopper's warpgroup MMA (sm_90 only: B read from shared
+                                                  memory by the tensor cores, no ldmatrix)
     bn, bt      rows / tokens a program (bt: mm kernels only)
     step        codes of K a loop step (a multiple of a chunk; <= 256 for K-quants, whose steps
                 must stay inside one super-block)
@@ -32,7 +34,7 @@ import torch
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.repack import PackedWeight, chunk_codes
 
-KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe", "mm_t", "gmm")
+KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe", "mm_t", "gmm", "gmmw")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Variant:
 
     @property
     def name(self) -> str:
-        tiled = self.kernel in ("mm", "mm_pipe", "mm_t", "gmm")
+        tiled = self.kernel in ("mm", "mm_pipe", "mm_t", "gmm", "gmmw")
         tile = f"bn{self.bn}" + (f"bt{self.bt}" if tiled else "")
         split = f"s{self.split}" if self.split else f"c{self.ctas}"
         regs = f":r{self.regs}" if self.regs else ""
@@ -87,13 +89,13 @@ def variant_ok(v: Variant, pw: PackedWeight) -> bool:
         return False
     if v.kernel == "tokens" and v.step != 256:  # its config fixes a super-block a step
         return False
-    if v.kernel == "gmm":
+    if v.kernel in ("gmm", "gmmw"):
         from hetero.kernels.triton_gluon_dense import STEP, dense_takes
 
         m_tiles = v.bn // (16 * v.warps)
         return (
             v.step == STEP and v.split == 0 and v.stages in (1, 2) and m_tiles > 0
-            and v.bn % (16 * v.warps) == 0
+            and v.bn % (16 * v.warps) == 0 and (v.kernel == "gmm" or v.warps % 4 == 0)
             and m_tiles & (m_tiles - 1) == 0
             and dense_takes(pw.spec, pw.high_layout, torch.bfloat16, pw.shape[1], v.bt)
         )  # fmt: skip
@@ -105,13 +107,15 @@ def runs_here(v: Variant, x: torch.Tensor, pw: PackedWeight) -> bool:
     kernel a device and Triton that run Gluon and x in a type it takes."""
     if not variant_ok(v, pw):
         return False
-    if v.kernel != "gmm":
+    if v.kernel not in ("gmm", "gmmw"):
         return True
     from hetero.kernels.triton_gluon_dense import dense_takes
     from hetero.kernels.triton_moe import _gluon_ok
 
     k = pw.shape[1]
-    return _gluon_ok(x.device) and dense_takes(pw.spec, pw.high_layout, x.dtype, k, v.bt)
+    if not (_gluon_ok(x.device) and dense_takes(pw.spec, pw.high_layout, x.dtype, k, v.bt)):
+        return False
+    return v.kernel == "gmm" or torch.cuda.get_device_capability(x.device)[0] == 9
 
 
 def _split(v: Variant, tiles: int, n_steps: int, sm_count: int) -> tuple[int, int]:
@@ -138,12 +142,13 @@ def run(x: torch.Tensor, pw: PackedWeight, v: Variant) -> torch.Tensor:
     if not variant_ok(v, pw):
         raise ValueError(f"{v.name} cannot run {pw.ggml_type.name}")
     t_count, k = x.shape
-    if v.kernel == "gmm":
+    if v.kernel in ("gmm", "gmmw"):
         from hetero.kernels.triton_gluon_dense import dense_mm
 
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return dense_mm(x, pw, bn=v.bn, bt=v.bt, warps=v.warps, pipe=v.stages == 2)
+        pipe, wg = v.stages == 2, v.kernel == "gmmw"
+        return dense_mm(x, pw, bn=v.bn, bt=v.bt, warps=v.warps, pipe=pipe, wg=wg)
     n = pw.shape[0]
     e = chunk_codes(pw.spec.low_bits)
     s = v.step // e  # chunks a step
