@@ -66,7 +66,7 @@
 #   streams  issue 23's 64 streams: the Gluon dense kernel's device tests, the step by kernel
 #            (gpu_step_profile.py --batches 1,64), the decode attention's loop step and splits
 #            (gpu_paged.py --bn --splits), the T = 64 matmuls swept (gpu_qsweep.py:
-#            QSWEEP_KERNELS, default auto, dense, gmm, gmmw, mm_t), qmm under Nsight Compute
+#            QSWEEP_KERNELS, default auto, dense, gmm, gmmw), qmm under Nsight Compute
 #   rows1    issue 23's rows in one call after the peer's build: Q4_K_M's one stream fused and
 #            unfused alternated twice, Q6_K's, 64 streams and the prompt (and 64 streams again
 #            with the streams stage's T = 64 winners: qsweep_rules.py, HETERO_QDISPATCH), then
@@ -572,7 +572,7 @@ if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 ma
   if [[ $parts == *" sweep "* ]]; then
     stage qsweep64 300 "$PY" benchmarks/gpu_qsweep.py "$OUT/qsweep64.json" --types Q4_K,Q6_K \
       --tokens 64 --shapes "${QSWEEP_SHAPES:-gateup2,down,qk,qo}" \
-      --kernels "${QSWEEP_KERNELS:-auto,dense,gmm,gmmw,mm_t}" --budget "${QSWEEP_BUDGET:-270}"
+      --kernels "${QSWEEP_KERNELS:-auto,dense,gmm,gmmw}" --budget "${QSWEEP_BUDGET:-270}"
     grep -vE "^ *compile failure" "$OUT/qsweep64.log" | tail -14
   fi
   if [[ $parts == *" ncu "* ]] && [ "${NCU:-1}" = 1 ]; then
