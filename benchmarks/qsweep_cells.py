@@ -81,11 +81,13 @@ def _variants(t: int) -> list[tv.Variant]:
         # step through shared memory (Q4_K at 64 tokens, registers: bn 64 / 4 warps 122, 128 /
         # 4 186, 128 / 8 98, 256 / 8 166); stages 2: the next step loaded ahead (120, 206,
         # 120, 202)
-        out += [V("gmm", bn=bn, bt=bt, step=128, warps=w, stages=st)
+        # K split for 2 programs an SM where the row tiles are fewer (o, q|k, down), 4 on one
+        out += [V("gmm", bn=bn, bt=bt, step=128, warps=w, stages=st, ctas=2)
                 for bn, w, st in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1),
                                   (64, 4, 2), (128, 8, 2), (128, 4, 2))]  # fmt: skip
+        out += [V("gmm", bn=64, bt=bt, step=128, warps=4, stages=2, ctas=4)]
         # the same on Hopper's warpgroup MMA (sm_90; registers 120, 109, 105, 193)
-        out += [V("gmmw", bn=bn, bt=bt, step=128, warps=w, stages=st)
+        out += [V("gmmw", bn=bn, bt=bt, step=128, warps=w, stages=st, ctas=2)
                 for bn, w, st in ((64, 4, 1), (64, 4, 2), (128, 8, 2), (128, 4, 2))]  # fmt: skip
     if t >= 128:
         out += [V("mm", bn=128, bt=128, step=128, ctas=1, warps=8, stages=3)]

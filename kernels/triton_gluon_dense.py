@@ -139,13 +139,13 @@ def _high2(hw, HB: gl.constexpr, S_L: gl.constexpr):
 
 @gluon.jit
 def dense_mm_mma_kernel(
-    xp_ptr, y_ptr,
+    xp_ptr, y_ptr, part_ptr, cnt_ptr,
     codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr,
-    T, N, n_chunks, y_stride,
+    T, N, n_chunks, chunks_per_split, y_stride,
     code_stride, grp_stride, sb_stride,
     HB: gl.constexpr, G: gl.constexpr, OFF: gl.constexpr, KQUANT: gl.constexpr,
     HAS_MIN: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, WARPS: gl.constexpr,
-    PIPE: gl.constexpr, WG: gl.constexpr,
+    PIPE: gl.constexpr, WG: gl.constexpr, SPLITK: gl.constexpr,
     W_L: gl.constexpr, H_L: gl.constexpr, S_L: gl.constexpr, X_L: gl.constexpr,
     X2_L: gl.constexpr,
 ):  # fmt: skip
@@ -157,7 +157,13 @@ def dense_mm_mma_kernel(
     PIPE: the next step's code words and scale fields load into registers, and its x tile by
     cp.async into the other of two shared buffers, before this step's arithmetic (a step's
     loads in flight while the last is decoded and multiplied); else a step loads, stores its
-    tile, then computes."""
+    tile, then computes.
+
+    program_id(1) takes chunks_per_split chunks of K (a multiple of 4). SPLITK (several): each
+    program stores its float32 partial and bumps its tile's counter; the last of a tile's to
+    arrive adds them (`_split_sum`), writes y and resets the counter for the next launch (as the
+    Triton kernels' `_split_k_store`): weights of few row tiles (o, down at 64 tokens: 32 tiles
+    of 128 rows) still fill the SMs."""
     if WG:  # Hopper's warpgroup MMA: A from the registers (mma.sync's fragments a warp), B
         # from shared memory in its swizzled layout
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -178,6 +184,8 @@ def dense_mm_mma_kernel(
     n_t = gl.cdiv(T, BT)
     pid_n = gl.program_id(0) // n_t
     pid_t = gl.program_id(0) % n_t
+    k0 = gl.program_id(1) * chunks_per_split
+    k1 = gl.minimum(k0 + chunks_per_split, n_chunks)
     # code words [BN, 4, 4] and high words [BN, 4, 2]: row r (clamped), chunk t, word
     r3 = gl.minimum(pid_n * BN + _range3(BN, 0, W_L), N - 1)
     w_off = r3 * code_stride + _range3(4, 1, W_L) * 4 + _range3(4, 2, W_L)
@@ -192,18 +200,18 @@ def dense_mm_mma_kernel(
     acc = gl.zeros([BN, BT], gl.float32, MMA)
     if PIPE:
         x_smem = gl.allocate_shared_memory(HT, [2, 8 * BT, 16], SMEM)
-        _x_tile_async(x_smem.index(0), xp_ptr, 0, T, pid_t * BT, BT, X2_L)
-        words = gl.load(codes_ptr + w_off)
+        _x_tile_async(x_smem.index(0), xp_ptr, k0 // 4, T, pid_t * BT, BT, X2_L)
+        words = gl.load(codes_ptr + k0 * 4 + w_off)
         hw = words
         if HB > 0:
-            hw = gl.load(high_ptr + h_off)
+            hw = gl.load(high_ptr + k0 * 2 + h_off)
         sc, sc2, d, dmin, mn = _scale_loads(
-            scale_ptr, min_ptr, d_ptr, dmin_ptr, 0, g_off, sb_off, G, KQUANT, HAS_MIN
+            scale_ptr, min_ptr, d_ptr, dmin_ptr, k0, g_off, sb_off, G, KQUANT, HAS_MIN
         )
-        for c0 in range(0, n_chunks, 4):
-            nxt = gl.minimum(c0 + 4, n_chunks - 4)  # (the last step loads itself again, unused)
-            _x_tile_async(x_smem.index((c0 // 4 + 1) % 2), xp_ptr, nxt // 4, T, pid_t * BT, BT,
-                          X2_L)  # fmt: skip
+        for c0 in range(k0, k1, 4):
+            nxt = gl.minimum(c0 + 4, k1 - 4)  # (the last step loads itself again, unused)
+            buf = ((c0 - k0) // 4 + 1) % 2
+            _x_tile_async(x_smem.index(buf), xp_ptr, nxt // 4, T, pid_t * BT, BT, X2_L)
             words_n = gl.load(codes_ptr + nxt * 4 + w_off)
             hw_n = words_n
             if HB > 0:
@@ -219,8 +227,8 @@ def dense_mm_mma_kernel(
             if WG:
                 fence_async_shared()  # (the tile's writes seen by the tensor cores' reads)
             acc = _step_mma(
-                acc, x_smem.index((c0 // 4) % 2), w0, w1, w2, w3, h0, h1, a2, nb2, neg_bias,
-                HB, FP16, BT, A_L, B_L, WG,
+                acc, x_smem.index(((c0 - k0) // 4) % 2), w0, w1, w2, w3, h0, h1, a2, nb2,
+                neg_bias, HB, FP16, BT, A_L, B_L, WG,
             )  # fmt: skip
             gl.thread_barrier()  # every warp done with the buffer the step after next fills
             words, hw = words_n, hw_n
@@ -232,7 +240,7 @@ def dense_mm_mma_kernel(
         x_off = _range3(8, 0, X_L) * (T * 16) + tok * 16 + _range3(16, 2, X_L)
         x_mask = (tok < T) & (_range3(16, 2, X_L) < 16)
         x_smem = gl.allocate_shared_memory(HT, [8 * BT, 16], SMEM)
-        for c0 in range(0, n_chunks, 4):
+        for c0 in range(k0, k1, 4):
             words = gl.load(codes_ptr + c0 * 4 + w_off)
             hw = words
             if HB > 0:
@@ -256,7 +264,37 @@ def dense_mm_mma_kernel(
     t_o = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
     dst = y_ptr + t_o.to(gl.int64)[None, :] * y_stride + r_o[:, None]
     mask = (r_o < N)[:, None] & (t_o < T)[None, :]
-    gl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if SPLITK:
+        poff = t_o[None, :] * N + r_o[:, None]
+        gl.store(part_ptr + gl.program_id(1) * (T * N) + poff, acc, mask=mask)
+        gl.thread_barrier()  # every thread's partial stored before the counter moves
+        arrived = gl.atomic_add(cnt_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == gl.num_programs(1) - 1:
+            _split_sum(part_ptr, y_ptr, pid_n, pid_t, T, N, y_stride, BN, BT, WARPS)
+            gl.atomic_xchg(cnt_ptr + gl.program_id(0), 0, sem="relaxed", scope="gpu")
+    else:
+        gl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _split_sum(
+    part_ptr, y_ptr, pid_n, pid_t, T, N, y_stride,
+    BN: gl.constexpr, BT: gl.constexpr, WARPS: gl.constexpr,
+):  # fmt: skip
+    """y's tile = the splits' float32 partials (part [split, T, N]) added in split order, by the
+    last split to arrive (the sum the same whatever the order of arrival). A flat layout, rows
+    fastest: the partials and y read and written in coalesced runs of rows, and nothing of the
+    MMA layout's registers kept (the partial sums' layout set the kernel's registers before)."""
+    L: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
+    idx = gl.arange(0, BN * BT, layout=L)
+    r = pid_n * BN + idx % BN
+    tok = pid_t * BT + idx // BN
+    m = (r < N) & (tok < T)
+    off = tok * N + r
+    total = gl.zeros([BN * BT], gl.float32, L)
+    for s in range(gl.num_programs(1)):
+        total += gl.load(part_ptr + s * (T * N) + off, mask=m, other=0.0, cache_modifier=".cg")
+    gl.store(y_ptr + tok.to(gl.int64) * y_stride + r, total.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def dense_takes(spec, high_layout: str, dtype: torch.dtype, k: int, bt: int) -> bool:
@@ -273,12 +311,13 @@ def dense_takes(spec, high_layout: str, dtype: torch.dtype, k: int, bt: int) -> 
 
 def dense_mm(
     x: torch.Tensor, pw, bn: int = 128, bt: int = 64, warps: int = 4, pipe: bool = False,
-    wg: bool = False,
+    wg: bool = False, split: int = 0, ctas: int = 2,
 ) -> torch.Tensor:  # fmt: skip
     """y [T, N] = x @ W^T (x [T, K] 16-bit, W a PackedWeight the kernel takes: `dense_takes`),
     programs of bn rows (16 warps m-tiles) x bt tokens; pipe: the next step loaded ahead; wg:
-    Hopper's warpgroup MMA (sm_90 only; warps a multiple of 4)."""
-    from hetero.kernels.triton_qmatmul import _plane_args
+    Hopper's warpgroup MMA (sm_90 only; warps a multiple of 4); split: programs along K (0:
+    enough for `ctas` programs an SM, at least 4 steps of 128 codes each)."""
+    from hetero.kernels.triton_qmatmul import _counters, _plane_args, _sm_count
 
     t, k = x.shape
     n = pw.shape[0]
@@ -293,10 +332,17 @@ def dense_mm(
     args, _ = _plane_args(pw)
     spec = pw.spec
     w_l, h_l, s_l, x_l, x2_l = dense_layouts(warps, bn // (16 * warps), bt)
-    dense_mm_mma_kernel[(-(-n // bn) * -(-t // bt),)](
-        xp, y, *args[:6], t, n, k // 32, y.stride(0), *args[6:9], HB=spec.high_bits,
-        G=spec.group, OFF=spec.offset, KQUANT=spec.kquant, HAS_MIN=spec.has_min, BN=bn, BT=bt,
-        WARPS=warps, PIPE=pipe, WG=wg, W_L=w_l, H_L=h_l, S_L=s_l, X_L=x_l, X2_L=x2_l,
-        num_warps=warps,
+    tiles, steps = -(-n // bn) * -(-t // bt), k // STEP
+    if not split:  # enough programs for the SMs, no split under 4 steps (512 codes)
+        split = max(1, min(-(-ctas * _sm_count(x.device) // tiles), steps // 4))
+    per = -(-steps // split)  # steps a split; no empty split
+    split = -(-steps // per)
+    part = y if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, tiles)
+    dense_mm_mma_kernel[(tiles, split)](
+        xp, y, part, cnt, *args[:6], t, n, k // 32, 4 * per, y.stride(0), *args[6:9],
+        HB=spec.high_bits, G=spec.group, OFF=spec.offset, KQUANT=spec.kquant,
+        HAS_MIN=spec.has_min, BN=bn, BT=bt, WARPS=warps, PIPE=pipe, WG=wg, SPLITK=split > 1,
+        W_L=w_l, H_L=h_l, S_L=s_l, X_L=x_l, X2_L=x2_l, num_warps=warps,
     )  # fmt: skip
     return y

@@ -9,9 +9,9 @@ whole configuration, so a sweep can time configs that `triton_qmatmul` would not
                 mm_t       _qmm_pipe_kernel TRANS (the same, x operand A, the tile operand B)
                 gmm        dense_mm_mma_kernel    (Gluon: a program BN rows x BT <= 64 tokens,
                                                   each code decoded once into the mma.sync
-                                                  fragments, x through shared memory; step 128,
-                                                  no split; stages 2: the next step loaded
-                                                  ahead; triton_gluon_dense)
+                                                  fragments, x through shared memory; step 128;
+                                                  stages 2: the next step loaded ahead;
+                                                  triton_gluon_dense)
                 gmmw       the same on Hopper's warpgroup MMA (sm_90 only: B read from shared
                                                   memory by the tensor cores, no ldmatrix)
     bn, bt      rows / tokens a program (bt: mm kernels only)
@@ -94,7 +94,7 @@ def variant_ok(v: Variant, pw: PackedWeight) -> bool:
 
         m_tiles = v.bn // (16 * v.warps)
         return (
-            v.step == STEP and v.split == 0 and v.stages in (1, 2) and m_tiles > 0
+            v.step == STEP and v.stages in (1, 2) and m_tiles > 0
             and v.bn % (16 * v.warps) == 0 and (v.kernel == "gmm" or v.warps % 4 == 0)
             and m_tiles & (m_tiles - 1) == 0
             and dense_takes(pw.spec, pw.high_layout, torch.bfloat16, pw.shape[1], v.bt)
@@ -148,7 +148,7 @@ def run(x: torch.Tensor, pw: PackedWeight, v: Variant) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         pipe, wg = v.stages == 2, v.kernel == "gmmw"
-        return dense_mm(x, pw, bn=v.bn, bt=v.bt, warps=v.warps, pipe=pipe, wg=wg)
+        return dense_mm(x, pw, v.bn, v.bt, v.warps, pipe, wg, split=v.split, ctas=v.ctas)
     n = pw.shape[0]
     e = chunk_codes(pw.spec.low_bits)
     s = v.step // e  # chunks a step

@@ -23,10 +23,12 @@ from tests.support.triton_compile_check import compile_in_subprocess  # noqa: E4
 
 TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
 ARCHS = (80, 86, 89, 90, 120)  # A100, RTX 3090, RTX 4090, H100 / H200, RTX 5090
-# bn, bt, warps, pipe (the next step loaded ahead, x by cp.async into two buffers)
+# bn, bt, warps, pipe (the next step loaded ahead, x by cp.async into two buffers), split
+# (programs along K; 0: as the wrapper picks, which for these small weights is one)
 CONFIGS = (
-    (64, 64, 4, False), (128, 64, 4, False), (128, 32, 4, False), (128, 64, 8, False),
-    (64, 16, 4, False), (64, 64, 4, True), (128, 64, 8, True), (128, 32, 4, True),
+    (64, 64, 4, False, 0), (128, 64, 4, False, 0), (128, 32, 4, False, 0),
+    (128, 64, 8, False, 0), (64, 16, 4, False, 0), (64, 64, 4, True, 0), (128, 64, 8, True, 0),
+    (128, 32, 4, True, 0), (64, 64, 4, False, 3), (128, 64, 8, True, 2),
 )  # fmt: skip
 
 
@@ -116,13 +118,17 @@ def test_sweep_variants_name_and_check_it() -> None:
     assert not tv.variant_ok(tv.Variant("gmm", bn=96, bt=64, step=128), pw)  # 16 x 4 x 1.5
     assert tv.variant_ok(tv.Variant("gmm", bn=64, bt=32, step=128, stages=2), pw)
     assert not tv.variant_ok(tv.Variant("gmm", bn=64, bt=32, step=128, stages=3), pw)
+    assert tv.variant_ok(tv.Variant("gmm", bn=64, bt=32, step=128, split=3), pw)
     w = tv.Variant("gmmw", bn=64, bt=64, step=128, warps=4, stages=2)
     assert tv.parse(w.name) == w and tv.variant_ok(w, pw)
     assert not tv.variant_ok(tv.Variant("gmmw", bn=32, bt=64, step=128, warps=2), pw)
 
 
 # the warpgroup MMA's (sm_90 only), as CONFIGS
-WG_CONFIGS = ((64, 64, 4, False), (64, 64, 4, True), (128, 64, 8, True), (128, 32, 4, True))
+WG_CONFIGS = (
+    (64, 64, 4, False, 0), (64, 64, 4, True, 0), (128, 64, 8, True, 0), (128, 32, 4, True, 0),
+    (64, 64, 4, True, 3),
+)  # fmt: skip
 
 COMPILE = """
 import sys
@@ -134,12 +140,13 @@ for arch in map(int, sys.argv[1].split(",")):
     for t in sys.argv[2].split(","):
         _, pw = _weight(t, 200, 512)
         runs = [(c, False) for c in CONFIGS] + [(c, True) for c in WG_CONFIGS if arch == 90]
-        for (bn, bt, warps, pipe), wg in runs:
+        for (bn, bt, warps, pipe, split), wg in runs:
             for dtype in (torch.bfloat16, torch.float16):
                 with compiling_for(arch) as log:
-                    dense_mm(torch.zeros(40, 512, dtype=dtype), pw, bn, bt, warps, pipe, wg)
+                    x = torch.zeros(40, 512, dtype=dtype)
+                    dense_mm(x, pw, bn, bt, warps, pipe, wg, split=split)
                 for fn, c in zip(log.compiled, log.kernels):
-                    cfg = f"{bn}/{bt}/{warps}/{int(pipe)}/{int(wg)}"
+                    cfg = f"{bn}/{bt}/{warps}/{int(pipe)}/{int(wg)}/{split}"
                     print(arch, t, cfg, fn[0], c.metadata.shared)
 """
 
@@ -149,12 +156,12 @@ def test_compiles_for_each_architecture() -> None:
     stdout = compile_in_subprocess(COMPILE, ",".join(map(str, ARCHS)), ",".join(TYPES))
     rows = [line.split() for line in stdout.splitlines()]
     got = {(int(a), t, cfg) for a, t, cfg, fn, _ in rows if fn == "dense_mm_mma_kernel"}
-    cfgs = {f"{bn}/{bt}/{w}/{int(p)}/0" for bn, bt, w, p in CONFIGS}
-    wg = {f"{bn}/{bt}/{w}/{int(p)}/1" for bn, bt, w, p in WG_CONFIGS}
+    cfgs = {f"{bn}/{bt}/{w}/{int(p)}/0/{s}" for bn, bt, w, p, s in CONFIGS}
+    wg = {f"{bn}/{bt}/{w}/{int(p)}/1/{s}" for bn, bt, w, p, s in WG_CONFIGS}
     want = {(a, t, c) for a in ARCHS for t in TYPES for c in cfgs | (wg if a == 90 else set())}
     assert got == want
     for *_, cfg, _, shared in rows:  # x's tile of a step in shared memory (pipe: two), no more
-        _, bt, _, pipe, _ = map(int, cfg.split("/"))
+        _, bt, _, pipe, _, _ = map(int, cfg.split("/"))
         assert int(shared) == (1 + pipe) * 8 * bt * 16 * 2
 
 
@@ -172,16 +179,16 @@ def test_equals_the_reference_on_the_device(ggml_type: str) -> None:
     g = torch.Generator().manual_seed(2)
     hopper = torch.cuda.get_device_capability()[0] == 9
     runs = [(c, False) for c in CONFIGS] + [(c, True) for c in WG_CONFIGS if hopper]
-    for (bn, bt, warps, pipe), wg in runs:
+    for (bn, bt, warps, pipe, split), wg in runs:
         for t in (1, 13, 64, 100):  # tiles with padding tokens; several token tiles
             for dtype in (torch.bfloat16, torch.float16):
                 x = torch.randn(t, k, generator=g).to("cuda", dtype)
-                got = dense_mm(x, pw, bn, bt, warps, pipe, wg).float()
+                got = dense_mm(x, pw, bn, bt, warps, pipe, wg, split=split).float()
                 want = x.float() @ w.T
                 # the weights rounded to x's type (A and B first: 2^-9 each in bf16), y too
                 tol = 2.0**-6 * (x.float().abs() @ w.abs().T) + 2.0**-7 * want.abs() + 1e-3
                 err = (got - want).abs()
                 assert (err <= tol).all(), (
-                    f"{ggml_type} {bn}/{bt}/{warps}/{pipe}/{wg} T={t} {dtype}: "
+                    f"{ggml_type} {bn}/{bt}/{warps}/{pipe}/{wg}/{split} T={t} {dtype}: "
                     f"max error {err.max():.3e}"
                 )
