@@ -79,14 +79,14 @@ def _variants(t: int) -> list[tv.Variant]:
                 for k in ("mm_pipe", "mm_t") for s in (128, 256) for r in (128, 168)]  # fmt: skip
         # Gluon: each code decoded once into the mma.sync fragments for all bt tokens, x's
         # step through shared memory (Q4_K at 64 tokens, registers: bn 64 / 4 warps 122, 128 /
-        # 4 186, 128 / 8 98, 256 / 8 166); stages 2: the next step loaded ahead (120, 206,
-        # 120, 202)
-        # K split for 2 programs an SM where the row tiles are fewer (o, q|k, down), 4 on one
+        # 4 190, 128 / 8 100, 256 / 8 166); stages 2: the next step loaded ahead (124, 210,
+        # 97, 208); K split for 2 programs an SM where the row tiles are fewer (o, q|k, down),
+        # 4 on one
         out += [V("gmm", bn=bn, bt=bt, step=128, warps=w, stages=st, ctas=2)
                 for bn, w, st in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1),
                                   (64, 4, 2), (128, 8, 2), (128, 4, 2))]  # fmt: skip
         out += [V("gmm", bn=64, bt=bt, step=128, warps=4, stages=2, ctas=4)]
-        # the same on Hopper's warpgroup MMA (sm_90; registers 120, 109, 105, 193)
+        # the same on Hopper's warpgroup MMA (sm_90; registers 123, 102, 99, 187)
         out += [V("gmmw", bn=bn, bt=bt, step=128, warps=w, stages=st, ctas=2)
                 for bn, w, st in ((64, 4, 1), (64, 4, 2), (128, 8, 2), (128, 4, 2))]  # fmt: skip
     if t >= 128:
