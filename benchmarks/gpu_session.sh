@@ -551,7 +551,8 @@ if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 ma
   # the default one read by Nsight Compute (its stall reasons)
   # In parts (STREAMS_PARTS, all by default; split them across calls): "tests" the Gluon dense
   # kernel (gmm) against the reference, its first run on a GPU (and the MoE kernel's device
-  # tests: its decode moved into helpers both use); "prof" the step by kernel; "attn" the decode
+  # tests: its decode moved into helpers both use); "prof" the step by kernel at 1 and 64
+  # streams and the host's exposed share of a one-stream step; "attn" the decode
   # attention's loop step (registers: 16 keys 96, 32 128, 64 168) and the grid's splits
   # (decode_splits takes one: 512 programs, one wave at 4 an SM); "sweep" the T = 64 matmuls;
   # "ncu" qmm under Nsight Compute (NCU=0: not)
@@ -561,9 +562,11 @@ if has streams; then  # issue 23's 64 streams: the step by kernel, the T = 64 ma
       tests/kernels/test_gluon_dense.py tests/kernels/test_gluon_moe.py
     tail -5 "$OUT/gmm_tests.log"
   fi
-  if [[ $parts == *" prof "* ]]; then
+  if [[ $parts == *" prof "* ]]; then  # (and the host's exposed share of a one-stream step)
     stage prof64 240 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1,64 --top 30
     grep -E "wall|step|^ " "$OUT/prof64.log" | tail -40
+    stage prof_host 150 "$PY" benchmarks/gpu_step_host.py "$Q4" --batches 1 --steps 30
+    tail -16 "$OUT/prof_host.log"
   fi
   if [[ $parts == *" attn "* ]]; then
     stage attn64 120 "$PY" benchmarks/gpu_paged.py --batches 64 --contexts 512,4096 --kv fp8 \
