@@ -44,7 +44,6 @@ from hetero.kernels.triton_gluon_moe import (
     _scale_loads,
     _scale_pairs,
     _shl,
-    _step_scales,
     _words4,
     tile_layouts,
 )
@@ -126,6 +125,23 @@ def _step_mma(
 
 
 @gluon.jit
+def _step_loads(
+    codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr, c0, w_off, h_off, g_off, sb_off,
+    HB: gl.constexpr, G: gl.constexpr, KQUANT: gl.constexpr, HAS_MIN: gl.constexpr,
+):  # fmt: skip
+    """Step c0's weight loads, nothing computed from them: (code words [BN, 4, 4], high words
+    [BN, 4, 2] (HB 0: the code words again, not read), and `_scale_loads`' five fields)."""
+    words = gl.load(codes_ptr + c0 * 4 + w_off)
+    hw = words
+    if HB > 0:
+        hw = gl.load(high_ptr + c0 * 2 + h_off)
+    sc, sc2, d, dmin, mn = _scale_loads(
+        scale_ptr, min_ptr, d_ptr, dmin_ptr, c0, g_off, sb_off, G, KQUANT, HAS_MIN
+    )
+    return words, hw, sc, sc2, d, dmin, mn
+
+
+@gluon.jit
 def _high2(hw, HB: gl.constexpr, S_L: gl.constexpr):
     """[BN, 4, 2] high words -> the chunks' two [BN, 4] (HB 0: hw, not read, twice)."""
     h0 = hw
@@ -196,28 +212,20 @@ def dense_mm_mma_kernel(
     t2 = gl.arange(0, 4, layout=gl.SliceLayout(0, S_L))
     g_off = r2[:, None] * grp_stride + GC * t2[None, :]
     sb_off = r2 * sb_stride
+    planes = (codes_ptr, high_ptr, scale_ptr, min_ptr, d_ptr, dmin_ptr)
+    offs = (w_off, h_off, g_off, sb_off)
     neg_bias = _neg_bias(OFF, FP16, BN, S_L)
     acc = gl.zeros([BN, BT], gl.float32, MMA)
     if PIPE:
         x_smem = gl.allocate_shared_memory(HT, [2, 8 * BT, 16], SMEM)
         _x_tile_async(x_smem.index(0), xp_ptr, k0 // 4, T, pid_t * BT, BT, X2_L)
-        words = gl.load(codes_ptr + k0 * 4 + w_off)
-        hw = words
-        if HB > 0:
-            hw = gl.load(high_ptr + k0 * 2 + h_off)
-        sc, sc2, d, dmin, mn = _scale_loads(
-            scale_ptr, min_ptr, d_ptr, dmin_ptr, k0, g_off, sb_off, G, KQUANT, HAS_MIN
-        )
+        words, hw, sc, sc2, d, dmin, mn = _step_loads(*planes, k0, *offs, HB, G, KQUANT, HAS_MIN)
         for c0 in range(k0, k1, 4):
             nxt = gl.minimum(c0 + 4, k1 - 4)  # (the last step loads itself again, unused)
             buf = ((c0 - k0) // 4 + 1) % 2
             _x_tile_async(x_smem.index(buf), xp_ptr, nxt // 4, T, pid_t * BT, BT, X2_L)
-            words_n = gl.load(codes_ptr + nxt * 4 + w_off)
-            hw_n = words_n
-            if HB > 0:
-                hw_n = gl.load(high_ptr + nxt * 2 + h_off)
-            sc_n, sc2_n, d_n, dmin_n, mn_n = _scale_loads(
-                scale_ptr, min_ptr, d_ptr, dmin_ptr, nxt, g_off, sb_off, G, KQUANT, HAS_MIN
+            words_n, hw_n, sc_n, sc2_n, d_n, dmin_n, mn_n = _step_loads(
+                *planes, nxt, *offs, HB, G, KQUANT, HAS_MIN
             )
             a2, nb2 = _scale_pairs(sc, sc2, d, dmin, mn, G, KQUANT, HAS_MIN, FP16, BN, S_L)
             w0, w1, w2, w3 = _words4(words, S_L)
@@ -241,15 +249,11 @@ def dense_mm_mma_kernel(
         x_mask = (tok < T) & (_range3(16, 2, X_L) < 16)
         x_smem = gl.allocate_shared_memory(HT, [8 * BT, 16], SMEM)
         for c0 in range(k0, k1, 4):
-            words = gl.load(codes_ptr + c0 * 4 + w_off)
-            hw = words
-            if HB > 0:
-                hw = gl.load(high_ptr + c0 * 2 + h_off)
             xs = gl.load(xp_ptr + (c0 // 4) * (8 * T * 16) + x_off, mask=x_mask, other=0.0)
-            a2, nb2 = _step_scales(
-                scale_ptr, min_ptr, d_ptr, dmin_ptr, c0, g_off, sb_off, G, KQUANT, HAS_MIN,
-                FP16, BN, S_L,
-            )  # fmt: skip
+            words, hw, sc, sc2, d, dmin, mn = _step_loads(
+                *planes, c0, *offs, HB, G, KQUANT, HAS_MIN
+            )
+            a2, nb2 = _scale_pairs(sc, sc2, d, dmin, mn, G, KQUANT, HAS_MIN, FP16, BN, S_L)
             w0, w1, w2, w3 = _words4(words, S_L)
             h0, h1 = _high2(hw, HB, S_L)
             gl.thread_barrier()  # every warp done reading the last step's tile
