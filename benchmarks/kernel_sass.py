@@ -60,7 +60,8 @@ def launch(name: str, ggml_type: str, args: argparse.Namespace) -> None:
                              (e, n, K), ids)  # fmt: skip
         return
     raw = torch.from_numpy(random_blocks(ggml_type, 64 * K // qt.block_size, rng))
-    layout = "bytes" if name == "gmm" else "fields"  # gmm: the dense kernels' high plane
+    # the dense Gluon kernel reads the dense kernels' high plane
+    layout = "bytes" if name in tv.GLUON else "fields"
     pw = repack(raw.reshape(64, -1), ggml_type, (64, K), high_layout=layout)
     if name == "qgemv":
         tq.qgemv(torch.zeros(1, K, dtype=torch.bfloat16), pw)

@@ -34,7 +34,8 @@ import torch
 from hetero.kernels import triton_qmatmul as tq
 from hetero.kernels.repack import PackedWeight, chunk_codes
 
-KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe", "mm_t", "gmm", "gmmw")
+GLUON = ("gmm", "gmmw")  # the dense Gluon kernel's variants (triton_gluon_dense)
+KERNELS = ("gemv", "gemv_pipe", "tokens", "mm", "mm_pipe", "mm_t", *GLUON)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Variant:
 
     @property
     def name(self) -> str:
-        tiled = self.kernel in ("mm", "mm_pipe", "mm_t", "gmm", "gmmw")
+        tiled = self.kernel in ("mm", "mm_pipe", "mm_t", *GLUON)
         tile = f"bn{self.bn}" + (f"bt{self.bt}" if tiled else "")
         split = f"s{self.split}" if self.split else f"c{self.ctas}"
         regs = f":r{self.regs}" if self.regs else ""
@@ -89,7 +90,7 @@ def variant_ok(v: Variant, pw: PackedWeight) -> bool:
         return False
     if v.kernel == "tokens" and v.step != 256:  # its config fixes a super-block a step
         return False
-    if v.kernel in ("gmm", "gmmw"):
+    if v.kernel in GLUON:
         from hetero.kernels.triton_gluon_dense import STEP, dense_takes
 
         m_tiles = v.bn // (16 * v.warps)
@@ -107,7 +108,7 @@ def runs_here(v: Variant, x: torch.Tensor, pw: PackedWeight) -> bool:
     kernel a device and Triton that run Gluon and x in a type it takes."""
     if not variant_ok(v, pw):
         return False
-    if v.kernel not in ("gmm", "gmmw"):
+    if v.kernel not in GLUON:
         return True
     from hetero.kernels.triton_gluon_dense import dense_takes
     from hetero.kernels.triton_moe import _gluon_ok
@@ -142,7 +143,7 @@ def run(x: torch.Tensor, pw: PackedWeight, v: Variant) -> torch.Tensor:
     if not variant_ok(v, pw):
         raise ValueError(f"{v.name} cannot run {pw.ggml_type.name}")
     t_count, k = x.shape
-    if v.kernel in ("gmm", "gmmw"):
+    if v.kernel in GLUON:
         from hetero.kernels.triton_gluon_dense import dense_mm
 
         if x.stride(-1) != 1:
