@@ -19,6 +19,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
+from tests.kernels.test_gluon_gemv import _weight  # noqa: E402  (the dense kernels' layout)
 from tests.support.triton_compile_check import compile_in_subprocess  # noqa: E402
 
 TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K")
@@ -30,17 +31,6 @@ CONFIGS = (
     (128, 64, 8, False, 0), (64, 16, 4, False, 0), (64, 64, 4, True, 0), (128, 64, 8, True, 0),
     (128, 32, 4, True, 0), (64, 64, 4, False, 3), (128, 64, 8, True, 2),
 )  # fmt: skip
-
-
-def _weight(ggml_type: str, n: int, k: int, device: str = "cpu"):
-    """(GGUF blocks [n, bytes], PackedWeight as the dense kernels hold it: "bytes" high plane)."""
-    from hetero.kernels.repack import repack
-    from hetero.quant import get_quant, random_blocks
-
-    qt = get_quant(ggml_type)
-    blocks = random_blocks(ggml_type, n * k // qt.block_size, np.random.default_rng(7))
-    raw = torch.from_numpy(blocks).reshape(n, -1).to(device)
-    return raw, repack(raw, qt.ggml_type, (n, k), high_layout="bytes")
 
 
 def test_x_is_permuted_as_the_fragments_read_it() -> None:
@@ -133,7 +123,8 @@ WG_CONFIGS = (
 COMPILE = """
 import sys
 import torch
-from tests.kernels.test_gluon_dense import CONFIGS, WG_CONFIGS, _weight
+from tests.kernels.test_gluon_dense import CONFIGS, WG_CONFIGS
+from tests.kernels.test_gluon_gemv import _weight
 from tests.support.triton_compile_check import compiling_for
 from hetero.kernels.triton_gluon_dense import dense_mm
 for arch in map(int, sys.argv[1].split(",")):
@@ -175,7 +166,7 @@ def test_equals_the_reference_on_the_device(ggml_type: str) -> None:
     qt = get_quant(ggml_type).ggml_type
     n, k = 200, 768  # 200 rows: the last program's rows past N clamped
     raw, pw = _weight(ggml_type, n, k, "cuda")
-    w = dequantize(raw, qt, (n, k))
+    w = dequantize(raw, qt, (n, k)).to("cuda")
     g = torch.Generator().manual_seed(2)
     hopper = torch.cuda.get_device_capability()[0] == 9
     runs = [(c, False) for c in CONFIGS] + [(c, True) for c in WG_CONFIGS if hopper]
