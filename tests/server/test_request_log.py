@@ -223,17 +223,29 @@ def test_the_trace_times_each_prefill_chunk_and_decode_step(daemon, traces):
 
 
 def test_the_trace_file_rotates_at_its_size(daemon, traces):
-    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 48}
-    for i in range(8):
+    # ignore_eos: every answer is max_tokens long, so every line is near the first one's size
+    # (a sampled end of text had made them short and eight of them stayed under the limit)
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 48,
+            "ignore_eos": True}  # fmt: skip
+    limit = MAX_MB * 2**20
+    before = traces.stat().st_size
+    assert chat(daemon, body, rid="rot-0")[0] == 200
+    trace_of(traces, "rot-0")
+    after = traces.stat().st_size
+    line = after - before if after > before else after  # the file may have rotated just now
+    # enough requests to pass the limit once more, not so many that the rotated files drop one
+    n = 2 + int((limit - after) // line)
+    assert n * line < BACKUPS * limit, (n, line)
+    for i in range(1, n):
         assert chat(daemon, body, rid=f"rot-{i}")[0] == 200
-    trace_of(traces, "rot-7")
+    trace_of(traces, f"rot-{n - 1}")
     rotated = Path(f"{traces}.1")
     assert rotated.exists()
     for f in [traces, *(Path(f"{traces}.{i}") for i in range(1, BACKUPS + 1))]:
         if f.exists():  # RotatingFileHandler rotates before a line would pass the limit
-            assert f.stat().st_size <= MAX_MB * 2**20
+            assert f.stat().st_size <= limit
     ids = [t["request_id"] for t in trace_lines(traces)]
-    assert [i for i in ids if i.startswith("rot-")] == [f"rot-{i}" for i in range(8)]
+    assert [i for i in ids if i.startswith("rot-")] == [f"rot-{i}" for i in range(n)]
 
 
 def test_long_values_are_bounded_and_named():
