@@ -12,7 +12,13 @@ import math
 import click
 
 from hetero.config import WEIGHTS_MODES, PipelineConfig, RuntimeConfig
-from hetero.engine.config import KV_DTYPES, SPECULATIVE_MODES, EngineConfig, SchedulerConfig
+from hetero.engine.config import (
+    KV_DTYPES,
+    OVERLAP_MODES,
+    SPECULATIVE_MODES,
+    EngineConfig,
+    SchedulerConfig,
+)
 
 
 class FloatRange(click.FloatRange):
@@ -247,6 +253,15 @@ def engine_options(f):
             help="no CUDA graphs: decode steps run eagerly (graphs are captured at start on GPU)",
         ),
         cuda_graph_max_tokens_option,
+        click.option(
+            "--overlap-schedule",
+            type=click.Choice(OVERLAP_MODES),
+            default=ec.overlap_schedule,
+            show_default=True,
+            help="submit the next step before this one's tokens reach the host, hiding the "
+            "host's work behind the device's (a request that stops wastes one row of the next "
+            "step); auto: on a GPU with --speculative off; on: anywhere (needs --speculative off)",
+        ),
         click.option(
             "--kv-ram-gb",
             type=FloatRange(0.0),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 # bf16, fp32 (exact, for tests).
 KV_DTYPES = ("auto", "fp8", "fp16", "bf16", "fp32")
 SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
+OVERLAP_MODES = ("auto", "on", "off")  # EngineConfig.overlap_schedule
 
 
 def kv_dtype_rule(asked: str, on_cpu: bool, fp8_hardware: bool) -> str:
@@ -119,6 +120,10 @@ class EngineConfig:
     # steps each finished request reports in its timeline (engine/timeline.py), for request
     # traces (the server's --log-requests); 0: the phase sums only
     trace_steps: int = 0
+    # overlapped steps (engine/overlap.py): the next step is submitted before this one's tokens
+    # reach the host, hiding the host's work behind the device's; "auto": where the logits are
+    # on a GPU and speculation is off; "on" also on a CPU (for tests: nothing runs there to hide)
+    overlap_schedule: str = "auto"
 
     @property
     def prompt_graph_rows(self) -> int:
@@ -135,6 +140,16 @@ class EngineConfig:
             )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.overlap_schedule not in OVERLAP_MODES:
+            raise ValueError(
+                f"overlap_schedule must be one of {', '.join(OVERLAP_MODES)}, "
+                f"got {self.overlap_schedule!r}"
+            )
+        if self.overlap_schedule == "on" and self.speculative != "off":
+            raise ValueError(
+                "overlap_schedule 'on' needs speculative 'off': a guess follows the last token, "
+                "which an overlapped step does not have on the host yet"
+            )
         if self.trace_steps < 0:
             raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

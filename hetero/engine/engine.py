@@ -7,7 +7,9 @@ everything is integer ids. `hetero.launch.build_engine` builds an engine from op
 
 Each step keeps every micro-batch group busy (one group when the executor runs one step at a
 time): groups with no step in flight are scheduled and submitted, then the oldest step in flight
-is collected, sampled and applied.
+is collected, sampled and applied. With overlapped steps (engine/overlap.py: one group, the
+engine sampling, no speculation; by default on a GPU) the step in flight is sampled on the
+device and the next one submitted before the host waits for its tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hetero.engine.executor import (
 from hetero.engine.grammar_mask import Constraints
 from hetero.engine.microbatch import MicroBatchScheduler
 from hetero.engine.output import StepOutput, final_output, token_output
+from hetero.engine.overlap import sample_on_device, settled_tokens
 from hetero.engine.request import Request, RequestStatus
 from hetero.engine.scheduler import Scheduler, SchedulerOutput
 from hetero.engine.spec import make_speculator
@@ -86,9 +89,22 @@ class Engine:
             self.scheduler = MicroBatchScheduler(sc, self.block_manager, self.num_groups)
         if info.prompt_graphs:  # steps beside running decodes stay within the largest graph
             self.scheduler.graph_rows = info.graph_rows
-        self._inflight: deque[tuple[int, SchedulerOutput, float]] = deque()
+        self._inflight: deque[tuple[int, SchedulerOutput, float, list | None]] = deque()
         self._next_step = 0
         self._last_done = time.perf_counter()
+        self.overlap = self._overlaps()
+
+    def _overlaps(self) -> bool:
+        """Whether steps overlap (engine/overlap.py): the engine samples, one step at a time,
+        without speculation; "auto" where the logits are on a GPU."""
+        mode, info = self.config.overlap_schedule, self.executor.info
+        able = self.spec is None and self.num_groups == 1 and not info.samples
+        if mode == "on" and not able:
+            raise ValueError(
+                "overlap_schedule 'on' needs speculative 'off' and an executor whose logits the "
+                "engine samples (one device, or a GPU with the CPU; not a pipeline of stages)"
+            )
+        return able and (mode == "on" or (mode == "auto" and info.device.startswith("cuda")))
 
     def _scheduler_config(self) -> SchedulerConfig:
         sched = self.config.scheduler
@@ -165,6 +181,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         results: dict[str, StepOutput] = {}
+        if self.overlap:
+            self._overlapped_step(results)
+            return list(results.values())
         try:
             self._fill(results)
             if self._inflight:
@@ -175,9 +194,28 @@ class Engine:
             self._recover(e, results)
         return list(results.values())
 
-    def _fill(self, results: dict[str, StepOutput]) -> None:
-        """Schedule and submit every group that has no step in flight."""
-        busy = {g for g, _, _ in self._inflight}
+    def _overlapped_step(self, results: dict[str, StepOutput]) -> None:
+        """Sample the step in flight on the device and advance past it, submit the next step
+        (its rows read the samples there), then settle the sampled step on the host."""
+        sampled = None
+        if self._inflight:
+            _, out, started, params = self._inflight.popleft()
+            sampled = sample_on_device(
+                self.executor.collect(), out, params, started, self.constraints, self.sampler,
+                self.sampling_states, self.tokenizer.eos_ids,
+            )  # fmt: skip
+            self.scheduler.advance(out)
+        self._fill(results, None if sampled is None else sampled.ids)
+        if sampled is not None:
+            tokens = settled_tokens(sampled, results, self.constraints)
+            self._applied(sampled.out, sampled.res, sampled.started, tokens, results)
+        elif not self._inflight and self.executor.kv_tiers is not None:
+            self.executor.kv_tiers.idle(self.block_manager)
+
+    def _fill(self, results: dict[str, StepOutput], token_source=None) -> None:
+        """Schedule and submit every group that has no step in flight (`token_source`: the
+        samples an advanced step's placeholders index, on the device)."""
+        busy = {g for g, _, _, _ in self._inflight}
         for g in range(self.num_groups):
             if g in busy:
                 continue
@@ -188,9 +226,13 @@ class Engine:
             if not out.scheduled:
                 continue
             sampling = self._sampling(out) if self.executor.info.samples else None
+            out.token_source = token_source
             started = time.perf_counter()
             self.executor.submit(Step(self._next_step, out, sampling))
-            self._inflight.append((g, out, started))
+            params = None  # the rows' params as submitted, for an overlapped step's sampling
+            if self.overlap:
+                params = [self.params[s.req.request_id] for s in out.scheduled if s.produces_token]
+            self._inflight.append((g, out, started, params))
             self._next_step += 1
 
     def _schedule(self, group: int) -> SchedulerOutput:
@@ -220,14 +262,21 @@ class Engine:
         return StepSampling(rows, allowed, tuple(self.tokenizer.eos_ids))
 
     def _complete_oldest(self, results: dict[str, StepOutput]) -> None:
-        _, out, started = self._inflight.popleft()
+        _, out, started, _ = self._inflight.popleft()
         res = self.executor.collect()
         producing = [s for s in out.scheduled if s.produces_token]
         sampled = self._take(res, producing, results)
-        before = [(s.req, len(s.req.output_ids)) for s in producing if s.spec_ids]
+        self._applied(out, res, started, sampled, results)
+
+    def _applied(self, out, res: ModelOutput, started: float, sampled, results) -> None:
+        """The scheduler's update with a step's tokens, then the step's stats and the
+        finished requests' last outputs."""
+        before = [(s.req, len(s.req.output_ids)) for s in out.scheduled if s.spec_ids]
         finished = self.scheduler.update(out, sampled)
         for req, n in before:  # a stop among accepted guesses drops the tokens after it
-            o = results[req.request_id]
+            o = results.get(req.request_id)
+            if o is None:
+                continue
             kept = len(req.output_ids) - n
             del o.new_token_ids[kept:]
             if o.logprobs is not None:

@@ -34,7 +34,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from hetero.engine.advance import Advancing
 from hetero.engine.block_manager import BlockManager
 from hetero.engine.config import SchedulerConfig
 from hetero.engine.request import Request, RequestStatus
@@ -65,6 +67,11 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # finished outside update (aborts)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before step
+    # an overlapped step (Scheduler.advance): its tokens stand as placeholders -1 - i until
+    # update() has them; the next step's rows read a placeholder's token from row i of
+    # token_source, the step's samples where they lie (set by the engine, read by the runner)
+    advanced: bool = False
+    token_source: Any = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,7 +82,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class Scheduler(Advancing):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -92,6 +99,7 @@ class Scheduler:
         self.graph_rows = 0  # the largest CUDA graph's rows, set by the engine (0: no cap)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished: list[Request] = []  # finished since the last schedule(), not by update()
+        self._ending: set[str] = set()  # advanced to their last token: not scheduled again
         # state of the step being built by schedule()
         self._step: dict[str, ScheduledRequest] = {}
         self._budget = 0
@@ -186,6 +194,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = status
         del self._requests[req.request_id]
+        self._ending.discard(req.request_id)
 
     def _insert_running(self, req: Request) -> None:
         bisect.insort(self.running, req, key=lambda r: r.order)
@@ -201,6 +210,8 @@ class Scheduler:
         self._step, self._budget = {}, self.config.max_num_batched_tokens
         out = SchedulerOutput()
         decodes = self.decoding()
+        if self._ending:
+            decodes = [r for r in decodes if r.request_id not in self._ending]
         if decodes and self.graph_rows:
             self._budget = min(self._budget, max(self.graph_rows, len(decodes)))
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -348,6 +359,8 @@ class Scheduler:
         of rejected guesses is dropped. Requests aborted since schedule() are skipped. Returns
         the requests this step finished.
         """
+        if output.advanced:
+            return self._settle(output, sampled)
         live = [s for s in output.scheduled if s.req.status is RequestStatus.RUNNING]
         missing = [
             s.req.request_id for s in live if s.produces_token and s.req.request_id not in sampled

@@ -99,8 +99,8 @@ class Timelines:
         for s in out.scheduled:
             req = s.req
             tl = req.timeline
-            if tl is None:
-                continue
+            if tl is None or s.produces_token and req.request_id not in sampled:
+                continue  # (a row dropped: its request ended before the step came back)
             if not tl.started:
                 tl.first_step(req.admitted, submitted)
             if s.is_prefill_chunk and not s.spec_ids:

@@ -71,7 +71,7 @@ from hetero.execution.paged_meta import (
     TensorMeta,
     decode_slots_from_tables,
 )
-from hetero.execution.runner import PagedAttention, PagedMeta
+from hetero.execution.runner import PagedAttention, PagedMeta, resolve_placeholders
 from hetero.kernels import host_hop, select
 from hetero.kernels.registry import chosen as chosen_kernels
 from hetero.model.forward_batch import ForwardBatch
@@ -221,15 +221,21 @@ class DecodeGraphs:
         return min(b, self.max_batch)
 
     def run(
-        self, sched: list[ScheduledRequest], hidden: torch.Tensor | None = None
+        self,
+        sched: list[ScheduledRequest],
+        hidden: torch.Tensor | None = None,
+        token_source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [N, V] float32 of the rows that produce a token (one a decoding sequence or a
         finished prompt, 1 + k for one that speculates k tokens), in the order of `sched`; a
         pipeline stage before the last gets its hidden states [n, C] of all n rows instead, and
-        a later stage passes the previous one's `hidden`."""
+        a later stage passes the previous one's `hidden`. `token_source`: what the tokens'
+        placeholders index (runner.resolve_placeholders), an overlapped step's samples."""
         n = sum(s.num_new_tokens for s in sched)
         b = bucket_for(n, self.buckets)
         produced = self._fill(sched, b)
+        if hidden is None and token_source is not None:
+            resolve_placeholders(self.inputs.tokens[:n], token_source)
         if (hidden is None) != (self.hidden is None):
             raise ValueError("a pipeline stage after the first (only) takes hidden states")
         if hidden is not None:  # rows n .. b - 1 keep stale finite values: padding, dropped

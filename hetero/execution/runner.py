@@ -138,6 +138,16 @@ def build_meta(
     return torch.cat(new_slots), meta
 
 
+def resolve_placeholders(tokens: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
+    """tokens [T] int64 with each placeholder -1 - i (an overlapped step's token not yet on the
+    host: engine/overlap.py) replaced, in place, by source[i], the samples on the device."""
+    if source is None or not len(source):  # (a step of middle prompt chunks samples nothing)
+        return tokens
+    source = source.to(tokens.device, non_blocking=True)
+    idx = (-1 - tokens).clamp_(min=0)  # a real token's reads row 0, and is kept
+    return tokens.copy_(torch.where(tokens < 0, source[idx], tokens))
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool):
         self.model, self.pool = model, pool
@@ -162,7 +172,7 @@ class ModelRunner:
         self.replayed = self.graphs is not None and self.graphs.fits(out)
         if self.replayed:
             producing = [s for s in out.scheduled if s.produces_token]
-            return self.graphs.run(out.scheduled, hidden), producing
+            return self.graphs.run(out.scheduled, hidden, out.token_source), producing
         sched = out.scheduled
         tokens, positions, last_rows, producing = [], [], [], []
         row = 0
@@ -183,7 +193,10 @@ class ModelRunner:
             torch.tensor(last_rows, dtype=torch.long, device=dev),
             attn,
         )
-        logits = self.model(torch.tensor(tokens, device=dev), batch, hidden)
+        ids = torch.tensor(tokens, device=dev)
+        if hidden is None:
+            ids = resolve_placeholders(ids, out.token_source)
+        logits = self.model(ids, batch, hidden)
         return logits, producing
 
     def _metas(self, sched: list[ScheduledRequest]) -> tuple[list, list]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hetero.engine.config import SchedulerConfig
 from hetero.engine.request import Request
-from tests.support.sched_sim import EOS, VOCAB, Engine, params, reference
+from tests.support.sched_sim import EOS, VOCAB, Engine, OverlapEngine, params, reference
 
 OPS = st.lists(
     st.tuples(
@@ -23,20 +23,36 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=120, deadline=None)
-@given(
+SHAPES = dict(
     num_blocks=st.integers(4, 16),
     block_size=st.integers(1, 4),
     max_num_seqs=st.integers(1, 4),
     budget_extra=st.integers(0, 12),
     window=st.sampled_from([0, 0, 1, 3, 6]),
-    ops=OPS,
 )
+
+
+@settings(max_examples=120, deadline=None)
+@given(**SHAPES, ops=OPS)
 def test_random_traffic_never_leaks(
     num_blocks, block_size, max_num_seqs, budget_extra, window, ops
 ):
+    run_traffic(Engine, num_blocks, block_size, max_num_seqs, budget_extra, window, ops)
+
+
+@settings(max_examples=120, deadline=None)
+@given(**SHAPES, ops=OPS.map(lambda ops: [op for op in ops if op[0] != "fork"]))
+def test_random_overlapped_traffic_never_leaks(
+    num_blocks, block_size, max_num_seqs, budget_extra, window, ops
+):
+    """The same through overlapped steps (sched_sim.OverlapEngine; the engine forks nothing
+    while a step is in flight, so no forks)."""
+    run_traffic(OverlapEngine, num_blocks, block_size, max_num_seqs, budget_extra, window, ops)
+
+
+def run_traffic(cls, num_blocks, block_size, max_num_seqs, budget_extra, window, ops) -> None:
     config = SchedulerConfig(max_num_seqs, max_num_seqs + budget_extra)
-    eng = Engine(num_blocks, block_size, config, windows=(0, window) if window else (0,))
+    eng = cls(num_blocks, block_size, config, windows=(0, window) if window else (0,))
     capacity = eng.bm.max_tokens(eng.sched.step_tokens, num_blocks * block_size)
     prefix = [7, 7, 8, 8, 9, 9, 1, 2]
     reqs, expected_start, aborted = [], {}, set()

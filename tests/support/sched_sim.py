@@ -62,6 +62,13 @@ class Engine:
         self.peak_window_blocks = 0  # the most blocks a window group held for one request
 
     def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        out = self._schedule()
+        sampled, _ = self._run(out, [])
+        finished = self.sched.update(out, sampled)
+        self._checked()
+        return out, finished
+
+    def _schedule(self) -> SchedulerOutput:
         was_running = {r.request_id for r in self.sched.running}
         out = self.sched.schedule()
         ids = {s.req.request_id for s in out.scheduled}
@@ -70,6 +77,16 @@ class Engine:
             assert ids <= was_running
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
         assert len(out.scheduled) <= self.sched.config.max_num_seqs
+        return out
+
+    def _run(self, out: SchedulerOutput, source: list[int]) -> tuple[dict, list[int]]:
+        """The step on the simulated pool and model: (request id -> next token, the tokens in
+        the order of the producing rows). `source`: what placeholders -1 - i read (an
+        overlapped step's samples, Scheduler.advance)."""
+
+        def tokens(req: Request, start: int, end: int) -> list[int]:
+            return [source[-1 - t] if t < 0 else t for t in req.tokens(start, end)]
+
         bs = self.bm.block_size
         gathered = [self.kv[s * bs : (s + 1) * bs] for s, _ in out.copies]
         for (_, d), data in zip(out.copies, gathered, strict=True):
@@ -80,22 +97,24 @@ class Engine:
             for g in range(len(windows)):
                 slots = self.bm.slot_mapping(s.req, s.start_pos, end, g)
                 for pos, slot in enumerate(slots, start=s.start_pos):
-                    self.kv[slot] = (pos, s.req.tokens(pos, pos + 1)[0], g)
-        sampled = {}
+                    self.kv[slot] = (pos, tokens(s.req, pos, pos + 1)[0], g)
+        sampled, rows = {}, []
         for s in out.scheduled:
             end = s.start_pos + s.num_new_tokens
             for g, w in enumerate(windows):  # a window group: what the first query sees on
                 start = max(0, s.start_pos - w + 1) if w else 0
                 seen = [self.kv[slot] for slot in self.bm.slot_mapping(s.req, start, end, g)]
-                want = [(p, t, g) for p, t in enumerate(s.req.tokens(start, end), start=start)]
+                want = [(p, t, g) for p, t in enumerate(tokens(s.req, start, end), start=start)]
                 assert seen == want, s.req
             if s.produces_token:
-                sampled[s.req.request_id] = next_token(s.req.tokens(0, end))
-        finished = self.sched.update(out, sampled)
+                rows.append(next_token(tokens(s.req, 0, end)))
+                sampled[s.req.request_id] = rows[-1]
+        return sampled, rows
+
+    def _checked(self) -> None:
         self.bm.check()
         self.check_scheduler()
         self.steps += 1
-        return out, finished
 
     def check_scheduler(self) -> None:
         sched = self.sched
@@ -111,9 +130,42 @@ class Engine:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.block_table == []
 
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
     def run(self, max_steps: int = 10_000) -> None:
-        while self.sched.has_work():
+        while self.has_work():
             self.step()
             assert self.steps < max_steps, "the scheduler made no progress"
         assert self.bm.num_free_blocks == self.bm.num_blocks
         assert all(self.bm.ref_count(b) == 0 for b in range(self.bm.num_blocks))
+
+
+class OverlapEngine(Engine):
+    """The engine's overlapped steps (engine/overlap.py): the step before is advanced past
+    (placeholders for its tokens), the next is scheduled and run, its placeholders read from
+    the step before's samples, and only then is the step before settled with its tokens.
+
+    Between two calls of step() one step has run and waits to be settled (`pending`), as an
+    overlapped step is in flight on a device."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.pending: tuple[SchedulerOutput, dict, list[int]] | None = None
+        self.wasted = 0  # rows run for requests that had stopped at the step before
+
+    def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        prev, finished = self.pending, []
+        if prev is not None:
+            self.sched.advance(prev[0])
+        out = self._schedule()
+        sampled, rows = self._run(out, [] if prev is None else prev[2])
+        if prev is not None:
+            finished = self.sched.update(prev[0], prev[1])
+            self.wasted += sum(1 for s in out.scheduled if s.produces_token and s.req.is_finished)
+        self.pending = (out, sampled, rows) if out.scheduled else None
+        self._checked()
+        return out, finished
+
+    def has_work(self) -> bool:
+        return self.sched.has_work() or self.pending is not None
