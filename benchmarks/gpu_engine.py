@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_engine.py MODEL.gguf [--batches 1,8,32,64] [--prefill 512,4096]
         [--weights quant] [--kv-dtype fp8] [--enforce-eager] [--json OUT.json]
-        [--unfused [all|rope]]
+        [--unfused [all|rope]] [--speculative auto] [--overlap-schedule auto] [--overlap-ab]
 
 Loads the model once (weights kept in GGUF blocks: the Triton kernels), then measures in the
 same run as the ceilings:
@@ -16,6 +16,10 @@ same run as the ceilings:
 - prefill of P tokens: one request of P prompt tokens and 1 output; tok/s = P / TTFT. Roofline:
   2 * (linear parameters) * P + the causal attention's 2 * 2 * P^2 / 2 * H * D * layers FLOPs
   over the matmul rate.
+
+With --overlap-ab (speculation off) each decode row is timed with the engine's steps plain
+and overlapped (engine/overlap.py), alternated run by run on the one loaded engine, and both
+medians reported (the step's host work hidden or not, nothing else changed).
 
 Before timing, a warm-up runs every measured path once (`warm_up`); each row is then run
 --repeats times (3) and the median reported, with every run's figure beside it.
@@ -82,6 +86,24 @@ def decode_row(engine: Engine, batch: int, copy_gbs: float, step_bytes: int, rep
     }
 
 
+def overlap_rows(engine: Engine, batch: int, copy_gbs: float, step_bytes: int, repeats: int):
+    """decode_row with the steps plain, then overlapped, alternated `repeats` times (one run
+    each a time) on the one engine: {"plain": row, "overlap": row}, each of its runs' medians."""
+    runs: dict[str, list[dict]] = {"plain": [], "overlap": []}
+    for _ in range(repeats):
+        for name, on in (("plain", False), ("overlap", True)):
+            engine.overlap = on  # between runs: no step in flight
+            runs[name].append(decode_row(engine, batch, copy_gbs, step_bytes, 1))
+    engine.overlap = engine._overlaps()
+    out = {}
+    for name, rs in runs.items():
+        rs.sort(key=lambda d: d["stream_tok_s"])
+        row = dict(rs[len(rs) // 2])
+        row["runs_stream_tok_s"] = [d["stream_tok_s"] for d in runs[name]]
+        out[name] = row
+    return out
+
+
 def prefill_row(engine: Engine, length: int, tflops: float, params: int, repeats: int) -> dict:
     ttfts = [run_bench(engine, 1, 1, length, 1).ttft_s[0] for _ in range(repeats)]
     cfg = engine.model_config
@@ -124,7 +146,8 @@ def make_engine(args) -> Engine:
     )
     cfg = EngineConfig(
         kv_dtype=args.kv_dtype, scheduler=sched, enforce_eager=args.enforce_eager,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, speculative=args.speculative,
+        overlap_schedule=args.overlap_schedule,
     )  # fmt: skip
     rt = RuntimeConfig(device=args.device, weights=args.weights)
     t0 = time.perf_counter()
@@ -165,7 +188,15 @@ def main() -> None:
         "its reduce kernel and the output's quantization in launches of their own (rope: the "
         "splits still merged in the attention kernel)",
     )  # fmt: skip
+    ap.add_argument("--speculative", default="auto", choices=["auto", "ngram", "off"])
+    ap.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument(
+        "--overlap-ab", action="store_true",
+        help="each decode row plain and overlapped, alternated (needs --speculative off)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.overlap_ab and args.speculative != "off":
+        ap.error("--overlap-ab needs --speculative off")
     if args.unfused:
         unfuse(args.unfused)
     args.batches = [int(x) for x in args.batches.split(",") if x]
@@ -183,7 +214,20 @@ def main() -> None:
     print(f"a decode step reads {step_bytes / 1e9:.2f} GB of weights; {params / 1e9:.2f} G params")
     warm_up(engine, args)
     rows = {"decode": [], "prefill": []}
+    print(f"steps overlapped: {engine.overlap}")
     for b in args.batches:
+        if args.overlap_ab:
+            engine.overlap = True
+            run_bench(engine, b, b, DECODE_IN, 8)  # the overlapped path's warm-up
+            ab = overlap_rows(engine, b, copy_gbs, step_bytes, args.repeats)
+            rows.setdefault("overlap_ab", []).append(ab)
+            for name, d in ab.items():
+                print(
+                    f"decode  B={b:3d} {name:>7}: {d['stream_tok_s']:7.1f} tok/s a stream, "
+                    f"{d['aggregate_tok_s']:8.1f} aggregate; roofline {d['roofline_tok_s']:.0f}"
+                    f" -> {d['fraction']:.0%}; runs {_spread(d['runs_stream_tok_s'])}"
+                )
+            continue
         d = decode_row(engine, b, copy_gbs, step_bytes, args.repeats)
         rows["decode"].append(d)
         print(

@@ -71,6 +71,8 @@
 #            unfused alternated twice, Q6_K's, 64 streams and the prompt (and 64 streams again
 #            with the streams stage's T = 64 winners: qsweep_rules.py, HETERO_QDISPATCH), then
 #            the peer's
+#   overlap  overlapped steps against plain ones (gpu_engine.py --overlap-ab: Q4_K_M at 1 and 64
+#            streams, Q6_K at 1, speculation off), then the peer's llama-bench of both files
 #   peerpack the peer's built tools packed (xz, 15 MiB parts) into PEERPACK (OUT) for PEER_BIN
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
@@ -143,10 +145,10 @@ if has setup; then
   # hetero itself, editable (kernels/ and quant/ are hetero.kernels and hetero.quant only so)
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
   has peer || has gpu || has split || has cpu || has gemv || has diag || has probe || has quick \
-    || has alt || has planrow || has lanes || has streams || has rows1 \
+    || has alt || has planrow || has lanes || has streams || has rows1 || has overlap \
     && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m"
-  has peer || has gpu || has gemv || has lanes || has rows1 \
+  has peer || has gpu || has gemv || has lanes || has rows1 || has overlap \
     && stage synth6 240 bash -c "[ -f $Q6 ] || $PY -m hetero.cli synth $Q6 --shape llama3-8b \
     --quant q6_k"
   ls -la bench_out/*.gguf
@@ -182,6 +184,14 @@ peer_wait() {  # the peer's build, if it still runs (it stops early on an error)
     sleep 5
   done
   tail -2 /tmp/llbuild.log
+}
+
+peer_gpu_rows() {  # the peer's one-stream and prompt rows of both 8B files (llama-bench)
+  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
+  LB="$BUILD/bin/llama-bench -r 3 -o json"
+  stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
+  stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
+  peer_rows peer_gpu_q4 peer_gpu_q6
 }
 
 if has peer; then
@@ -624,11 +634,7 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
   stage rows_q6 150 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill 512 \
     --json "$OUT/rows_q6.json"
   rows "$OUT/rows_q6.log"
-  [ -f "$BUILD/bin/env.sh" ] && source "$BUILD/bin/env.sh"
-  LB="$BUILD/bin/llama-bench -r 3 -o json"
-  stage peer_gpu_q4 150 $LB -m "$Q4" -ngl 99 -fa 1 -p 512 -n 128
-  stage peer_gpu_q6 150 $LB -m "$Q6" -ngl 99 -fa 1 -p 512 -n 128
-  peer_rows peer_gpu_q4 peer_gpu_q6
+  peer_gpu_rows
   stage peer_batched 150 "$BUILD/bin/llama-batched-bench" -m "$Q4" -ngl 99 -fa 1 -c 65536 \
     -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,64
   grep -E "^\|" "$OUT/peer_batched.log" | tail -4
@@ -642,6 +648,18 @@ if has rows1; then  # issue 23's rows in one call, the peer's build done (no bui
       "$Q4" --batches 64 --prefill "" --json "$OUT/rows_q4_64r.json"
     rows "$OUT/rows_q4_64r.log"
   fi
+fi
+
+if has overlap; then  # overlapped steps (engine/overlap.py) against plain ones, alternated run by
+  # run on one engine a model (gpu_engine.py --overlap-ab), then the peer's rows of the same files
+  peer_wait
+  stage overlap_q4 300 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1,64 --prefill "" \
+    --speculative off --overlap-ab --json "$OUT/overlap_q4.json"
+  rows "$OUT/overlap_q4.log"
+  stage overlap_q6 200 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill "" \
+    --speculative off --overlap-ab --json "$OUT/overlap_q6.json"
+  rows "$OUT/overlap_q6.log"
+  peer_gpu_rows
 fi
 
 if has kerneltests; then
