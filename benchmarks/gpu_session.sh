@@ -652,6 +652,10 @@ fi
 
 if has overlap; then  # overlapped steps (engine/overlap.py) against plain ones, alternated run by
   # run on one engine a model (gpu_engine.py --overlap-ab), then the peer's rows of the same files
+  # the overlap on the GPU first: its own test, and the graphs' (whose engines overlap there)
+  stage overlap_tests 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/engine/test_engine_overlap.py tests/execution/test_cuda_graph.py
+  tail -3 "$OUT/overlap_tests.log"
   peer_wait
   stage overlap_q4 300 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1,64 --prefill "" \
     --speculative off --overlap-ab --json "$OUT/overlap_q4.json"

@@ -142,3 +142,29 @@ def test_where_steps_overlap(loaded):
         EngineConfig(overlap_schedule="on")  # speculative "auto" by default
     with pytest.raises(ValueError, match="overlap_schedule must be one of"):
         EngineConfig(overlap_schedule="sometimes", speculative="off")
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_steps_equal_plain_steps(tmp_path):
+    """On a GPU, captured graphs: the samples' pinned copies and events, the placeholders
+    resolved in the graph's buffer by device ops. With every request running to its
+    max_tokens, both runs have the same steps, so the same numbers."""
+    path = write_synthetic(tmp_path / "t.gguf", "tiny-llama", "q8_0", False)
+    loaded = load_model(path, RuntimeConfig(device="cuda"))
+    prompts = [[5 + i for i in range(n)] for n in (5, 17, 30, 9, 2)]
+    params = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=n, ignore_eos=True, logprobs=1)
+        for i, n in enumerate((4, 12, 8, 10, 16))
+    ]
+    runs = {}
+    for mode in ("off", "on"):
+        llm = LLM(loaded=loaded, overlap_schedule=mode, speculative="off", num_kv_blocks=64,
+                  max_model_len=128, max_num_seqs=5)  # fmt: skip
+        assert llm.engine.overlap == (mode == "on")
+        runs[mode] = (llm.generate(prompts, params), llm.engine.executor.runner.graphs)
+    (plain, _), (over, graphs) = runs["off"], runs["on"]
+    assert graphs is not None and graphs.steps > 10
+    for a, b in zip(plain, over, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
