@@ -260,7 +260,8 @@ def engine_options(f):
             show_default=True,
             help="submit the next step before this one's tokens reach the host, hiding the "
             "host's work behind the device's (a request that stops wastes one row of the next "
-            "step); auto: on a GPU with --speculative off; on: anywhere (needs --speculative off)",
+            "step; with n-gram speculation, while no request has a guess); auto: on a GPU "
+            "without a draft model; on: anywhere",
         ),
         click.option(
             "--kv-ram-gb",

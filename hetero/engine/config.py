@@ -121,8 +121,9 @@ class EngineConfig:
     # traces (the server's --log-requests); 0: the phase sums only
     trace_steps: int = 0
     # overlapped steps (engine/overlap.py): the next step is submitted before this one's tokens
-    # reach the host, hiding the host's work behind the device's; "auto": where the logits are
-    # on a GPU and speculation is off; "on" also on a CPU (for tests: nothing runs there to hide)
+    # reach the host, hiding the host's work behind the device's (with n-gram speculation, while
+    # no request has a guess); "auto": where the logits are on a GPU and no draft model guesses;
+    # "on" also on a CPU (for tests: nothing runs there to hide)
     overlap_schedule: str = "auto"
 
     @property
@@ -145,10 +146,10 @@ class EngineConfig:
                 f"overlap_schedule must be one of {', '.join(OVERLAP_MODES)}, "
                 f"got {self.overlap_schedule!r}"
             )
-        if self.overlap_schedule == "on" and self.speculative != "off":
+        if self.overlap_schedule == "on" and self.speculative == "draft":
             raise ValueError(
-                "overlap_schedule 'on' needs speculative 'off': a guess follows the last token, "
-                "which an overlapped step does not have on the host yet"
+                "overlap_schedule 'on' does not run with speculative 'draft' (whether a draft "
+                "model has guesses costs its forward pass to find out)"
             )
         if self.trace_steps < 0:
             raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")

@@ -93,16 +93,19 @@ class Engine:
         self._next_step = 0
         self._last_done = time.perf_counter()
         self.overlap = self._overlaps()
+        self._guessing = False  # the last settled step found guesses: steps run plain
 
     def _overlaps(self) -> bool:
-        """Whether steps overlap (engine/overlap.py): the engine samples, one step at a time,
-        without speculation; "auto" where the logits are on a GPU."""
+        """Whether steps overlap (engine/overlap.py): the engine samples, one step at a time;
+        with n-gram speculation only while no request has a guess; "auto" where the logits are
+        on a GPU."""
         mode, info = self.config.overlap_schedule, self.executor.info
-        able = self.spec is None and self.num_groups == 1 and not info.samples
+        able = self.num_groups == 1 and not info.samples
+        able = able and (self.spec is None or self.spec.cheap_proposals)
         if mode == "on" and not able:
             raise ValueError(
-                "overlap_schedule 'on' needs speculative 'off' and an executor whose logits the "
-                "engine samples (one device, or a GPU with the CPU; not a pipeline of stages)"
+                "overlap_schedule 'on' needs an executor whose logits the engine samples (one "
+                "device, or a GPU with the CPU; not a pipeline of stages) and no draft model"
             )
         return able and (mode == "on" or (mode == "auto" and info.device.startswith("cuda")))
 
@@ -181,7 +184,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         results: dict[str, StepOutput] = {}
-        if self.overlap:
+        if self.overlap and not self._guessing:
             self._overlapped_step(results)
             return list(results.values())
         try:
@@ -205,21 +208,23 @@ class Engine:
                 self.sampling_states, self.tokenizer.eos_ids,
             )  # fmt: skip
             self.scheduler.advance(out)
-        self._fill(results, None if sampled is None else sampled.ids)
+        self._fill(results, None if sampled is None else sampled.ids, guess=False)
         if sampled is not None:
             tokens = settled_tokens(sampled, results, self.constraints)
             self._applied(sampled.out, sampled.res, sampled.started, tokens, results)
+            self.stats.overlapped += 1
         elif not self._inflight and self.executor.kv_tiers is not None:
             self.executor.kv_tiers.idle(self.block_manager)
 
-    def _fill(self, results: dict[str, StepOutput], token_source=None) -> None:
+    def _fill(self, results: dict[str, StepOutput], token_source=None, guess=True) -> None:
         """Schedule and submit every group that has no step in flight (`token_source`: the
-        samples an advanced step's placeholders index, on the device)."""
+        samples an advanced step's placeholders index, on the device; `guess`: with the
+        speculator's guesses, which an advanced step's placeholders leave none to make)."""
         busy = {g for g, _, _, _ in self._inflight}
         for g in range(self.num_groups):
             if g in busy:
                 continue
-            out = self._schedule(g)
+            out = self._schedule(g, guess)
             for req in out.finished:  # failed by the scheduler (e.g. cannot fit)
                 self._forget(req.request_id)
                 results[req.request_id] = final_output(req)
@@ -235,11 +240,11 @@ class Engine:
             self._inflight.append((g, out, started, params))
             self._next_step += 1
 
-    def _schedule(self, group: int) -> SchedulerOutput:
+    def _schedule(self, group: int, guess: bool = True) -> SchedulerOutput:
         if self.num_groups > 1:
             return self.scheduler.schedule_group(group)
         tiered = self.executor.kv_tiers
-        guesses = self._guesses()
+        guesses = self._guesses() if guess else None
         if tiered is not None:
             tiered.before_schedule(self.block_manager)
         out = self.scheduler.schedule(guesses)
@@ -288,6 +293,8 @@ class Engine:
         self.timelines.observe(self.stats.steps, out, started, seconds, res.stages, sampled)
         if self.spec is not None:
             self.spec.observe(out, sampled, finished)
+            if self.overlap:  # steps overlap again once no request has a guess
+                self._guessing = bool(self._guesses())
         if self.executor.kv_tiers is not None:
             self.executor.kv_tiers.step_done(out.num_batched_tokens, seconds)
         for req in finished:
@@ -372,6 +379,7 @@ class Engine:
             spec_proposed=0 if spec is None else spec.proposed,
             spec_accepted=0 if spec is None else spec.accepted,
             restarts=self.restarts,
+            overlapped_steps=stats.overlapped,
             tiers=None if tiers is None else tiers.gauges(),
             stage_busy_s=tuple(stats.stage_s),
         )

@@ -18,9 +18,13 @@ request that stopped at N (an end of text, a stop token, a finished grammar) was
 N + 1, whose token is dropped. Sampling N + 1 happens after N is settled, so its penalties,
 seeds, min_tokens and grammar masks see every token before it, as in a plain step.
 
-Speculation (whose guesses follow the last token on the host) and executors that sample
-themselves (a pipeline's last stage) run plain steps; `EngineConfig.overlap_schedule` says
-where the overlap runs ("auto": where the step's logits are on a GPU).
+A guess follows the last token on the host, so steps with guesses run plain: with n-gram
+speculation the engine asks after each step whether any request would have a guess (a lookup,
+cheap), and runs plain steps while some would, overlapped ones while none would (a request in
+its speculation's back-off, a batch past speculation's limit, text with nothing to look up).
+A draft model's guesses cost its forward pass to find: with one, and with executors that
+sample themselves (a pipeline's last stage), every step runs plain. `EngineConfig.
+overlap_schedule` says where the overlap runs ("auto": where the step's logits are on a GPU).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ class EngineStats:
         self.decode = [0, 0, 0.0]  # plain decode steps: steps, rows, seconds
         self.verify = [0, 0, 0.0]  # decode steps with guesses: steps, rows, seconds
         self.graphed = 0  # steps run through the CUDA graphs' static buffers (cuda_graph.py)
+        self.overlapped = 0  # steps settled after the next was submitted (engine/overlap.py)
         self.stage_s: list[float] = []  # seconds each stage ran steps, where the executor says
 
     def record(self, out, seconds: float, graphed: bool = False, stages=()) -> None:
@@ -79,5 +80,6 @@ class EngineGauges:
     spec_proposed: int
     spec_accepted: int
     restarts: int = 0
+    overlapped_steps: int = 0
     tiers: TierGauges | None = None
     stage_busy_s: tuple[float, ...] = ()  # per stage of the executor: seconds running steps

@@ -157,6 +157,11 @@ def engine_lines(g: EngineGauges) -> list[str]:
     add.counter(
         "hetero_engine_graph_steps_total", "steps replayed from CUDA graphs", [("", g.graph_steps)]
     )
+    add.counter(
+        "hetero_engine_overlapped_steps_total",
+        "steps whose host work ran while the next step ran",
+        [("", g.overlapped_steps)],
+    )
     add.counter("hetero_engine_restarts_total", "executor restarts after a failure",
                 [("", g.restarts)])  # fmt: skip
     _speculation(add, g.spec_proposed, g.spec_accepted)

@@ -138,8 +138,7 @@ def test_an_abort_while_a_step_is_in_flight(loaded):
 def test_where_steps_overlap(loaded):
     assert not llm_of(loaded, "auto").engine.overlap  # auto: a GPU's logits only
     assert not llm_of(loaded, "off").engine.overlap
-    with pytest.raises(ValueError, match="speculative 'off'"):
-        EngineConfig(overlap_schedule="on")  # speculative "auto" by default
+    assert llm_of(loaded, "on", speculative="ngram").engine.overlap  # between guesses
     with pytest.raises(ValueError, match="overlap_schedule must be one of"):
         EngineConfig(overlap_schedule="sometimes", speculative="off")
 

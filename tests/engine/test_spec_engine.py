@@ -37,7 +37,9 @@ def smol(smollm2_path):
     return smollm2_path, load_model(smollm2_path, exact_weights.runtime())
 
 
-def engine(model, speculative: str, draft_model: str | None = None, **sched) -> Engine:
+def engine(
+    model, speculative: str, draft_model: str | None = None, overlap: str = "auto", **sched
+) -> Engine:
     path, loaded = model
     sched.setdefault("max_num_seqs", 8)
     cfg = EngineConfig(
@@ -47,6 +49,7 @@ def engine(model, speculative: str, draft_model: str | None = None, **sched) -> 
         speculative=speculative,
         num_speculative_tokens=6,
         draft_model=draft_model,
+        overlap_schedule=overlap,
         scheduler=SchedulerConfig(**sched),
     )
     return build_engine(str(path), LaunchConfig(cfg), loaded=loaded)
@@ -113,6 +116,36 @@ def test_random_model_seeded_sampling_equals_plain(tiny):
     eng = engine(tiny, "ngram")
     assert run(eng, prompts, params) == want
     assert eng.spec.accepted > 0
+
+
+def test_ngram_between_overlapped_steps_equals_plain(tiny):
+    """N-gram guesses with overlapped steps (engine/overlap.py): a step runs plain while a
+    request has a guess and overlapped while none has; both kinds ran (chunked prefill, a pool
+    that preempts), and greedy and seeded outputs are those of plain decoding."""
+    opts = dict(max_num_batched_tokens=24, num_kv_blocks=24)
+    prompts = repetitive_prompts(6, 200)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = run(engine(tiny, "off", overlap="off", **opts), prompts, greedy)
+    eng = engine(tiny, "ngram", overlap="on", **opts)
+    got = run(eng, prompts, greedy)
+    assert eng.overlap and eng.spec.accepted > 0
+    assert eng.stats.verify[0] > 0 and eng.stats.overlapped > 0
+    assert_same_greedy(tiny, prompts, got, want)
+    seeded = [
+        SamplingParams(temperature=0.05, seed=40 + i, max_tokens=30, ignore_eos=i % 2 == 0)
+        for i in range(4)
+    ]
+    want = run(engine(tiny, "off", overlap="off"), prompts[:4], seeded)
+    eng = engine(tiny, "ngram", overlap="on")
+    assert run(eng, prompts[:4], seeded) == want
+    assert eng.stats.verify[0] > 0 and eng.stats.overlapped > 0
+
+
+def test_a_draft_model_runs_plain_steps(tiny, drafts):
+    eng = engine(tiny, "draft", str(drafts[0]), overlap="auto")
+    assert not eng.overlap  # (auto, and a CPU besides)
+    with pytest.raises(ValueError, match="speculative 'draft'"):
+        EngineConfig(speculative="draft", draft_model=str(drafts[0]), overlap_schedule="on")
 
 
 @pytest.fixture(scope="module")

@@ -110,4 +110,9 @@ def test_concurrent_streams_and_a_hang_up(daemons):
         "hetero_generation_tokens_total", 0
     )
     assert got <= delivered < got + 200  # the hung-up stream's tokens until it was seen gone
+    overlapped = after["hetero_engine_overlapped_steps_total"]
+    assert overlapped - before["hetero_engine_overlapped_steps_total"] >= max(
+        n for *_, n, _ in results.values()
+    )
+    assert daemons[1].metrics()["hetero_engine_overlapped_steps_total"] == 0
     assert answer(client(over), ASKS[0], stream=False)[2] == 24  # still serving

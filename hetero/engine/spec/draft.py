@@ -51,6 +51,7 @@ class DraftSpeculator(Speculator):
         builds it and checks its vocabulary); `params`: the engine's live map of request id ->
         SamplingParams."""
         super().__init__(config.num_speculative_tokens)
+        self.cheap_proposals = False
         self.draft = draft
         # a window group keeps the blocks of the guesses a rollback may drop (_sync)
         self.bm = BlockManager(

@@ -41,6 +41,10 @@ class Speculator:
         self.accepted = 0  # of them, tokens the target accepted
         self.steps = 0  # verification steps (requests x steps that carried guesses)
         self.max_decodes: int | None = None  # guess only while at most this many decode
+        # proposals cost little host time (n-grams; a draft model's cost a forward pass): the
+        # engine may ask after every step whether there would be any (overlapped steps run
+        # while there are none)
+        self.cheap_proposals = True
 
     @property
     def acceptance_rate(self) -> float:
