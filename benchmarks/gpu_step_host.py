@@ -21,6 +21,10 @@ events). Per batch size it prints the median of each over --steps decode steps:
                       (make_batch, the sampler's launches, tolist), update
     exposed           wall - graph_gpu - sampler_gpu: what the GPU spends idle each step
 
+With --overlap-schedule on the steps are not synced (each step's host work runs while the next
+step's graph does): wall is then what a step takes in the stream of steps, and exposed what
+is left of the host's time (sample_host and tolist are the plain step's phases: absent).
+
 Compare graph_gpu with gpu_step_profile.py's kernel sum to split in-graph gaps from kernels.
 """
 
@@ -106,11 +110,12 @@ def measure(
     to_decode(engine, batch, context)
     timer.clear()
     walls = []
+    sync = torch.cuda.synchronize if not engine.overlap else (lambda: None)
     for _ in range(steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
+        sync()
         walls.append(time.perf_counter() - t0)
     med = {"wall": statistics.median(walls)}
     for name, vals in timer.host.items():
@@ -149,6 +154,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-dtype", default="fp8", choices=["fp8", "fp16", "bf16"])
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--overlap-schedule", default="off", choices=["off", "on"],
+        help="on: overlapped steps (engine/overlap.py), timed unsynced: a step's wall is then "
+        "what the stream of steps takes a step, the host's work hidden where it fits",
+    )  # fmt: skip
     ap.add_argument("--profile", type=int, default=0, help="then --steps more steps under "
                     "cProfile: the N functions of most own time")  # fmt: skip
     args = ap.parse_args()
@@ -158,7 +168,8 @@ def main() -> None:
         max_model_len=args.context + 64 + 2 * args.steps + 16,
     )  # fmt: skip
     cfg = EngineConfig(
-        kv_dtype=args.kv_dtype, scheduler=sched, enable_prefix_caching=False, speculative="off"
+        kv_dtype=args.kv_dtype, scheduler=sched, enable_prefix_caching=False, speculative="off",
+        overlap_schedule=args.overlap_schedule,
     )  # fmt: skip
     rt = RuntimeConfig(device="cuda", weights="quant")
     engine = build_engine(args.model, LaunchConfig(cfg, rt))

@@ -178,7 +178,8 @@ def main() -> None:
         max_model_len=max([args.context + 64 + 4 * args.steps, *prefills]) + 16,
     )  # fmt: skip
     cfg = EngineConfig(
-        kv_dtype=args.kv_dtype, scheduler=sched, enable_prefix_caching=False, speculative="off"
+        kv_dtype=args.kv_dtype, scheduler=sched, enable_prefix_caching=False, speculative="off",
+        overlap_schedule="off",  # a step's kernels alone, each step synced
     )  # fmt: skip
     rt = RuntimeConfig(device=args.device, weights="quant")
     engine = build_engine(args.model, LaunchConfig(cfg, rt))
