@@ -72,7 +72,8 @@
 #            with the streams stage's T = 64 winners: qsweep_rules.py, HETERO_QDISPATCH), then
 #            the peer's
 #   overlap  overlapped steps against plain ones (gpu_engine.py --overlap-ab: Q4_K_M at 1 and 64
-#            streams, Q6_K at 1, speculation off), then the peer's llama-bench of both files
+#            streams, Q6_K at 1, Q4_K_M's one stream unfused too (OVERLAP_UNFUSED=0: not),
+#            speculation off), then the peer's llama-bench of both files
 #   peerpack the peer's built tools packed (xz, 15 MiB parts) into PEERPACK (OUT) for PEER_BIN
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
@@ -663,6 +664,11 @@ if has overlap; then  # overlapped steps (engine/overlap.py) against plain ones,
   stage overlap_q6 200 "$PY" benchmarks/gpu_engine.py "$Q6" --batches 1 --prefill "" \
     --speculative off --overlap-ab --json "$OUT/overlap_q6.json"
   rows "$OUT/overlap_q6.log"
+  if [ "${OVERLAP_UNFUSED:-1}" = 1 ]; then  # Q4_K_M's one stream with the step unfused too
+    stage overlap_q4u 200 "$PY" benchmarks/gpu_engine.py "$Q4" --batches 1 --prefill "" \
+      --speculative off --overlap-ab --unfused --json "$OUT/overlap_q4u.json"
+    rows "$OUT/overlap_q4u.log"
+  fi
   peer_gpu_rows
 fi
 
