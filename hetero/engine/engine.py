@@ -94,6 +94,7 @@ class Engine:
         self._last_done = time.perf_counter()
         self.overlap = self._overlaps()
         self._guessing = False  # the last settled step found guesses: steps run plain
+        self._proposal: tuple[int, dict | None] | None = None  # (after step, its guesses)
 
     def _overlaps(self) -> bool:
         """Whether steps overlap (engine/overlap.py): the engine samples, one step at a time;
@@ -244,7 +245,7 @@ class Engine:
         if self.num_groups > 1:
             return self.scheduler.schedule_group(group)
         tiered = self.executor.kv_tiers
-        guesses = self._guesses() if guess else None
+        guesses = self._proposed() if guess else None
         if tiered is not None:
             tiered.before_schedule(self.block_manager)
         out = self.scheduler.schedule(guesses)
@@ -294,7 +295,9 @@ class Engine:
         if self.spec is not None:
             self.spec.observe(out, sampled, finished)
             if self.overlap:  # steps overlap again once no request has a guess
-                self._guessing = bool(self._guesses())
+                guesses = self._guesses()
+                self._guessing = bool(guesses)
+                self._proposal = (self.stats.steps, guesses)
         if self.executor.kv_tiers is not None:
             self.executor.kv_tiers.step_done(out.num_batched_tokens, seconds)
         for req in finished:
@@ -327,6 +330,14 @@ class Engine:
             for token in sampled.get(rid, ()):
                 sr.req.stop_now = self.constraints.accept(rid, token)
         return sampled
+
+    def _proposed(self) -> dict[str, list[int]] | None:
+        """_guesses(), or the ones found right after the last step where no token came since
+        (a plain step, nothing in flight): the lookup once a step."""
+        kept, self._proposal = self._proposal, None
+        if kept is not None and kept[0] == self.stats.steps and not self._inflight:
+            return kept[1]
+        return self._guesses()
 
     def _guesses(self) -> dict[str, list[int]] | None:
         """Speculative tokens of the decoding requests (none for constrained ones, whose mask
