@@ -74,6 +74,8 @@
 #   overlap  overlapped steps against plain ones (gpu_engine.py --overlap-ab: Q4_K_M at 1 and 64
 #            streams, Q6_K at 1, Q4_K_M's one stream unfused too (OVERLAP_UNFUSED=0: not),
 #            speculation off), then the peer's llama-bench of both files
+#   fuseprof the one-stream Q4_K_M step by kernel, fused, unfused and without the rotation's
+#            fusion (gpu_step_profile.py --unfused), no peer
 #   peerpack the peer's built tools packed (xz, 15 MiB parts) into PEERPACK (OUT) for PEER_BIN
 #   ncugluon Nsight Compute on the Gluon kernel at 32 tokens (NCU_GLUON: gpu_moe.py --gluon)
 #   moekern  the MoE and fused kernels' tests, the grouped matmul at 1 .. 512 tokens and 64, 32
@@ -147,6 +149,7 @@ if has setup; then
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
   has peer || has gpu || has split || has cpu || has gemv || has diag || has probe || has quick \
     || has alt || has planrow || has lanes || has streams || has rows1 || has overlap \
+    || has fuseprof \
     && stage synth 240 bash -c "[ -f $Q4 ] || $PY -m hetero.cli synth $Q4 --shape llama3-8b \
     --quant q4_k_m"
   has peer || has gpu || has gemv || has lanes || has rows1 || has overlap \
@@ -670,6 +673,16 @@ if has overlap; then  # overlapped steps (engine/overlap.py) against plain ones,
     rows "$OUT/overlap_q4u.log"
   fi
   peer_gpu_rows
+fi
+
+if has fuseprof; then  # the one-stream step by kernel, fused, unfused and without the rotation's
+  # fusion alone: where the unfused step's 375 against 353.5 tok/s comes from (eighteenth session)
+  for v in fused all rope; do
+    flag=(); [ "$v" = fused ] || flag=(--unfused "$v")
+    stage "fuseprof_$v" 150 "$PY" benchmarks/gpu_step_profile.py "$Q4" --batches 1 --top 20 \
+      "${flag[@]}"
+    grep -E "graph step|kernels" "$OUT/fuseprof_$v.log" | head -4
+  done
 fi
 
 if has kerneltests; then

@@ -1,7 +1,7 @@
 """Where a decode step's device time goes: each kernel's time a step, at a few batch sizes.
 
     python benchmarks/gpu_step_profile.py MODEL.gguf [--batches 1,64] [--steps 8]
-        [--context 512] [--prefill 512] [--top 25] [--device cuda]
+        [--context 512] [--prefill 512] [--top 25] [--device cuda] [--unfused [all|rope]]
 
 Builds the engine as benchmarks/gpu_engine.py does, lets B requests of --context prompt tokens
 reach decode, then records --steps decode steps under torch.profiler twice:
@@ -11,7 +11,8 @@ reach decode, then records --steps decode steps under torch.profiler twice:
 - through the CUDA graphs (the engine's normal path), the wall time a step, which the kernels'
   sum above bounds from below: what is left is what fusing or faster kernels can win.
 
---prefill P does the same for a step that prefills one request of P tokens.
+--prefill P does the same for a step that prefills one request of P tokens. --unfused profiles
+the decode step as before its fusions (gpu_engine.py's `unfuse`): the two, kernel by kernel.
 
 Also the copy ceiling three ways (a D2D copy timed with events, the same copy replayed from a
 CUDA graph, and a read-only reduction), since the graph-replayed copy has read lower than the
@@ -168,7 +169,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kv-dtype", default="fp8", choices=["fp8", "fp16", "bf16"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--unfused", nargs="?", const="all", choices=["all", "rope"])
     args = ap.parse_args()
+    if args.unfused:
+        from gpu_engine import unfuse
+
+        unfuse(args.unfused)
     batches = [int(x) for x in args.batches.split(",") if x]
     prefills = [int(x) for x in args.prefill.split(",") if x]
     if args.device.startswith("cuda"):
