@@ -212,7 +212,7 @@ class Engine:
         self._fill(results, None if sampled is None else sampled.ids, guess=False)
         if sampled is not None:
             tokens = settled_tokens(sampled, results, self.constraints)
-            self._applied(sampled.out, sampled.res, sampled.started, tokens, results)
+            self._applied(sampled.out, sampled.res, sampled.started, tokens, results, sampled.ready)
             self.stats.overlapped += 1
         elif not self._inflight and self.executor.kv_tiers is not None:
             self.executor.kv_tiers.idle(self.block_manager)
@@ -274,9 +274,12 @@ class Engine:
         sampled = self._take(res, producing, results)
         self._applied(out, res, started, sampled, results)
 
-    def _applied(self, out, res: ModelOutput, started: float, sampled, results) -> None:
+    def _applied(
+        self, out, res: ModelOutput, started: float, sampled, results, done: float | None = None
+    ) -> None:
         """The scheduler's update with a step's tokens, then the step's stats and the
-        finished requests' last outputs."""
+        finished requests' last outputs. `done`: when the step's tokens were there (an
+        overlapped step's time ends then; by default now)."""
         before = [(s.req, len(s.req.output_ids)) for s in out.scheduled if s.spec_ids]
         finished = self.scheduler.update(out, sampled)
         for req, n in before:  # a stop among accepted guesses drops the tokens after it
@@ -287,7 +290,7 @@ class Engine:
             del o.new_token_ids[kept:]
             if o.logprobs is not None:
                 del o.logprobs[kept:]
-        now = time.perf_counter()
+        now = time.perf_counter() if done is None else done
         seconds = now - max(started, self._last_done)
         self._last_done = now
         self.stats.record(out, seconds, res.graphed, res.stages)

@@ -29,6 +29,7 @@ overlap_schedule` says where the overlap runs ("auto": where the step's logits a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,9 @@ class SampledStep:
     ids: torch.Tensor  # [N] int64 on the device: what the next step's placeholders index
     host: SamplerOutput  # the samples' host copies (filled once `event` has passed)
     event: torch.cuda.Event | None
+    # when the samples were there: sampled (a CPU), or the event waited for (settled_tokens);
+    # the step's time ends here, not after its host work, which overlaps the next step's
+    ready: float = 0.0
 
 
 def sample_on_device(
@@ -71,8 +75,9 @@ def sample_on_device(
     if not producing:
         none = torch.empty(0, dtype=torch.int64)
         return SampledStep(
-            out, started, facts, [], [], none, SamplerOutput(none, None, None, None), None
-        )
+            out, started, facts, [], [], none, SamplerOutput(none, None, None, None), None,
+            time.perf_counter(),
+        )  # fmt: skip
     reqs = [s.req for s in producing]
     state = states.make(
         params,
@@ -85,7 +90,8 @@ def sample_on_device(
     )
     so = sampler(res.logits, state)
     host, event = _to_host(so)
-    return SampledStep(out, started, facts, producing, params, so.token_ids, host, event)
+    ready = time.perf_counter()  # (on a GPU: set again once the event has passed)
+    return SampledStep(out, started, facts, producing, params, so.token_ids, host, event, ready)
 
 
 def _to_host(so: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
@@ -113,6 +119,7 @@ def settled_tokens(
     its grammar advanced by it). Requests finished since the step was submitted are skipped."""
     if step.event is not None:
         step.event.synchronize()
+        step.ready = time.perf_counter()
     ids, lps, tops = sampled_lists(step.host)
     sampled: dict[str, list[int]] = {}
     for i, (s, p) in enumerate(zip(step.producing, step.params, strict=True)):
