@@ -185,8 +185,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         results: dict[str, StepOutput] = {}
-        if self.overlap and not self._guessing:
-            self._overlapped_step(results)
+        if self.overlap and (not self._guessing or self._inflight):
+            # (guesses found: the step in flight is settled first, the next runs plain)
+            self._overlapped_step(results, submit=not self._guessing)
             return list(results.values())
         try:
             self._fill(results)
@@ -198,9 +199,11 @@ class Engine:
             self._recover(e, results)
         return list(results.values())
 
-    def _overlapped_step(self, results: dict[str, StepOutput]) -> None:
+    def _overlapped_step(self, results: dict[str, StepOutput], submit: bool = True) -> None:
         """Sample the step in flight on the device and advance past it, submit the next step
-        (its rows read the samples there), then settle the sampled step on the host."""
+        (its rows read the samples there), then settle the sampled step on the host. Without
+        `submit`, only the step in flight: sampled and settled (its requests may have been
+        aborted since it was submitted: their rows are dropped)."""
         sampled = None
         if self._inflight:
             _, out, started, params = self._inflight.popleft()
@@ -208,12 +211,14 @@ class Engine:
                 self.executor.collect(), out, params, started, self.constraints, self.sampler,
                 self.sampling_states, self.tokenizer.eos_ids,
             )  # fmt: skip
-            self.scheduler.advance(out)
-        self._fill(results, None if sampled is None else sampled.ids, guess=False)
+            if submit:
+                self.scheduler.advance(out)
+        if submit:
+            self._fill(results, None if sampled is None else sampled.ids, guess=False)
         if sampled is not None:
             tokens = settled_tokens(sampled, results, self.constraints)
             self._applied(sampled.out, sampled.res, sampled.started, tokens, results, sampled.ready)
-            self.stats.overlapped += 1
+            self.stats.overlapped += submit
         elif not self._inflight and self.executor.kv_tiers is not None:
             self.executor.kv_tiers.idle(self.block_manager)
 

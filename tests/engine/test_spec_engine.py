@@ -141,6 +141,29 @@ def test_ngram_between_overlapped_steps_equals_plain(tiny):
     assert eng.stats.verify[0] > 0 and eng.stats.overlapped > 0
 
 
+def test_an_abort_as_overlapped_steps_turn_plain(tiny):
+    """Guesses found after an overlapped step: the step still in flight is settled first, and
+    a request aborted since its submission has its row dropped there (the plain path's
+    sampling would have looked up its parameters, gone with it)."""
+    eng = engine(tiny, "ngram", overlap="on")
+    prompts = repetitive_prompts(3, 200)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    for _ in range(200):
+        eng.step()
+        if eng._guessing and eng._inflight:
+            break
+    else:
+        pytest.fail("no step found guesses with a step in flight")
+    assert eng.abort("r1")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats.verify[0] > 0 and eng.stats.overlapped > 0
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_a_draft_model_runs_plain_steps(tiny, drafts):
     eng = engine(tiny, "draft", str(drafts[0]), overlap="auto")
     assert not eng.overlap  # (auto, and a CPU besides)
