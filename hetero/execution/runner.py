@@ -143,7 +143,9 @@ def resolve_placeholders(tokens: torch.Tensor, source: torch.Tensor | None) -> t
     host: engine/overlap.py) replaced, in place, by source[i], the samples on the device."""
     if source is None or not len(source):  # (a step of middle prompt chunks samples nothing)
         return tokens
-    source = source.to(tokens.device, non_blocking=True)
+    # (to a GPU asynchronously; to the CPU a blocking copy: an asynchronous one from a GPU
+    # would hand back memory the copy has yet to fill)
+    source = source.to(tokens.device, non_blocking=tokens.device.type == "cuda")
     idx = (-1 - tokens).clamp_(min=0)  # a real token's reads row 0, and is kept
     return tokens.copy_(torch.where(tokens < 0, source[idx], tokens))
 
