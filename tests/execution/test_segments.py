@@ -69,9 +69,10 @@ def test_segments_serve_what_one_segment_serves(tiny):
 def prefill_logits(eng: Engine, prompt: list[int]) -> torch.Tensor:
     """The last prompt position's logits (one prefill step, sampled greedily: its logprobs)."""
     eng.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=5))
-    (out,) = [o for o in eng.step() if o.request_id == "p"]
+    outs = []  # (an overlapped step's token comes a call later)
     while eng.has_unfinished():
-        eng.step()
+        outs += [o for o in eng.step() if o.request_id == "p" and o.new_token_ids]
+    (out,) = outs
     return torch.tensor([lp for _, lp in out.logprobs[0].top])
 
 

@@ -120,7 +120,7 @@ def test_verify_step_through_decode_buffers_with_triton_attention(model_file, mo
         with forcing(kernels):
             llm = LLM(loaded=loaded, kv_dtype="fp16", num_kv_blocks=16, block_size=8,
                       max_model_len=64, enforce_eager=True, device=str(DEVICE),
-                      speculative="off")  # fmt: skip
+                      speculative="off", overlap_schedule="off")  # fmt: skip
             eng = llm.engine
             long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
             eng.add_request("a", PROMPTS[0] * 2, long)  # 22 tokens: the guesses cross a block

@@ -99,8 +99,10 @@ class RowRecorder:
     def __call__(self, out, hidden=None):
         logits, producing = self._run(out, hidden)
         i = 0
+        src = out.token_source  # an overlapped step's placeholders -1 - j read src[j]
         for s in producing:
             known = s.req.tokens(0, s.start_pos + s.num_new_tokens - len(s.spec_ids))
+            known = [int(src[-1 - t]) if t < 0 else t for t in known]
             for j in range(1 + len(s.spec_ids)):
                 self.rows.append((list(known) + list(s.spec_ids[:j]), logits[i].clone()))
                 i += 1
