@@ -118,7 +118,7 @@ export PYTHONFAULTHANDLER=1  # a crash in native code prints the Python stacks
 
 source benchmarks/gpu_stages.sh
 BENCH=("$PY" -m hetero.cli bench --speculative off --num-kv-blocks 4096)
-rows() { grep -E "^(random|output|TTFT|ITL|KV|ceilings|decode|prefill|a decode|kernels)" "$1" \
+rows() { grep -E "^(random|output|TTFT|ITL|KV|ceilings|decode|prefill|a decode|kernels|engine steps|steps overlapped)" "$1" \
   || tail -5 "$1"; }
 
 if has setup; then

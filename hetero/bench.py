@@ -37,6 +37,8 @@ class BenchResult:
     spec_proposed: int = 0  # speculative tokens guessed (0 when speculation is off)
     spec_accepted: int = 0
     spec_mode: str = "off"
+    steps: int = 0  # engine steps the run took (0: not counted, as over HTTP)
+    overlapped_steps: int = 0  # of them, settled while the next ran (engine/overlap.py)
 
     @classmethod
     def from_timelines(
@@ -88,6 +90,12 @@ class BenchResult:
             f"{self.spec_accepted} ({self.acceptance_rate:.0%})"
         )
 
+    def steps_line(self) -> str:
+        return (
+            f"engine steps {self.steps}, {self.overlapped_steps} overlapped (the host's work "
+            "while the next step ran)"
+        )
+
     def lines(self) -> list[str]:
         return [
             f"{self.workload}: requests {self.num_requests} x (in {self.input_len}, out "
@@ -126,6 +134,7 @@ def run_bench(
     params = params or SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
     spec = engine.spec
     spec0 = (0, 0) if spec is None else (spec.proposed, spec.accepted)
+    steps0 = (engine.stats.steps, engine.stats.overlapped)
     lines: dict[str, Timeline] = {}
     pending = list(range(num_requests))
     t0 = time.perf_counter()
@@ -152,6 +161,8 @@ def run_bench(
     )
     result.prompt_tokens = sum(len(p) for p in prompts)
     result.workload = workload
+    result.steps = engine.stats.steps - steps0[0]
+    result.overlapped_steps = engine.stats.overlapped - steps0[1]
     if spec is not None:
         result.spec_mode = engine.config.speculative
         result.spec_proposed = spec.proposed - spec0[0]

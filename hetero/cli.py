@@ -240,7 +240,7 @@ def bench(
                 result = run_bench(
                     engine, num_requests or c, c, input_len, output_len, seed=seed, workload=w
                 )
-                click.echo("\n".join([*result.lines(), result.spec_line()]))
+                click.echo("\n".join([*result.lines(), result.spec_line(), result.steps_line()]))
     finally:
         engine.close()  # a pipeline's stage processes
 

@@ -143,6 +143,30 @@ def test_where_steps_overlap(loaded):
         EngineConfig(overlap_schedule="sometimes", speculative="off")
 
 
+def test_bench_counts_the_overlapped_steps(tmp_path):
+    """`hetero bench` says how many of its steps overlapped: all but the first with overlap
+    on (each step is settled in the call that submits the next), none with it off."""
+    import re
+
+    from click.testing import CliRunner
+
+    from hetero.cli import main
+
+    path = write_synthetic(tmp_path / "t.gguf", "tiny-llama", "q8_0", False)
+    base = ["bench", str(path), "--input-len", "16", "--output-len", "8", "--num-kv-blocks",
+            "64", "-c", "2", "--speculative", "off", "--no-warmup"]  # fmt: skip
+    counts = {}
+    for mode in ("on", "off"):
+        res = CliRunner().invoke(main, [*base, "--overlap-schedule", mode])
+        assert res.exit_code == 0, res.output
+        m = re.search(r"engine steps (\d+), (\d+) overlapped", res.output)
+        assert m, res.output
+        counts[mode] = int(m[1]), int(m[2])
+    assert counts["off"][1] == 0 and counts["off"][0] >= 8
+    steps, overlapped = counts["on"]
+    assert steps == counts["off"][0] and overlapped == steps
+
+
 @pytest.mark.gpu
 def test_gpu_overlapped_steps_equal_plain_steps(tmp_path):
     """On a GPU, captured graphs: the samples' pinned copies and events, the placeholders
