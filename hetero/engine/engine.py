@@ -8,8 +8,8 @@ everything is integer ids. `hetero.launch.build_engine` builds an engine from op
 Each step keeps every micro-batch group busy (one group when the executor runs one step at a
 time): groups with no step in flight are scheduled and submitted, then the oldest step in flight
 is collected, sampled and applied. With overlapped steps (engine/overlap.py: one group, the
-engine sampling, no speculation; by default on a GPU) the step in flight is sampled on the
-device and the next one submitted before the host waits for its tokens.
+engine sampling, no guesses to verify; by default on a GPU) the step in flight is sampled on
+the device and the next one submitted before the host waits for its tokens.
 """
 
 from __future__ import annotations
