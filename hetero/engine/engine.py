@@ -30,9 +30,9 @@ from hetero.engine.executor import (
 )
 from hetero.engine.grammar_mask import Constraints
 from hetero.engine.microbatch import MicroBatchScheduler
-from hetero.engine.output import StepOutput, final_output, token_output
+from hetero.engine.output import StepOutput, final_output, row_outputs
 from hetero.engine.overlap import sample_on_device, settled_tokens
-from hetero.engine.request import Request, RequestStatus
+from hetero.engine.request import Request
 from hetero.engine.scheduler import Scheduler, SchedulerOutput
 from hetero.engine.spec import make_speculator
 from hetero.engine.spec.speculator import fit_rows
@@ -216,7 +216,8 @@ class Engine:
         if submit:
             self._fill(results, None if sampled is None else sampled.ids, guess=False)
         if sampled is not None:
-            tokens = settled_tokens(sampled, results, self.constraints)
+            tokens = settled_tokens(sampled, results)
+            self._accept(sampled.producing, tokens)
             self._applied(sampled.out, sampled.res, sampled.started, tokens, results, sampled.ready)
             self.stats.overlapped += submit
         elif not self._inflight and self.executor.kv_tiers is not None:
@@ -324,20 +325,20 @@ class Engine:
                 res.logits, producing, self.params, self.constraints, self.sampler,
                 self.sampling_states, self.spec, self.tokenizer.eos_ids, results,
             )  # fmt: skip
-        else:
-            s, sampled = res.sampled, {}
-            for i, sr in enumerate(producing):
-                req = sr.req
-                p = self.params.get(req.request_id)
-                if p is None or req.status is not RequestStatus.RUNNING:
-                    continue  # aborted while its step was in flight
-                sampled[req.request_id] = [s.token_ids[i]]
-                results[req.request_id] = token_output(req, p, i, s.token_ids, s.logprobs, s.top)
-        for sr in producing:  # a completed constraint (a JSON object) ends its request now
+        else:  # (a request aborted while its step was in flight: its row dropped)
+            s = res.sampled
+            params = [self.params.get(sr.req.request_id) for sr in producing]
+            sampled = row_outputs(producing, params, s.token_ids, s.logprobs, s.top, results)
+        self._accept(producing, sampled)
+        return sampled
+
+    def _accept(self, producing, sampled: dict[str, list[int]]) -> None:
+        """Each request's grammar advanced by its new tokens: a completed constraint (a JSON
+        object) ends its request now."""
+        for sr in producing:
             rid = sr.req.request_id
             for token in sampled.get(rid, ()):
                 sr.req.stop_now = self.constraints.accept(rid, token)
-        return sampled
 
     def _proposed(self) -> dict[str, list[int]] | None:
         """_guesses(), or the ones found right after the last step where no token came since

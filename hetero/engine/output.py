@@ -50,6 +50,20 @@ def token_output(req: Request, p: SamplingParams, i: int, ids, lps, tops) -> Ste
     return o
 
 
+def row_outputs(producing, params, ids, lps, tops, results) -> dict[str, list[int]]:
+    """Each producing request's token from row i of a step sampled one row a request (`params`:
+    the rows' SamplingParams, None where a request is gone), its StepOutput into `results`. A
+    request finished since the step was submitted (aborted) is skipped: its row is dropped."""
+    sampled = {}
+    for i, (s, p) in enumerate(zip(producing, params, strict=True)):
+        req = s.req
+        if p is None or req.is_finished:
+            continue
+        sampled[req.request_id] = [ids[i]]
+        results[req.request_id] = token_output(req, p, i, ids, lps, tops)
+    return sampled
+
+
 def final_output(req: Request, error: str | None = None) -> StepOutput:
     """The last output of a request that ends without a token (failed, aborted, refused)."""
     return StepOutput(

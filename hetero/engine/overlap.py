@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.engine.executor import ModelOutput
-from hetero.engine.output import StepOutput, sampled_lists, token_output
+from hetero.engine.output import StepOutput, row_outputs, sampled_lists
 from hetero.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hetero.sampler import Sampler, SamplerOutput, SamplingStates
 
@@ -112,22 +112,10 @@ def _to_host(so: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]
     return SamplerOutput(*copies), event
 
 
-def settled_tokens(
-    step: SampledStep, results: dict[str, StepOutput], constraints
-) -> dict[str, list[int]]:
-    """Wait for the step's samples; each live request's token (its StepOutput in `results`,
-    its grammar advanced by it). Requests finished since the step was submitted are skipped."""
+def settled_tokens(step: SampledStep, results: dict[str, StepOutput]) -> dict[str, list[int]]:
+    """Wait for the step's samples; each live request's token (its StepOutput in `results`).
+    Requests finished since the step was submitted are skipped."""
     if step.event is not None:
         step.event.synchronize()
         step.ready = time.perf_counter()
-    ids, lps, tops = sampled_lists(step.host)
-    sampled: dict[str, list[int]] = {}
-    for i, (s, p) in enumerate(zip(step.producing, step.params, strict=True)):
-        req = s.req
-        if req.is_finished:
-            continue
-        rid = req.request_id
-        sampled[rid] = [ids[i]]
-        results[rid] = token_output(req, p, i, ids, lps, tops)
-        req.stop_now = constraints.accept(rid, ids[i])
-    return sampled
+    return row_outputs(step.producing, step.params, *sampled_lists(step.host), results)
