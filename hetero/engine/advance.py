@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class Advancing:
     """Scheduler's advance() and the settling update() of an advanced step (mixed in: it
-    reads the scheduler's config, block manager, _ending set and _finish)."""
+    reads the scheduler's config, block manager, _ending set, _stops and _finish)."""
 
     def advance(self, output: SchedulerOutput) -> None:
         """Apply a computed step whose tokens are still on their way (an overlapped step: the
@@ -65,7 +65,7 @@ class Advancing:
     ) -> list[Request]:
         """update() of an advanced step: each placeholder replaced by its token, then the stop
         checks (a request preempted since keeps its token and may finish in the queue)."""
-        finished, row, limit = [], 0, self.config.max_model_len
+        finished, row = [], 0
         for s in output.scheduled:
             if not s.produces_token:
                 continue
@@ -82,9 +82,7 @@ class Advancing:
                 raise RuntimeError(f"request {req.request_id!r}: no placeholder of its token")
             req.output_ids[-1] = token
             self._ending.discard(req.request_id)
-            status = req.stops_at(token)
-            if status is None and limit is not None and req.num_tokens >= limit:
-                status = RequestStatus.FINISHED_LENGTH
+            status = self._stops(req, token)
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)

@@ -387,6 +387,15 @@ class Scheduler(Advancing):
                 self.block_manager.trim(req, req.num_tokens)
         return finished
 
+    def _stops(self, req: Request, token: int) -> RequestStatus | None:
+        """The finished status that `token` (just appended) brings req to, if any: a stop,
+        its max_tokens, or the model's length."""
+        status = req.stops_at(token)
+        limit = self.config.max_model_len
+        if status is None and limit is not None and req.num_tokens >= limit:
+            return RequestStatus.FINISHED_LENGTH
+        return status
+
     def _append(self, req: Request, s: ScheduledRequest, tokens: int | list[int]):
         """Append a step's tokens, up to the first that finishes req (the rest are dropped);
         advance num_computed_tokens over the KV that holds accepted tokens only."""
@@ -396,14 +405,11 @@ class Scheduler(Advancing):
                 f"request {req.request_id!r}: {len(tokens)} tokens for a step with "
                 f"{len(s.spec_ids)} guesses (1 .. {1 + len(s.spec_ids)} expected)"
             )
-        limit = self.config.max_model_len
         status, taken = None, 0
         for token in tokens:
             req.output_ids.append(token)
             taken += 1
-            status = req.stops_at(token)
-            if status is None and limit is not None and req.num_tokens >= limit:
-                status = RequestStatus.FINISHED_LENGTH
+            status = self._stops(req, token)
             if status is not None:
                 break
         # KV is valid for the last token and the taken tokens but the newest one (computed next)
