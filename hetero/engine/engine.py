@@ -36,7 +36,7 @@ from hetero.engine.request import Request
 from hetero.engine.scheduler import Scheduler, SchedulerOutput
 from hetero.engine.spec import make_speculator
 from hetero.engine.spec.speculator import fit_rows
-from hetero.engine.stats import EngineGauges, EngineStats
+from hetero.engine.stats import EngineGauges, EngineStats, gauges
 from hetero.engine.step_sampling import sample_logits
 from hetero.engine.timeline import Timelines
 from hetero.sampler import Sampler, SamplingStates
@@ -380,29 +380,7 @@ class Engine:
 
     def gauges(self) -> EngineGauges:
         """The engine's queues, pool and counters now (the server's /metrics formats them)."""
-        sched, bm, stats, spec = self.scheduler, self.block_manager, self.stats, self.spec
-        tiers = self.executor.kv_tiers
-        return EngineGauges(
-            waiting=sched.num_waiting,
-            running=sched.num_running,
-            preemptions=sched.num_preemptions,
-            pool_tier="gpu" if self.executor.info.device.startswith("cuda") else "cpu",
-            blocks_total=bm.num_blocks,
-            blocks_free=bm.num_free_blocks,
-            blocks_cached=bm.num_cached_blocks,
-            steps=stats.steps,
-            tokens=stats.tokens,
-            busy_s=stats.busy_s,
-            decode_steps=stats.decode[0],
-            decode_s=stats.decode[2],
-            graph_steps=stats.graphed,
-            spec_proposed=0 if spec is None else spec.proposed,
-            spec_accepted=0 if spec is None else spec.accepted,
-            restarts=self.restarts,
-            overlapped_steps=stats.overlapped,
-            tiers=None if tiers is None else tiers.gauges(),
-            stage_busy_s=tuple(stats.stage_s),
-        )
+        return gauges(self)
 
 
 def check_token_ids(prompt_ids: list[int], params, vocab: int) -> None:

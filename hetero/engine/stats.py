@@ -1,7 +1,7 @@
 """What the engine counts, and the snapshot of it that /metrics shows.
 
 `EngineStats` is updated once per step. `EngineGauges` is a plain snapshot of the engine's
-queues, KV pool and counters, taken where the engine runs (its thread or its process) and sent
+queues, KV pool and counters (`gauges(engine)`), taken where the engine runs (its thread or its process) and sent
 to the server, which only formats it (server/metrics.py).
 """
 
@@ -83,3 +83,30 @@ class EngineGauges:
     overlapped_steps: int = 0
     tiers: TierGauges | None = None
     stage_busy_s: tuple[float, ...] = ()  # per stage of the executor: seconds running steps
+
+
+def gauges(engine) -> EngineGauges:
+    """An Engine's queues, pool and counters now (the server's /metrics formats them)."""
+    sched, bm, stats, spec = engine.scheduler, engine.block_manager, engine.stats, engine.spec
+    tiers = engine.executor.kv_tiers
+    return EngineGauges(
+        waiting=sched.num_waiting,
+        running=sched.num_running,
+        preemptions=sched.num_preemptions,
+        pool_tier="gpu" if engine.executor.info.device.startswith("cuda") else "cpu",
+        blocks_total=bm.num_blocks,
+        blocks_free=bm.num_free_blocks,
+        blocks_cached=bm.num_cached_blocks,
+        steps=stats.steps,
+        tokens=stats.tokens,
+        busy_s=stats.busy_s,
+        decode_steps=stats.decode[0],
+        decode_s=stats.decode[2],
+        graph_steps=stats.graphed,
+        spec_proposed=0 if spec is None else spec.proposed,
+        spec_accepted=0 if spec is None else spec.accepted,
+        restarts=engine.restarts,
+        overlapped_steps=stats.overlapped,
+        tiers=None if tiers is None else tiers.gauges(),
+        stage_busy_s=tuple(stats.stage_s),
+    )
