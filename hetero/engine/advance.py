@@ -20,7 +20,7 @@ from hetero.engine.request import RequestStatus
 
 if TYPE_CHECKING:
     from hetero.engine.request import Request
-    from hetero.engine.scheduler import SchedulerOutput
+    from hetero.engine.scheduled import SchedulerOutput
 
 
 class Advancing:
