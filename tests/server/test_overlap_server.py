@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.support import exact_weights
-from tests.support.server_fixture import start_daemon
+from tests.support.server_fixture import daemon_pair
 
 NAME = "smol"
 
@@ -19,15 +19,9 @@ NAME = "smol"
 def daemons():
     common = ("--num-kv-blocks", "128", "--served-model-name", NAME, "--kv-dtype", "fp32")
     common += (*exact_weights.FLAGS, "--speculative", "off")
-    over = start_daemon(*common, "--overlap-schedule", "on")
-    try:
-        plain = start_daemon(*common, "--overlap-schedule", "off")
-    except BaseException:
-        over.finish()
-        raise
-    yield over, plain
-    assert over.finish() == 0, over.log()
-    assert plain.finish() == 0, plain.log()
+    yield from daemon_pair(
+        (*common, "--overlap-schedule", "on"), (*common, "--overlap-schedule", "off")
+    )
 
 
 def client(daemon) -> openai.OpenAI:

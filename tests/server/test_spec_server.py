@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.support import exact_weights
-from tests.support.server_fixture import start_daemon
+from tests.support.server_fixture import daemon_pair
 
 NAME = "smol"
 CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
@@ -17,15 +17,10 @@ MESSAGES = [{"role": "user", "content": "Repeat this code exactly:\n" + CODE}]
 def daemons():
     common = ("--num-kv-blocks", "128", "--served-model-name", NAME, "--kv-dtype", "fp32")
     common += exact_weights.FLAGS
-    spec = start_daemon(*common, "--speculative", "ngram", "--num-speculative-tokens", "6")
-    try:
-        plain = start_daemon(*common, "--speculative", "off")
-    except BaseException:
-        spec.finish()
-        raise
-    yield spec, plain
-    assert spec.finish() == 0, spec.log()
-    assert plain.finish() == 0, plain.log()
+    yield from daemon_pair(
+        (*common, "--speculative", "ngram", "--num-speculative-tokens", "6"),
+        (*common, "--speculative", "off"),
+    )
 
 
 def chat(daemon) -> str:

@@ -152,6 +152,20 @@ def start_daemon(
     return daemon
 
 
+def daemon_pair(first: tuple[str, ...], second: tuple[str, ...]):
+    """A module fixture's body for two daemons compared side by side: both started (the first
+    stopped if the second fails to start), yielded, then each asked to exit cleanly."""
+    one = start_daemon(*first)
+    try:
+        two = start_daemon(*second)
+    except BaseException:
+        one.finish()
+        raise
+    yield one, two
+    assert one.finish() == 0, one.log()
+    assert two.finish() == 0, two.log()
+
+
 def sse_events(raw: bytes) -> list[Any]:
     """The `data:` payloads of an event stream (JSON decoded; "[DONE]" kept as a string)."""
     out = []
