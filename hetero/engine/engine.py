@@ -289,9 +289,7 @@ class Engine:
         before = [(s.req, len(s.req.output_ids)) for s in out.scheduled if s.spec_ids]
         finished = self.scheduler.update(out, sampled)
         for req, n in before:  # a stop among accepted guesses drops the tokens after it
-            o = results.get(req.request_id)
-            if o is None:
-                continue
+            o = results[req.request_id]
             kept = len(req.output_ids) - n
             del o.new_token_ids[kept:]
             if o.logprobs is not None:
