@@ -222,10 +222,14 @@ def rope_attention_triton(
     sequence one query; else None: the caller rotates, stores and attends in launches of their
     own): the decode kernel rotates q and the new k, stores k and v, attends, and with a layout
     (16-bit q whose head groups are whole chunks of it) quantizes its output too; words and
-    floats None where it does not."""
+    floats None where it does not. Rows that may be one sequence's (`shared`: a graph step's
+    guesses or prompt chunk) are declined: a row reads keys other rows store, and programs of
+    one launch are not ordered."""
     tm = getattr(meta, "tensors", None)
     b, h, d = q.shape
     if tm is None or tm.tiles is not None or tm.max_q_len != 1 or b != tm.seq_lens.shape[0]:
+        return None
+    if tm.shared:
         return None
     xq = None
     if layout is not None and q.dtype != torch.float32:

@@ -29,7 +29,10 @@ is k + 1 rows, each a one-query decode of the same sequence:
 Each layer writes the KV of all rows (kv_write, one launch) before any row attends (the attention
 launch after it), so row i attends over the prefix and t_0 .. t_i: exactly the causal attention
 the eager step's prefill kernel gives the k + 1 queries. Its logits rows come back in that order,
-what spec/verify.py reads.
+what spec/verify.py reads. A decode step's rows are distinct sequences, and there the attention's
+launch rotates and stores each row's own key itself (`rope_attention`); it must not where rows
+share a sequence (one launch's programs are unordered: a row would read a key not yet stored), so
+each bucket that both kinds of step reach has two graphs, one per kind (the metadata's `shared`).
 
 Prompt chunks fit the same way (max_rows > max_batch adds larger buckets for them): a chunk of
 m prompt tokens at positions p .. p + m - 1 is m one-query rows with seq_len p + i + 1, so a step
@@ -183,18 +186,23 @@ class DecodeGraphs:
             dtype = model.runtime.torch_dtype()
             self.hidden = torch.zeros(bmax, model.config.d_model, dtype=dtype, device=dev)
         self.scale = model.config.head_dim**-0.5
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # per (bucket, whether rows may share a sequence): the second kind only in the buckets
+        # where it changes the launches (the attention stores keys itself: `_kinds`)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         # the host functions each graph calls (layers with their experts in RAM: their
         # arguments, kept while the graph may replay them), and an event whose wait sleeps
         # rather than spins: a replay that computes on the CPU leaves the cores to it
-        self.host_calls: dict[int, list] = {}
+        self.host_calls: dict[tuple[int, bool], list] = {}
         self._done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self._ref_attention = _check_kernels(self.device)
+        # whether a decode step's attention launch stores the rows' keys itself (_kinds)
+        self.attention_stores_keys = not select("rope_attention", self.device).is_reference
         self.steps = 0  # steps run through the static buffers (replayed or not)
         self.rows_run = 0  # their rows (sequences, guesses, prompt tokens)
         self.prompt_steps = 0  # those of them with prompt rows
         self.tiled_rows = 0  # prompt rows that attended in row tiles
+        self.shared_steps = 0  # steps through a graph of rows that share a sequence (_kinds)
 
     def fits(self, out: SchedulerOutput) -> bool:
         """A step these buffers hold: decodes (each one known token, plus its guesses) and prompt
@@ -244,16 +252,29 @@ class DecodeGraphs:
         self.rows_run += n
         self.prompt_steps += not all(_is_decode(s) for s in sched)
         keep = produced if self.model.is_last else n
-        if b in self.graphs:
-            self.graphs[b].replay()
-            out = self.outputs[b][:keep].clone()  # the graph's buffer is rewritten next replay
-            calls = self.host_calls.get(b)
+        key = (b, self._shared(b, sched))
+        self.shared_steps += key[1]
+        if key in self.graphs:
+            self.graphs[key].replay()
+            out = self.outputs[key][:keep].clone()  # the graph's buffer is rewritten next replay
+            calls = self.host_calls.get(key)
             if calls:
                 self._done.record()
                 self._done.synchronize()
                 host_hop.check(calls)
             return out
-        return self._forward(b)[:keep]
+        return self._forward(*key)[:keep]
+
+    def _kinds(self, b: int) -> tuple[bool, ...]:
+        """The graphs bucket b needs: rows of distinct sequences (False), and rows that may share
+        one (True) where that changes the launches: 2 rows or more, not in row tiles (whose
+        attention never stores keys), with an attention launch that would store them."""
+        both = self.attention_stores_keys and 1 < b and self._tile(b) == 1
+        return (False, True) if both else (False,)
+
+    def _shared(self, b: int, sched: list[ScheduledRequest]) -> bool:
+        """Whether the step's graph is bucket b's of rows that share a sequence."""
+        return len(self._kinds(b)) > 1 and any(s.num_new_tokens > 1 for s in sched)
 
     def _fill(self, sched: list[ScheduledRequest], b: int) -> int:
         """Host values of the step into the static buffers, rows n .. b - 1 as padding; returns
@@ -262,9 +283,10 @@ class DecodeGraphs:
         self.tiled_rows += tiled
         return produced
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The model over the first b rows of the static buffers: [b, V] float32."""
-        metas = [None if g is None else self._meta(b, g) for g in self.block_tables]
+    def _forward(self, b: int, shared: bool = False) -> torch.Tensor:
+        """The model over the first b rows of the static buffers: [b, V] float32. shared: rows
+        may be one sequence's (`_kinds`)."""
+        metas = [None if g is None else self._meta(b, g, shared) for g in self.block_tables]
         slots = [None if t is None else t[:b] for t in self.slots]
         first = self.model.layer_range.start
         attn = PagedAttention(self.pool, first, slots, metas, self.scale)
@@ -274,13 +296,14 @@ class DecodeGraphs:
         hidden = None if self.hidden is None else self.hidden[:b]
         return self.model(self.tokens[:b], batch, hidden)
 
-    def _meta(self, b: int, tables: torch.Tensor) -> PagedMeta:
+    def _meta(self, b: int, tables: torch.Tensor, shared: bool = False) -> PagedMeta:
         """The attention metadata of b rows over one KV cache group's tables [Bmax, blocks]."""
         bs = self.block_size
         meta = PagedMeta(list(range(b)), [1] * b, [])
         meta.tensors = TensorMeta(
-            tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1, self.max_blocks * bs, bs
-        )
+            tables[:b], self.seq_lens[:b], self.q_start_loc[: b + 1], 1, self.max_blocks * bs, bs,
+            shared=shared,
+        )  # fmt: skip
         if self._tile(b) > 1:  # a bucket for prompt rows: their chunks attend as tiles
             meta.tensors.tiles = RowTiles(self.decode_lens[:b], self.tile_lens[:b], self.row_tile)
         if self._ref_attention:  # the reference reads per-position slots; padding rows mask out
@@ -300,18 +323,19 @@ class DecodeGraphs:
         mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
+        keys = [(b, shared) for b in reversed(self.buckets) for shared in self._kinds(b)]
         with torch.cuda.stream(side):
-            for b in reversed(self.buckets):
-                self._forward(b)
+            for key in keys:
+                self._forward(*key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        for b in reversed(self.buckets):
+        for key in keys:
             graph = torch.cuda.CUDAGraph()
             # the capture stream must be on this device: torch's default one is made once, on
             # whichever device was current first, and would capture nothing of this one's work
             with host_hop.recording() as calls, torch.cuda.graph(graph, pool=mempool, stream=side):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b], self.host_calls[b] = graph, calls
+                self.outputs[key] = self._forward(*key)
+            self.graphs[key], self.host_calls[key] = graph, calls
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
         return self

@@ -56,6 +56,10 @@ class TensorMeta:
     max_seq_len: int
     block_size: int
     tiles: RowTiles | None = None  # a graph step's prompt rows (module docstring)
+    # rows may be one sequence's (a graph step's guesses or prompt chunk, each row a one-query
+    # "sequence"): a row reads keys that other rows of the step write, so they must all be
+    # stored before any row attends (no launch that stores and attends in one)
+    shared: bool = False
 
     def to(self, device: torch.device) -> TensorMeta:
         bt, lens, starts = (
@@ -67,7 +71,8 @@ class TensorMeta:
             dl, tl = (t.to(device, non_blocking=True) for t in (tiles.decode_lens, tiles.tile_lens))
             tiles = RowTiles(dl, tl, tiles.rows)
         return TensorMeta(
-            bt, lens, starts, self.max_q_len, self.max_seq_len, self.block_size, tiles
+            bt, lens, starts, self.max_q_len, self.max_seq_len, self.block_size, tiles,
+            self.shared,
         )  # fmt: skip
 
 

@@ -84,6 +84,7 @@ PARAMS = [replace(GREEDY, max_tokens=n) for n in (4, 12, 8, 10, 16)]
 def _generate(
     tiny, graphs: bool, capture: bool, kv_dtype: str, spec: str = "off", rows: int = 4,
     prompts=PROMPTS, params=PARAMS, max_rows: int = 0, step_tokens: int = 2048, row_tile: int = 32,
+    stores_keys: bool | None = None,
 ):  # fmt: skip
     llm = LLM(
         loaded=tiny, kv_dtype=kv_dtype, num_kv_blocks=48, block_size=16, max_model_len=128,
@@ -95,6 +96,8 @@ def _generate(
     poison(ex.pool)
     if graphs:  # max batch 4: steps of 3 pad to 4, steps of 5 are too many (eager)
         ex.set_graphs(DecodeGraphs(tiny[1], ex.pool, rows, 128, max_rows, row_tile))
+        if stores_keys is not None:  # (what a GPU's kernels say, on the CPU's static path)
+            runner.graphs.attention_stores_keys = stores_keys
         if capture:
             runner.graphs.capture()
     outs = llm.generate(prompts, params)
@@ -229,17 +232,24 @@ REPEATS = [[(7 * j + 3 * i) % 200 + 5 for j in range(6 + i)] * 3 for i in range(
 LONG = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
 
 
-def _compare_spec(tiny, capture: bool, kv_dtype: str, prompts, rows: int) -> None:
+def _compare_spec(tiny, capture: bool, kv_dtype: str, prompts, rows: int, stores_keys=None):
     refs = {} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}
     params = [LONG] * len(prompts)
     with forcing(refs):
         plain, _, _ = _generate(tiny, False, False, kv_dtype, prompts=prompts, params=params)
         got, graphs, spec = _generate(
-            tiny, True, capture, kv_dtype, "ngram", rows, prompts=prompts, params=params
-        )
+            tiny, True, capture, kv_dtype, "ngram", rows, prompts=prompts, params=params,
+            stores_keys=stores_keys,
+        )  # fmt: skip
     assert spec.proposed > 0 and spec.accepted > 0
     assert graphs.rows_run > graphs.steps, "verify steps ran through the static buffers"
+    if graphs.attention_stores_keys:  # verify steps: the graphs that store keys first
+        assert graphs.shared_steps > 0
+        assert not capture or all((b, True) in graphs.graphs for b in graphs.buckets[1:])
+    else:
+        assert graphs.shared_steps == 0
     _same(plain, got, kv_dtype)
+    return graphs
 
 
 @pytest.mark.parametrize("n", [1, 4])
@@ -249,6 +259,33 @@ def test_static_buffer_path_with_guesses_equals_plain_decoding(tiny32, n: int) -
     16 rows of the largest graph; prefill steps run eagerly). On CUDA in float32 activations
     (tiny32): bf16 rounding, which differs between one row and 1 + k, flips greedy near-ties."""
     _compare_spec(tiny32, False, "fp32", REPEATS[:n], 16)
+
+
+def test_rows_that_share_a_sequence_take_graphs_that_store_keys_first(tiny32) -> None:
+    """Where a decode step's attention launch stores each row's key itself (a GPU's
+    rope_attention kernel: its programs are unordered), a verify step's rows, one sequence's,
+    would read keys not yet stored: such steps take their bucket's other graph (`shared`
+    metadata: the keys stored by a launch before the attention's), decode steps of distinct
+    sequences the fused one, a bucket of one row has one graph. On the CPU's static path (the
+    references attend): the graphs each step took, and outputs equal plain decoding."""
+    graphs = _compare_spec(tiny32, False, "fp32", REPEATS[:2], 16, stores_keys=True)
+    assert graphs._kinds(1) == (False,) and graphs._kinds(16) == (False, True)
+    assert graphs.steps > graphs.shared_steps  # (the plain decode steps after guesses stop)
+
+
+def test_prompt_rows_share_a_sequence_too(tiny) -> None:
+    """A prompt chunk's rows in a bucket where they attend one by one are one sequence's as
+    well (steps of 6 tokens: every chunk in a bucket of at most 8 rows); in the row tiles'
+    buckets the attention never stores keys: one graph each."""
+    with forcing({} if CUDA else {"kv_write": "torch", "paged_attention": "torch"}):
+        eager, _, _ = _generate(tiny, False, False, "fp32", step_tokens=6)
+        static, graphs, _ = _generate(
+            tiny, True, False, "fp32", rows=8, max_rows=32, step_tokens=6, row_tile=4,
+            stores_keys=True,
+        )  # fmt: skip
+    assert graphs._kinds(8) == (False, True) and graphs._kinds(16) == (False,)
+    assert 0 < graphs.shared_steps < graphs.steps
+    _same(eager, static, "fp32")
 
 
 def test_guess_rows_of_one_request_attend_causally(tiny) -> None:
@@ -278,6 +315,8 @@ def test_guess_rows_of_one_request_attend_causally(tiny) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])
 def test_gpu_captured_graphs_with_guesses_equal_plain(tiny32, kv_dtype: str) -> None:
+    """(Failed before the graphs of rows that share a sequence: the attention's launch stored
+    each guess row's key while other rows of the step read it, sometimes before.)"""
     _compare_spec(tiny32, True, kv_dtype, REPEATS, 16)
 
 

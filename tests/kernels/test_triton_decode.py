@@ -9,6 +9,8 @@ after another: a race between splits shows only on the GPU).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,7 +103,8 @@ def test_decode_rotates_and_stores_the_new_token(
     """A decode step from q and k not yet rotated: the decode kernel rotates them and stores
     the new k and v itself (the split that holds the new key writes them before reading), bit
     for bit the rotation-and-write kernel then the decode kernel (the output and the caches);
-    every dim rotated or the first 2 x 12 of 32; the reference's output. A prefill step: None.
+    every dim rotated or the first 2 x 12 of 32; the reference's output. A prefill step, or rows
+    that may share a sequence: None.
     A grid of 64 SMs' splits (`fine`: the 97-key row's new key in its 4th of 12 splits)."""
     monkeypatch.setattr(tp, "_sm_count", lambda device: 64)
     kv, g, d, bs = 2, 3, 32, 4
@@ -131,6 +134,9 @@ def test_decode_rotates_and_stores_the_new_token(
     k3 = torch.zeros(3, kv, d, device=DEVICE, dtype=torch.float16)
     args = (qp, k3, k3, cos[:1].expand(3, -1), sin[:1].expand(3, -1), style)
     assert tp.rope_attention_triton(*args, *pools[0].caches(), slots[:3], metap, 0.1) is None
+    # rows that may be one sequence's (a graph's verify rows): each row's key is another's
+    meta.tensors = dataclasses.replace(meta.tensors, shared=True)
+    assert tp.rope_attention_triton(*rope, *pools[0].caches(), slots, meta, 0.1) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
