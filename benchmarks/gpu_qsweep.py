@@ -165,7 +165,10 @@ def main() -> None:
         share = (deadline - time.time()) / (len(types) - i)  # the time left, split evenly
         jobs = cell_jobs(ggml_type, shapes, tokens, kernels)
         rows += sweep_type(ggml_type, jobs, log, time.time() + share)
-    result = {"ceilings": ceil, "device": torch.cuda.get_device_name(), "rows": rows}
+    from hetero.kernels.gemv_tuning import arch_of
+
+    arch = arch_of("cuda")
+    result = {"ceilings": ceil, "device": torch.cuda.get_device_name(), "arch": arch, "rows": rows}
     result["best"] = summarize(rows, ceil)
     result["seconds"] = time.time() - start
     Path(args.out).write_text(json.dumps(result, indent=1))

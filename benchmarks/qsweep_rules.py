@@ -7,7 +7,8 @@ Per GGUF type and shape class (kernels/qdispatch.shape_class: the sweep's shapes
 share one rule), the candidate with the least time summed over the class's shapes at T = --tokens,
 among those measured correct on every one of them; a rule for T in --t-min .. --t-max where it
 beats `auto` (what qlinear runs today) by --min-gain. The rules file runs them in the engine
-(`HETERO_QDISPATCH=RULES.json`) before they are written into qdispatch.RULES.
+(`HETERO_QDISPATCH=RULES.json`) before they are written into qdispatch.RULES; each names the
+sweep's architecture (`archs`), so a file carried to another GPU does not apply there.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from qsweep_cells import ALL_SHAPES  # noqa: E402
 from hetero.kernels.qdispatch import shape_class  # noqa: E402
 
 
-def rules_from(rows: list[dict], tokens: int, t_min: int, t_max: int, min_gain: float):
-    """(rules, report lines) from a sweep's rows."""
+def rules_from(
+    rows: list[dict], tokens: int, t_min: int, t_max: int, min_gain: float, archs=()
+):  # fmt: skip
+    """(rules, report lines) from a sweep's rows; archs: the architectures the rules name (the
+    sweep's device's), none: every one."""
     by_class: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
     for r in rows:
         if r.get("T") != tokens or not r.get("ok"):
@@ -48,6 +52,8 @@ def rules_from(rows: list[dict], tokens: int, t_min: int, t_max: int, min_gain: 
         if best != "auto" and gain >= min_gain:
             rules.append({"types": [ggml_type], "shapes": [cls], "t_min": t_min,
                           "t_max": t_max, "kernel": best})  # fmt: skip
+            if archs:
+                rules[-1]["archs"] = list(archs)
     return rules, lines
 
 
@@ -60,8 +66,11 @@ def main() -> None:
     ap.add_argument("--t-max", type=int, default=64)
     ap.add_argument("--min-gain", type=float, default=1.05)
     args = ap.parse_args()
-    rows = json.loads(Path(args.sweep).read_text())["rows"]
-    rules, lines = rules_from(rows, args.tokens, args.t_min, args.t_max, args.min_gain)
+    sweep = json.loads(Path(args.sweep).read_text())
+    archs = [sweep["arch"]] if sweep.get("arch") else []  # (sweeps before 2026-12-06: none)
+    rules, lines = rules_from(
+        sweep["rows"], args.tokens, args.t_min, args.t_max, args.min_gain, archs
+    )
     print("\n".join(lines))
     Path(args.out).write_text(json.dumps(rules, indent=1))
     print(f"wrote {args.out}: {len(rules)} rules")

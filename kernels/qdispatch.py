@@ -23,6 +23,20 @@ bf16 activations, timed from CUDA-graph replays over weights rotated through L2;
                                                     fused gate|up T=64 91.8 vs 104.5, down 56.0
                                                     vs 62.4; q|k and q/o (mid): no gain
 
+Rules may name the architectures they were measured on (`archs`; none: every one). sm_90 only,
+from the 2026-12-06 sweep on an H100 (copy 3006 GB/s by events; gpu_qsweep.py --tokens 64,
+--kernels auto,dense,gmm,gmmw), the Gluon dense kernel on Hopper's warpgroup MMA against what
+ran before (the mm_pipe rule for Q4_K large, the default path for the rest):
+
+    Q4_K  T = 33-64  large  gmmw bn64 bt64 k128 c2 st2  fused gate|up T=64 60.9 vs 92.5, down
+                                                    41.1 vs 56.7
+    Q4_K  T = 33-64  mid    the same                fused q|k|v 19.4 vs 23.2, q/o 16.8 vs 19.3
+    Q6_K  T = 33-64  large  the same                gate|up 70.0 vs 217.6, down 46.5 vs 107.8
+    Q6_K  T = 33-64  mid    the same                q|k|v 21.3 vs 43.7, q/o 18.0 vs 34.8
+
+(the mma.sync form, `gmm`, which runs on sm_80 and later, also beat the old paths there: e.g. Q4_K
+gate|up 77.9, Q6_K down 53.5; other architectures keep the old rules until a sweep on them.)
+
 At T >= 160 (DENSE_MIN_T) the default path is dequantize + cuBLAS already, which the sweep
 confirmed at T = 512 on every shape (within 1% of the best candidate).
 
@@ -58,10 +72,13 @@ class Rule:
     t_min: int
     t_max: int
     kernel: Variant | str  # a sweep variant, "mm" (qmm's own config) or "dense"
+    archs: tuple[str, ...] = ()  # "sm_90" ... (gemv_tuning.arch_of); (): every architecture
 
 
 _ALL = ("small", "mid", "large")
+_GMMW = Variant("gmmw", bn=64, bt=64, step=128, ctas=2, stages=2)
 RULES: tuple[Rule, ...] = (
+    Rule(("Q4_K", "Q6_K"), ("mid", "large"), 33, 64, _GMMW, ("sm_90",)),
     Rule(("Q8_0",), _ALL, 1, 2, Variant("gemv_pipe", bn=16, ctas=8)),
     Rule(("Q4_K",), ("large",), 2, 2, Variant("gemv", bn=64, ctas=8)),
     Rule(("Q5_K",), ("large",), 1, 1, Variant("gemv", bn=64, ctas=8)),
@@ -78,8 +95,9 @@ RULES: tuple[Rule, ...] = (
 def extra_rules(path: str | None = None) -> tuple[Rule, ...]:
     """Rules read from a JSON file (HETERO_QDISPATCH, or `path`), tried before RULES: a list of
     {"types": [...], "shapes": [...], "t_min": int, "t_max": int, "kernel": a Variant's name,
-    "mm" or "dense"}, as benchmarks/qsweep_rules.py writes them from a sweep on this machine
-    (so a sweep's winners can be run before they are written into RULES)."""
+    "mm" or "dense", "archs": [...] (optional)}, as benchmarks/qsweep_rules.py writes them from
+    a sweep on this machine (so a sweep's winners can be run before they are written into
+    RULES)."""
     path = path or os.environ.get("HETERO_QDISPATCH")
     if not path:
         return ()
@@ -91,15 +109,17 @@ def extra_rules(path: str | None = None) -> tuple[Rule, ...]:
         if not set(shapes) <= set(_ALL):
             raise ValueError(f"{path}: shape classes {shapes} not among {_ALL}")
         kernel = e["kernel"] if e["kernel"] in ("mm", "dense") else parse(e["kernel"])
-        rules.append(Rule(tuple(e["types"]), shapes, int(e["t_min"]), int(e["t_max"]), kernel))
+        span, archs = (int(e["t_min"]), int(e["t_max"])), tuple(e.get("archs", ()))
+        rules.append(Rule(tuple(e["types"]), shapes, *span, kernel, archs))
     return tuple(rules)
 
 
-def choose(type_name: str, n: int, k: int, t: int) -> Variant | str | None:
-    """The first rule's kernel for W [n, k] of `type_name` at T = t (HETERO_QDISPATCH's rules
-    first); None: the default path."""
+def choose(type_name: str, n: int, k: int, t: int, arch: str = "") -> Variant | str | None:
+    """The first rule's kernel for W [n, k] of `type_name` at T = t on architecture `arch`
+    (HETERO_QDISPATCH's rules first); None: the default path."""
     cls = shape_class(n, k)
     for r in (*extra_rules(), *RULES):
         if r.t_min <= t <= r.t_max and cls in r.shapes and (not r.types or type_name in r.types):
-            return r.kernel
+            if not r.archs or arch in r.archs:
+                return r.kernel
     return None

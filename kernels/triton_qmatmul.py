@@ -312,8 +312,10 @@ def _by_threshold(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 def _by_rule(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor | None:
     """y by the kernel `qdispatch` picks for this type, shape and T (None: no rule matches)."""
     from hetero.kernels import qdispatch, triton_qvariants
+    from hetero.kernels.gemv_tuning import arch_of
 
-    kernel = qdispatch.choose(pw.ggml_type.name, pw.shape[0], pw.shape[1], x.shape[0])
+    arch = arch_of(x.device)
+    kernel = qdispatch.choose(pw.ggml_type.name, pw.shape[0], pw.shape[1], x.shape[0], arch)
     if kernel is None:
         return None
     if kernel == "mm":

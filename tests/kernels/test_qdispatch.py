@@ -38,6 +38,22 @@ def test_table_cells() -> None:
     assert qd.choose("Q4_K", *KV, 512) is None  # the default path is dense already
 
 
+def test_rules_of_one_architecture() -> None:
+    """The warpgroup Gluon kernel's cells (measured on sm_90) on sm_90 only; elsewhere the
+    rules measured before (every architecture's)."""
+    gmmw = Variant("gmmw", bn=64, bt=64, step=128, ctas=2, stages=2)
+    pipe = Variant("mm_pipe", bn=64, bt=64, step=256, stages=3)
+    for t in (33, 48, 64):
+        assert qd.choose("Q4_K", *GATE, t, "sm_90") == gmmw
+        assert qd.choose("Q6_K", *QO, t, "sm_90") == gmmw
+        assert qd.choose("Q4_K", *GATE, t, "sm_89") == pipe
+        assert qd.choose("Q6_K", *QO, t, "sm_120") is None
+    assert qd.choose("Q4_K", *GATE, 65, "sm_90") is None  # past 64: the default path
+    assert qd.choose("Q4_K", *GATE, 32, "sm_90") is None
+    assert qd.choose("Q4_K", *KV, 64, "sm_90") == "dense"  # k/v (small): as before
+    assert qd.choose("Q5_K", *GATE, 64, "sm_90") is None  # not swept
+
+
 def _rule_cases() -> list[tuple[str, int, int]]:
     cases = []
     for i, r in enumerate(qd.RULES):
@@ -51,13 +67,14 @@ def test_rule_kernels_match_the_reference(
     ggml_type: str, rule: int, t: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each rule's kernel, reached through qlinear: the small weight is put in the rule's class
-    by moving the class bounds."""
+    by moving the class bounds (a rule of an architecture: qlinear here runs what this device's
+    rules give, also right)."""
     r = qd.RULES[rule]
     bounds = {"small": (1 << 40, 1 << 41), "mid": (1, 1 << 40), "large": (1, 2)}[r.shapes[-1]]
     monkeypatch.setattr(qd, "SMALL_MAX", bounds[0])
     monkeypatch.setattr(qd, "MID_MAX", bounds[1])
     raw, pw = make_weight(ggml_type, 37, 768, seed=rule * 7 + t)
-    assert qd.choose(ggml_type, 37, 768, t) == r.kernel
+    assert qd.choose(ggml_type, 37, 768, t, *r.archs[:1]) == r.kernel
     x = torch.randn(t, 768, device=DEVICE)
     y = tq.qlinear_triton(x, pw, int(pw.ggml_type), (37, 768))
     assert_close(y, x, raw, ggml_type)
@@ -74,7 +91,7 @@ def test_variant_names_parse_back() -> None:
             tv.parse(bad)
 
 
-def test_a_sweep_becomes_rules_the_dispatch_reads(tmp_path) -> None:
+def test_a_sweep_becomes_rules_the_dispatch_reads(tmp_path, monkeypatch) -> None:
     """benchmarks/qsweep_rules.py: per type and shape class the candidate least in time summed
     over the class's shapes (correct on all of them) where it beats auto by the gain asked; the
     file's rules come before RULES in choose()."""
@@ -110,6 +127,20 @@ def test_a_sweep_becomes_rules_the_dispatch_reads(tmp_path) -> None:
     extra = qd.extra_rules(str(f))
     assert [r.kernel for r in extra] == [Variant("mm_t", 64, 64, 128, 0, 4, 4, 3), "dense"]
     assert qd.choose("Q4_K", *GATE, 64) == Variant("mm_pipe", bn=64, bt=64, step=256, stages=3)
+    # a sweep's rules name its architecture: read back, they apply there alone
+    named, _ = mod.rules_from(rows, 64, 33, 64, 1.05, ["sm_90"])
+    assert [r["archs"] for r in named] == [["sm_90"], ["sm_90"]]
+    f.write_text(json.dumps(named))
+    qd.extra_rules.cache_clear()
+    try:
+        assert [r.archs for r in qd.extra_rules(str(f))] == [("sm_90",), ("sm_90",)]
+        monkeypatch.setenv("HETERO_QDISPATCH", str(f))
+        qd.extra_rules.cache_clear()
+        assert qd.choose("Q6_K", *GATE, 64, "sm_90") == "dense"
+        assert qd.choose("Q6_K", *GATE, 64, "sm_89") is None
+    finally:
+        monkeypatch.delenv("HETERO_QDISPATCH")
+        qd.extra_rules.cache_clear()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{**rules[0], "shapes": ["huge"]}]))
     with pytest.raises(ValueError, match="huge"):
