@@ -1,8 +1,8 @@
 """What the engine counts, and the snapshot of it that /metrics shows.
 
 `EngineStats` is updated once per step. `EngineGauges` is a plain snapshot of the engine's
-queues, KV pool and counters (`gauges(engine)`), taken where the engine runs (its thread or its process) and sent
-to the server, which only formats it (server/metrics.py).
+queues, KV pool and counters (`gauges(engine)`), taken where the engine runs (its thread or its
+process) and sent to the server, which only formats it (server/metrics.py).
 """
 
 from __future__ import annotations
