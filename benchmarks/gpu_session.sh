@@ -83,8 +83,8 @@
 #   probe    where a step's time goes, no peer (PEER_BUILD=0 keeps the build from competing for
 #            the host's cores): the CPU's decode at 16 threads (cProfile), the GPU's dense and
 #            gpt-oss decode steps by kernel, the dense step's host phases, the --cpu-moe decode
-#   kerneltests  every Triton kernel test file compiled on the GPU, whole (they run unmarked
-#            wherever CUDA is; two of them had never run compiled until the thirteenth session
+#   kerneltests  every Triton and Gluon kernel test file compiled on the GPU, whole (they run
+#            unmarked wherever CUDA is; two of them had never run compiled until the thirteenth session
 #            found them failing there), then the engine's tests with programmatic launches at
 #            every size (HETERO_PDL=1)
 #   cpuhost  the host's CPU alone (no GPU work, no peer): its read bandwidth, the qdot kernel's
@@ -697,7 +697,8 @@ fi
 
 if has kerneltests; then
   stage kernel_tests 480 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_*.py \
-    tests/kernels/test_fused_linears.py tests/kernels/test_qdispatch.py \
+    tests/kernels/test_gluon_*.py tests/kernels/test_fused_linears.py \
+    tests/kernels/test_qdispatch.py \
     tests/model/test_triton_codebook_model.py tests/execution/test_triton_engine.py \
     tests/execution/test_cuda_graph.py tests/execution/test_graph_inputs.py
   tail -12 "$OUT/kernel_tests.log"
