@@ -30,9 +30,9 @@ ran before (the mm_pipe rule for Q4_K large, the default path for the rest):
 
     Q4_K  T = 33-64  large  gmmw bn64 bt64 k128 c2 st2  fused gate|up T=64 60.9 vs 92.5, down
                                                     41.1 vs 56.7
-    Q4_K  T = 33-64  mid    the same                fused q|k|v 19.4 vs 23.2, q/o 16.8 vs 19.3
+    Q4_K  T = 33-64  mid    the same                fused q|k 19.4 vs 23.2, q/o 16.8 vs 19.3
     Q6_K  T = 33-64  large  the same                gate|up 70.0 vs 217.6, down 46.5 vs 107.8
-    Q6_K  T = 33-64  mid    the same                q|k|v 21.3 vs 43.7, q/o 18.0 vs 34.8
+    Q6_K  T = 33-64  mid    the same                q|k 21.3 vs 43.7, q/o 18.0 vs 34.8
 
 (the mma.sync form, `gmm`, which runs on sm_80 and later, also beat the old paths there: e.g. Q4_K
 gate|up 77.9, Q6_K down 53.5; other architectures keep the old rules until a sweep on them.)
