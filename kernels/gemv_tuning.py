@@ -36,8 +36,10 @@ TABLE_DIR = Path(__file__).parent
 DEFAULT = StreamKConfig(bn=128, warps=4, rows=True, ctas_per_sm=3)
 
 
+@functools.cache
 def arch_of(device: torch.device | str) -> str:
-    """ "sm_<major><minor>" of a CUDA device; "cpu" elsewhere (the interpreter's tests)."""
+    """ "sm_<major><minor>" of a CUDA device; "cpu" elsewhere (the interpreter's tests). Asked
+    by every eager quantized linear (its dispatch rules, its GEMV table): kept a device."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return "cpu"
